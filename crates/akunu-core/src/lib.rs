@@ -1,0 +1,8 @@
+//! akunu-core: everything about running a model that does not depend on the
+//! device: the GGUF reader, the architecture description, the tokenizer, the
+//! dispatch table and its builder, and the decode loop over a [`backend::Backend`].
+
+pub mod dtype;
+pub mod gguf;
+pub mod ops;
+pub mod table;
