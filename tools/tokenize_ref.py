@@ -46,6 +46,7 @@ _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)
 PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
     "default": [_GPT2],
     "gpt2": [_GPT2],
+    "gpt-2": [_GPT2],
     "starcoder": [r"\p{N}", _GPT2],
     "smollm": [r"\p{N}", _GPT2],
     "refact": [r"\p{N}", _GPT2],

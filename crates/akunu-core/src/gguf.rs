@@ -20,24 +20,45 @@ const MAX_DIMS: u32 = 4;
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
     #[error("cannot open model file {}: {source}", .path.display())]
-    Open { path: PathBuf, source: std::io::Error },
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{}: not a GGUF file (magic bytes {found:?}, expected \"GGUF\")", .path.display())]
     BadMagic { path: PathBuf, found: [u8; 4] },
     #[error("{}: unsupported GGUF version {version} (akunu reads versions 2 and 3)", .path.display())]
     Version { path: PathBuf, version: u32 },
     #[error("{}: file is truncated or corrupt: {what} at byte {offset} runs past the end of the file ({size} bytes)", .path.display())]
-    Truncated { path: PathBuf, what: String, offset: u64, size: u64 },
+    Truncated {
+        path: PathBuf,
+        what: String,
+        offset: u64,
+        size: u64,
+    },
     #[error("{}: corrupt GGUF: {msg}", .path.display())]
     Corrupt { path: PathBuf, msg: String },
     #[error("{}: tensor '{name}' has data type {type_name}, which akunu does not support (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)", .path.display())]
-    UnsupportedType { path: PathBuf, name: String, type_name: String },
+    UnsupportedType {
+        path: PathBuf,
+        name: String,
+        type_name: String,
+    },
     #[error("{}: tensor '{name}' data (bytes {start}..{end}) lies outside the file ({size} bytes)", .path.display())]
-    DataOutOfBounds { path: PathBuf, name: String, start: u64, end: u64, size: u64 },
+    DataOutOfBounds {
+        path: PathBuf,
+        name: String,
+        start: u64,
+        end: u64,
+        size: u64,
+    },
 }
 
 impl GgufError {
     fn corrupt(path: &Path, msg: impl Into<String>) -> Self {
-        GgufError::Corrupt { path: path.to_path_buf(), msg: msg.into() }
+        GgufError::Corrupt {
+            path: path.to_path_buf(),
+            msg: msg.into(),
+        }
     }
 }
 
@@ -175,7 +196,9 @@ struct Cursor<'a> {
 
 impl<'a> Cursor<'a> {
     fn take(&mut self, n: u64, what: &str) -> Result<&'a [u8], GgufError> {
-        let end = (self.pos as u64).checked_add(n).filter(|&e| e <= self.buf.len() as u64);
+        let end = (self.pos as u64)
+            .checked_add(n)
+            .filter(|&e| e <= self.buf.len() as u64);
         match end {
             Some(end) => {
                 let s = &self.buf[self.pos..end as usize];
@@ -224,7 +247,10 @@ impl<'a> Cursor<'a> {
             8 => Value::String(self.string(&what)?),
             9 => {
                 if depth > 2 {
-                    return Err(GgufError::corrupt(self.path, format!("metadata key '{key}': arrays nested too deeply")));
+                    return Err(GgufError::corrupt(
+                        self.path,
+                        format!("metadata key '{key}': arrays nested too deeply"),
+                    ));
                 }
                 let ety = self.u32(&what)?;
                 let n = self.u64(&what)?;
@@ -249,7 +275,10 @@ impl<'a> Cursor<'a> {
             11 => Value::I64(self.u64(&what)? as i64),
             12 => Value::F64(f64::from_bits(self.u64(&what)?)),
             other => {
-                return Err(GgufError::corrupt(self.path, format!("metadata key '{key}' has unknown value type {other}")));
+                return Err(GgufError::corrupt(
+                    self.path,
+                    format!("metadata key '{key}' has unknown value type {other}"),
+                ));
             }
         })
     }
@@ -259,12 +288,18 @@ impl GgufFile {
     /// Opens and parses `path`. The tensor data stays memory-mapped.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile, GgufError> {
         let path = path.as_ref();
-        let file = File::open(path).map_err(|source| GgufError::Open { path: path.to_path_buf(), source })?;
+        let file = File::open(path).map_err(|source| GgufError::Open {
+            path: path.to_path_buf(),
+            source,
+        })?;
         // SAFETY: the map is read-only and private to this process. A file
         // truncated or rewritten by another process while mapped would be
         // undefined behaviour; model files are treated as immutable inputs,
         // as every mmap-based loader (llama.cpp included) does.
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|source| GgufError::Open { path: path.to_path_buf(), source })?;
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|source| GgufError::Open {
+            path: path.to_path_buf(),
+            source,
+        })?;
         Self::parse(path, Arc::new(mmap))
     }
 
@@ -273,22 +308,38 @@ impl GgufFile {
         let file_size = buf.len() as u64;
         let mut c = Cursor { buf, pos: 0, path };
         if buf.len() < 4 {
-            return Err(GgufError::Truncated { path: path.to_path_buf(), what: "magic".into(), offset: 0, size: file_size });
+            return Err(GgufError::Truncated {
+                path: path.to_path_buf(),
+                what: "magic".into(),
+                offset: 0,
+                size: file_size,
+            });
         }
         let magic: [u8; 4] = buf[..4].try_into().unwrap();
         if &magic != GGUF_MAGIC {
-            return Err(GgufError::BadMagic { path: path.to_path_buf(), found: magic });
+            return Err(GgufError::BadMagic {
+                path: path.to_path_buf(),
+                found: magic,
+            });
         }
         c.pos = 4;
         let version = c.u32("version")?;
         if version != 2 && version != 3 {
-            return Err(GgufError::Version { path: path.to_path_buf(), version });
+            return Err(GgufError::Version {
+                path: path.to_path_buf(),
+                version,
+            });
         }
         let n_tensors = c.u64("tensor count")?;
         let n_kv = c.u64("metadata count")?;
         // Each tensor info and key/value pair is at least 8+ bytes.
         if n_tensors > file_size / 8 || n_kv > file_size / 8 {
-            return Err(GgufError::corrupt(path, format!("absurd header counts: {n_tensors} tensors, {n_kv} metadata entries in a {file_size}-byte file")));
+            return Err(GgufError::corrupt(
+                path,
+                format!(
+                    "absurd header counts: {n_tensors} tensors, {n_kv} metadata entries in a {file_size}-byte file"
+                ),
+            ));
         }
 
         let mut metadata = Vec::with_capacity(n_kv as usize);
@@ -305,7 +356,15 @@ impl GgufFile {
             None => DEFAULT_ALIGNMENT,
             Some(v) => match v.as_i64() {
                 Some(a) if a > 0 && (a as u64).is_power_of_two() => a as u64,
-                _ => return Err(GgufError::corrupt(path, format!("general.alignment must be a power of two, got {}", v.summary()))),
+                _ => {
+                    return Err(GgufError::corrupt(
+                        path,
+                        format!(
+                            "general.alignment must be a power of two, got {}",
+                            v.summary()
+                        ),
+                    ));
+                }
             },
         };
 
@@ -320,7 +379,10 @@ impl GgufFile {
             let name = c.string("tensor name")?;
             let nd = c.u32("tensor dimension count")?;
             if nd == 0 || nd > MAX_DIMS {
-                return Err(GgufError::corrupt(path, format!("tensor '{name}' has {nd} dimensions (1 to {MAX_DIMS} allowed)")));
+                return Err(GgufError::corrupt(
+                    path,
+                    format!("tensor '{name}' has {nd} dimensions (1 to {MAX_DIMS} allowed)"),
+                ));
             }
             let mut dims = Vec::with_capacity(nd as usize);
             for _ in 0..nd {
@@ -328,7 +390,12 @@ impl GgufFile {
             }
             let ty = c.u32("tensor type")?;
             let rel_offset = c.u64("tensor offset")?;
-            raw.push(RawTensor { name, dims, ty, rel_offset });
+            raw.push(RawTensor {
+                name,
+                dims,
+                ty,
+                rel_offset,
+            });
         }
         let data_offset = (c.pos as u64).div_ceil(alignment) * alignment;
 
@@ -338,7 +405,12 @@ impl GgufFile {
             let n_el = t.dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d));
             let n_el = match n_el {
                 Some(n) if n > 0 && n < (1u64 << 40) => n,
-                _ => return Err(GgufError::corrupt(path, format!("tensor '{}' has absurd dimensions {:?}", t.name, t.dims))),
+                _ => {
+                    return Err(GgufError::corrupt(
+                        path,
+                        format!("tensor '{}' has absurd dimensions {:?}", t.name, t.dims),
+                    ));
+                }
             };
             let dtype = DType::from_ggml(t.ty).ok_or_else(|| GgufError::UnsupportedType {
                 path: path.to_path_buf(),
@@ -346,17 +418,37 @@ impl GgufFile {
                 type_name: ggml_type_name(t.ty),
             })?;
             if t.dims[0] % dtype.block_elems() as u64 != 0 {
-                return Err(GgufError::corrupt(path, format!("tensor '{}': row length {} is not a multiple of the {} block size {}", t.name, t.dims[0], dtype, dtype.block_elems())));
+                return Err(GgufError::corrupt(
+                    path,
+                    format!(
+                        "tensor '{}': row length {} is not a multiple of the {} block size {}",
+                        t.name,
+                        t.dims[0],
+                        dtype,
+                        dtype.block_elems()
+                    ),
+                ));
             }
-            let n_bytes = dtype.bytes_for(n_el).ok_or_else(|| GgufError::corrupt(path, format!("tensor '{}' size overflows", t.name)))?;
+            let n_bytes = dtype.bytes_for(n_el).ok_or_else(|| {
+                GgufError::corrupt(path, format!("tensor '{}' size overflows", t.name))
+            })?;
             let start = data_offset.checked_add(t.rel_offset);
             let end = start.and_then(|s| s.checked_add(n_bytes));
             match (start, end) {
                 (Some(s), Some(e)) if e <= file_size => {
                     if tensor_index.insert(t.name.clone(), tensors.len()).is_some() {
-                        return Err(GgufError::corrupt(path, format!("tensor '{}' appears twice", t.name)));
+                        return Err(GgufError::corrupt(
+                            path,
+                            format!("tensor '{}' appears twice", t.name),
+                        ));
                     }
-                    tensors.push(TensorInfo { name: t.name, dims: t.dims, dtype, offset: s, n_bytes });
+                    tensors.push(TensorInfo {
+                        name: t.name,
+                        dims: t.dims,
+                        dtype,
+                        offset: s,
+                        n_bytes,
+                    });
                 }
                 _ => {
                     return Err(GgufError::DataOutOfBounds {
@@ -370,7 +462,17 @@ impl GgufFile {
             }
         }
 
-        Ok(GgufFile { path: path.to_path_buf(), version, metadata, index, tensors, tensor_index, data_offset, file_size, mmap })
+        Ok(GgufFile {
+            path: path.to_path_buf(),
+            version,
+            metadata,
+            index,
+            tensors,
+            tensor_index,
+            data_offset,
+            file_size,
+            mmap,
+        })
     }
 
     pub fn get(&self, key: &str) -> Option<&Value> {
@@ -450,7 +552,11 @@ mod tests {
     }
 
     fn parse_bytes(b: Vec<u8>) -> Result<GgufFile, GgufError> {
-        let dir = std::env::temp_dir().join(format!("akunu-gguf-test-{}-{}", std::process::id(), rand_suffix()));
+        let dir = std::env::temp_dir().join(format!(
+            "akunu-gguf-test-{}-{}",
+            std::process::id(),
+            rand_suffix()
+        ));
         std::fs::write(&dir, &b).unwrap();
         let r = GgufFile::open(&dir);
         let _ = std::fs::remove_file(&dir);
@@ -481,10 +587,15 @@ mod tests {
         let mut b = tiny(3);
         b[0] = b'X';
         assert!(matches!(parse_bytes(b), Err(GgufError::BadMagic { .. })));
-        assert!(matches!(parse_bytes(tiny(1)), Err(GgufError::Version { version: 1, .. })));
+        assert!(matches!(
+            parse_bytes(tiny(1)),
+            Err(GgufError::Version { version: 1, .. })
+        ));
         let b = tiny(3);
         for cut in [2, 10, 30, 60, 90] {
-            let e = parse_bytes(b[..cut].to_vec()).err().expect("truncated header must fail");
+            let e = parse_bytes(b[..cut].to_vec())
+                .err()
+                .expect("truncated header must fail");
             assert!(matches!(e, GgufError::Truncated { .. }), "cut {cut}: {e}");
         }
         // Header intact, data cut short: the tensor lies outside the file.
@@ -496,7 +607,11 @@ mod tests {
     fn rejects_unsupported_type_and_absurd_dims() {
         let mut b = tiny(3);
         // tensor type field: find "t" name then dims; patch type to 12 (Q4_K).
-        let pos = b.windows(9).position(|w| w == [1, 0, 0, 0, 0, 0, 0, 0, b't']).unwrap() + 9;
+        let pos = b
+            .windows(9)
+            .position(|w| w == [1, 0, 0, 0, 0, 0, 0, 0, b't'])
+            .unwrap()
+            + 9;
         let ty_pos = pos + 4 + 8;
         b[ty_pos..ty_pos + 4].copy_from_slice(&12u32.to_le_bytes());
         let e = parse_bytes(b).err().unwrap();

@@ -2,7 +2,14 @@
 //! device: the GGUF reader, the architecture description, the tokenizer, the
 //! dispatch table and its builder, and the decode loop over a [`backend::Backend`].
 
+pub mod arch;
+pub mod backend;
+pub mod builder;
+pub mod decode;
 pub mod dtype;
+pub mod fetch;
 pub mod gguf;
+pub mod model;
 pub mod ops;
 pub mod table;
+pub mod tokenizer;

@@ -126,9 +126,7 @@ impl DispatchCmd {
                 put(&mut self.params, self.patch_offset_1, step.pos);
                 put(&mut self.params, self.patch_offset_2, step.kv_len());
             }
-            PatchType::ArgmaxOutput => {
-                self.buffers[1].offset = (step.tok + step.rows) as u64 * 4
-            }
+            PatchType::ArgmaxOutput => self.buffers[1].offset = (step.tok + step.rows) as u64 * 4,
         }
     }
 }
@@ -158,6 +156,8 @@ pub struct DispatchTable {
     pub commands: Vec<DispatchCmd>,
     /// Cold: `labels[i]` names `commands[i]`, for inspect and profiling.
     pub labels: Vec<String>,
+    /// Most rows one step may have (the rows the scratch buffers hold).
+    pub max_rows: u32,
 }
 
 impl DispatchTable {
@@ -216,7 +216,10 @@ impl<'t> CmdBuilder<'t> {
     /// Binds `buffer` at `offset` bytes as the next binding slot.
     pub fn buf(mut self, buffer: BufferId, offset: u64) -> Self {
         let i = self.cmd.n_buffers as usize;
-        assert!(i < MAX_BUFFERS, "a command binds at most {MAX_BUFFERS} buffers");
+        assert!(
+            i < MAX_BUFFERS,
+            "a command binds at most {MAX_BUFFERS} buffers"
+        );
         self.cmd.buffers[i] = Binding { buffer, offset };
         self.cmd.n_buffers += 1;
         self
@@ -224,7 +227,10 @@ impl<'t> CmdBuilder<'t> {
 
     pub fn params<T: Pod>(mut self, p: &T) -> Self {
         let bytes = bytemuck::bytes_of(p);
-        assert!(bytes.len() <= MAX_PARAM_BYTES, "params exceed {MAX_PARAM_BYTES} bytes");
+        assert!(
+            bytes.len() <= MAX_PARAM_BYTES,
+            "params exceed {MAX_PARAM_BYTES} bytes"
+        );
         self.cmd.params[..bytes.len()].copy_from_slice(bytes);
         self.cmd.param_size = bytes.len() as u8;
         self
@@ -253,7 +259,10 @@ impl<'t> CmdBuilder<'t> {
     pub fn emit(self) {
         let CmdBuilder { table, cmd, label } = self;
         // Patched params must lie inside the serialized struct.
-        if matches!(cmd.patch, PatchType::Position | PatchType::KvSeqLen | PatchType::PosAndKv) {
+        if matches!(
+            cmd.patch,
+            PatchType::Position | PatchType::KvSeqLen | PatchType::PosAndKv
+        ) {
             debug_assert!(cmd.patch_offset_1 as usize + 4 <= cmd.param_size as usize);
         }
         table.commands.push(cmd);

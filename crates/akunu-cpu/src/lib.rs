@@ -1,1 +1,258 @@
-//! CPU backend.
+//! akunu's CPU backend: replays the dispatch table on all cores.
+//!
+//! Buffers are 64-byte aligned host allocations; weights are bound straight
+//! from the memory-mapped GGUF file (no copy). The replay loop is the
+//! chapter's: for each step, for each command, patch a stack copy of the
+//! command and run its kernel, split across the thread pool.
+
+pub mod kernels;
+pub mod pool;
+pub mod quant;
+
+use akunu_core::backend::{Backend, BackendError, BufferRead, StepHook};
+use akunu_core::gguf::{GgufFile, TensorInfo};
+use akunu_core::table::{BufferId, DispatchTable, StepInfo};
+use memmap2::Mmap;
+use pool::ThreadPool;
+use std::alloc::Layout;
+use std::sync::Arc;
+
+const ALIGN: usize = 64;
+
+enum Storage {
+    /// Owned, zero-initialised, `ALIGN`-aligned allocation.
+    Owned(Layout),
+    /// A view into a memory-mapped file kept alive by the `Arc`.
+    Mapped(#[allow(dead_code)] Arc<Mmap>),
+}
+
+pub(crate) struct Buffer {
+    ptr: *mut u8,
+    len: usize,
+    storage: Storage,
+    what: String,
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        if let Storage::Owned(layout) = self.storage {
+            // SAFETY: `ptr` came from `alloc_zeroed(layout)` in `alloc` and
+            // is freed exactly once, here.
+            unsafe { std::alloc::dealloc(self.ptr, layout) }
+        }
+    }
+}
+
+pub struct CpuBackend {
+    buffers: Vec<Buffer>,
+    pool: ThreadPool,
+}
+
+// SAFETY: the raw pointers in `buffers` point to allocations owned by the
+// backend (or to read-only mapped files it keeps alive); they are only
+// dereferenced by the backend's own methods, which take `&mut self` for
+// every write, so moving the backend to another thread is sound.
+unsafe impl Send for CpuBackend {}
+
+impl CpuBackend {
+    /// A backend using `threads` threads (0: one per available core).
+    pub fn new(threads: usize) -> CpuBackend {
+        let n = if threads == 0 {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        } else {
+            threads
+        };
+        CpuBackend {
+            buffers: Vec::new(),
+            pool: ThreadPool::new(n),
+        }
+    }
+
+    pub fn n_threads(&self) -> usize {
+        self.pool.n_threads()
+    }
+
+    fn buffer(&self, id: BufferId) -> Result<&Buffer, BackendError> {
+        self.buffers
+            .get(id as usize)
+            .ok_or(BackendError::UnknownBuffer(id))
+    }
+
+    fn range_check(&self, id: BufferId, offset: u64, len: u64) -> Result<&Buffer, BackendError> {
+        let b = self.buffer(id)?;
+        let end = offset.checked_add(len);
+        match end {
+            Some(e) if e <= b.len as u64 => Ok(b),
+            _ => Err(BackendError::OutOfBounds {
+                buffer: id,
+                len: b.len as u64,
+                start: offset,
+                end: end.unwrap_or(u64::MAX),
+            }),
+        }
+    }
+}
+
+impl BufferRead for CpuBackend {
+    fn read(&self, buf: BufferId, offset: u64, out: &mut [u8]) -> Result<(), BackendError> {
+        let b = self.range_check(buf, offset, out.len() as u64)?;
+        // SAFETY: the range was checked against the buffer's length, and no
+        // kernel runs while `&self` is borrowed here.
+        unsafe {
+            std::ptr::copy_nonoverlapping(b.ptr.add(offset as usize), out.as_mut_ptr(), out.len())
+        };
+        Ok(())
+    }
+}
+
+impl Backend for CpuBackend {
+    fn describe(&self) -> String {
+        format!(
+            "cpu: {} threads, {}",
+            self.pool.n_threads(),
+            quant::simd_level()
+        )
+    }
+
+    fn weight(&mut self, file: &GgufFile, tensor: &TensorInfo) -> Result<BufferId, BackendError> {
+        let data = file.tensor_data(tensor);
+        let id = self.buffers.len() as BufferId;
+        self.buffers.push(Buffer {
+            ptr: data.as_ptr() as *mut u8,
+            len: data.len(),
+            storage: Storage::Mapped(file.mmap().clone()),
+            what: tensor.name.clone(),
+        });
+        Ok(id)
+    }
+
+    fn alloc(&mut self, bytes: u64, what: &str) -> Result<BufferId, BackendError> {
+        let oom = || BackendError::OutOfMemory {
+            bytes,
+            what: what.to_string(),
+        };
+        let size = usize::try_from(bytes).map_err(|_| oom())?.max(ALIGN);
+        let layout = Layout::from_size_align(size, ALIGN).map_err(|_| oom())?;
+        // SAFETY: `layout` has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(oom());
+        }
+        let id = self.buffers.len() as BufferId;
+        self.buffers.push(Buffer {
+            ptr,
+            len: bytes as usize,
+            storage: Storage::Owned(layout),
+            what: what.to_string(),
+        });
+        Ok(id)
+    }
+
+    fn write(&mut self, buf: BufferId, offset: u64, data: &[u8]) -> Result<(), BackendError> {
+        let b = self.range_check(buf, offset, data.len() as u64)?;
+        if matches!(b.storage, Storage::Mapped(_)) {
+            return Err(BackendError::Device(format!(
+                "buffer '{}' is a read-only weight",
+                b.what
+            )));
+        }
+        // SAFETY: range checked; `&mut self` excludes concurrent kernels.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), b.ptr.add(offset as usize), data.len())
+        };
+        Ok(())
+    }
+
+    fn validate(&self, table: &DispatchTable) -> Result<(), BackendError> {
+        for (i, cmd) in table.commands.iter().enumerate() {
+            let fail = |why: String| BackendError::InvalidCommand {
+                index: i,
+                label: table.label(i).to_string(),
+                why,
+            };
+            let lens: Vec<u64> = cmd
+                .bindings()
+                .iter()
+                .map(|b| {
+                    self.buffer(b.buffer)
+                        .map(|buf| (buf.len as u64).saturating_sub(b.offset))
+                })
+                .collect::<Result<_, _>>()?;
+            for (slot, need) in kernels::extents(cmd, table.max_rows).map_err(&fail)? {
+                if need > lens[slot] {
+                    return Err(fail(format!(
+                        "binding {slot} ('{}') needs {need} bytes, has {}",
+                        self.buffer(cmd.buffers[slot].buffer)?.what,
+                        lens[slot]
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn replay(
+        &mut self,
+        table: &DispatchTable,
+        first: StepInfo,
+        steps: u32,
+        mut hook: Option<StepHook<'_>>,
+    ) -> Result<u32, BackendError> {
+        if first.rows == 0 || first.rows > table.max_rows {
+            return Err(BackendError::Device(format!(
+                "a step of {} rows (the table allows 1..={})",
+                first.rows, table.max_rows
+            )));
+        }
+        let mut ptrs = [std::ptr::null_mut::<u8>(); akunu_core::table::MAX_BUFFERS];
+        for s in 0..steps {
+            let step = StepInfo {
+                pos: first.pos + s * first.rows,
+                tok: first.tok + s * first.rows,
+                rows: first.rows,
+            };
+            for (i, cmd) in table.commands.iter().enumerate() {
+                let mut c = *cmd;
+                c.apply_patch(&step);
+                for (slot, b) in c.bindings().iter().enumerate() {
+                    let buf = self.buffer(b.buffer)?;
+                    // Patched offsets (conveyor slots) are the only ones not
+                    // covered by `validate`: check them per step.
+                    if b.offset as usize > buf.len {
+                        return Err(BackendError::OutOfBounds {
+                            buffer: b.buffer,
+                            len: buf.len as u64,
+                            start: b.offset,
+                            end: b.offset,
+                        });
+                    }
+                    // SAFETY: offset <= len, checked just above.
+                    ptrs[slot] = unsafe { buf.ptr.add(b.offset as usize) };
+                }
+                let lens: [usize; 8] = std::array::from_fn(|slot| {
+                    if slot < c.n_buffers as usize {
+                        let b = &c.buffers[slot];
+                        self.buffers[b.buffer as usize].len - b.offset as usize
+                    } else {
+                        0
+                    }
+                });
+                kernels::run(&self.pool, &c, &ptrs, &lens, &step).map_err(|why| {
+                    BackendError::InvalidCommand {
+                        index: i,
+                        label: table.label(i).to_string(),
+                        why,
+                    }
+                })?;
+            }
+            if let Some(h) = hook.as_mut() {
+                if !h(s, &*self) {
+                    return Ok(s + 1);
+                }
+            }
+        }
+        Ok(steps)
+    }
+}

@@ -1,0 +1,205 @@
+//! `akunu bench`: prefill (ppN) and decode (tgN) speed over repeated runs,
+//! with the memory-bandwidth floor for decode.
+
+use crate::load::{self, EngineArgs, ModelArgs};
+use akunu_core::decode::GenerateOptions;
+use anyhow::Result;
+use clap::Args;
+use std::time::Instant;
+
+#[derive(Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    engine: EngineArgs,
+    /// Prompt tokens of the prefill test (0: skip).
+    #[arg(short = 'p', long, default_value_t = 512)]
+    n_prompt: u32,
+    /// Generated tokens of the decode test (0: skip).
+    #[arg(short = 'n', long, default_value_t = 128)]
+    n_gen: u32,
+    /// Measured repetitions of each test (after one warm-up).
+    #[arg(short, long, default_value_t = 5)]
+    reps: u32,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+    /// Skip the memory-bandwidth measurement.
+    #[arg(long)]
+    no_bandwidth: bool,
+}
+
+#[derive(serde::Serialize)]
+struct Figure {
+    test: String,
+    median_tok_s: f64,
+    min_tok_s: f64,
+    max_tok_s: f64,
+    runs: Vec<f64>,
+}
+
+fn figure(test: String, mut runs: Vec<f64>) -> Figure {
+    runs.sort_by(|a, b| a.total_cmp(b));
+    let n = runs.len();
+    let median = if n % 2 == 1 {
+        runs[n / 2]
+    } else {
+        (runs[n / 2 - 1] + runs[n / 2]) / 2.0
+    };
+    Figure {
+        test,
+        median_tok_s: median,
+        min_tok_s: runs[0],
+        max_tok_s: runs[n - 1],
+        runs,
+    }
+}
+
+/// Read bandwidth of this machine's memory with `threads` threads (GB/s,
+/// best of several passes over a buffer far larger than the caches).
+fn read_bandwidth(threads: usize) -> f64 {
+    let n = (1usize << 30) / 8;
+    let buf: Vec<u64> = (0..n as u64)
+        .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        .collect();
+    let mut best = 0f64;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let total: u64 = std::thread::scope(|s| {
+            let per = n.div_ceil(threads);
+            let hs: Vec<_> = buf
+                .chunks(per)
+                .map(|part| {
+                    s.spawn(move || {
+                        let mut acc = [0u64; 8];
+                        for c in part.chunks_exact(8) {
+                            for i in 0..8 {
+                                acc[i] = acc[i].wrapping_add(c[i]);
+                            }
+                        }
+                        acc.iter().fold(0u64, |a, b| a.wrapping_add(*b))
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap_or(0))
+                .fold(0u64, |a, b| a.wrapping_add(b))
+        });
+        std::hint::black_box(total);
+        best = best.max((n * 8) as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    best
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    if a.reps == 0 {
+        anyhow::bail!("--reps must be at least 1");
+    }
+    let model = load::model(&a.model)?;
+    let cfg = model.config.clone();
+    let ctx = a.engine.ctx.unwrap_or((a.n_prompt + a.n_gen + 8).max(64));
+    let mut engine = load::engine(
+        model.clone(),
+        &EngineArgs {
+            ctx: Some(ctx),
+            ..a.engine.clone()
+        },
+    )?;
+    let backend = engine.backend_description();
+    let mut figures = Vec::new();
+    if !a.json {
+        eprintln!("akunu bench: {} on {}", model.display_name(), backend);
+    }
+    if a.n_prompt > 0 {
+        // A fixed, varied prompt: speed does not depend on the ids.
+        let prompt: Vec<u32> = (0..a.n_prompt)
+            .map(|i| (i.wrapping_mul(7919) + 13) % cfg.n_vocab)
+            .collect();
+        let mut runs = Vec::new();
+        for r in 0..=a.reps {
+            engine.reset();
+            let t = Instant::now();
+            engine.eval_logits(&prompt)?;
+            let s = t.elapsed().as_secs_f64();
+            if r > 0 {
+                runs.push(a.n_prompt as f64 / s);
+            }
+        }
+        figures.push(figure(format!("pp{}", a.n_prompt), runs));
+    }
+    if a.n_gen > 0 {
+        let mut runs = Vec::new();
+        let start = [model.tokenizer.bos().unwrap_or(1)];
+        let opts = GenerateOptions {
+            max_tokens: a.n_gen + 1,
+            ignore_eos: true,
+        };
+        for r in 0..=a.reps {
+            engine.reset();
+            let st = engine.generate(&start, &opts, &mut |_, _| true)?;
+            if r > 0 {
+                runs.push(st.decode_tok_s);
+            }
+        }
+        figures.push(figure(format!("tg{}", a.n_gen), runs));
+    }
+    let weight_bytes = cfg.weight_bytes_per_token(&model.file);
+    let threads = if a.engine.threads == 0 {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    } else {
+        a.engine.threads
+    };
+    let bw = if a.no_bandwidth {
+        None
+    } else {
+        Some(read_bandwidth(threads))
+    };
+    let floor = bw.map(|b| b * 1e9 / weight_bytes as f64);
+    let tg = figures
+        .iter()
+        .find(|f| f.test.starts_with("tg"))
+        .map(|f| f.median_tok_s);
+    if a.json {
+        let obj = serde_json::json!({
+            "model": model.display_name(),
+            "file": model.file.path.display().to_string(),
+            "backend": backend,
+            "weight_bytes_per_token": weight_bytes,
+            "read_bandwidth_gb_s": bw,
+            "floor_tok_s": floor,
+            "share_of_floor": tg.zip(floor).map(|(t, f)| t / f),
+            "figures": figures,
+        });
+        println!("{obj}");
+    } else {
+        println!("| model | backend | test | tok/s (median) | min | max | runs |");
+        println!("|---|---|---|---:|---:|---:|---:|");
+        for f in &figures {
+            println!(
+                "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {} |",
+                model.display_name(),
+                backend,
+                f.test,
+                f.median_tok_s,
+                f.min_tok_s,
+                f.max_tok_s,
+                f.runs.len()
+            );
+        }
+        if let (Some(bw), Some(floor)) = (bw, floor) {
+            println!(
+                "weights read per token {:.1} MB; measured read bandwidth {:.1} GB/s ({} threads); decode floor {:.1} tok/s{}",
+                weight_bytes as f64 / 1e6,
+                bw,
+                threads,
+                floor,
+                tg.map(|t| format!("; tg reaches {:.0}% of it", 100.0 * t / floor))
+                    .unwrap_or_default()
+            );
+        }
+    }
+    Ok(())
+}

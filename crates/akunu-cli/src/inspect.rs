@@ -1,0 +1,118 @@
+//! `akunu inspect`: metadata, hyper-parameters and the dispatch table.
+
+use crate::load::{self, EngineArgs, ModelArgs};
+use anyhow::Result;
+use clap::Args;
+
+#[derive(Args)]
+pub struct InspectArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Only print metadata and tensors, not the table.
+    #[arg(long)]
+    no_table: bool,
+}
+
+pub fn run(a: InspectArgs) -> Result<()> {
+    let model = load::model(&a.model)?;
+    let f = &model.file;
+    println!(
+        "file: {} (GGUF v{}, {} bytes, {} tensors, {} metadata keys)",
+        f.path.display(),
+        f.version,
+        f.file_size,
+        f.tensors.len(),
+        f.metadata.len()
+    );
+    println!("\n# metadata");
+    for (k, v) in &f.metadata {
+        println!("{k:<48} {:<7} {}", v.type_name(), v.summary());
+    }
+    println!("\n# tensors by type");
+    let mut by_type: Vec<(String, usize, u64)> = Vec::new();
+    for t in &f.tensors {
+        let name = t.dtype.name().to_string();
+        match by_type.iter_mut().find(|(n, _, _)| *n == name) {
+            Some(e) => {
+                e.1 += 1;
+                e.2 += t.n_bytes;
+            }
+            None => by_type.push((name, 1, t.n_bytes)),
+        }
+    }
+    for (n, c, b) in by_type {
+        println!(
+            "{n:<6} {c:>5} tensors {:>10.2} MiB",
+            b as f64 / (1u64 << 20) as f64
+        );
+    }
+    let c = &model.config;
+    println!("\n# hyper-parameters");
+    println!(
+        "arch {} | layers {} | dim {} | heads {} (kv {}) x {} | ffn {} | vocab {} | ctx {} | rope base {} dim {} scale {} | rms eps {} | output {}",
+        c.arch.name,
+        c.n_layers,
+        c.dim,
+        c.n_heads,
+        c.n_kv_heads,
+        c.head_dim,
+        c.ffn_dim,
+        c.n_vocab,
+        c.train_ctx,
+        c.rope_theta,
+        c.rope_dim,
+        c.rope_freq_scale,
+        c.rms_eps,
+        if c.tied_output {
+            "tied to token_embd"
+        } else {
+            "output.weight"
+        }
+    );
+    println!(
+        "weight bytes read per token: {:.2} MiB",
+        c.weight_bytes_per_token(f) as f64 / (1u64 << 20) as f64
+    );
+    if a.no_table {
+        return Ok(());
+    }
+    // The table is built against a small CPU engine; its commands are the
+    // same on every backend.
+    let engine = load::engine(
+        model.clone(),
+        &EngineArgs {
+            device: "cpu".into(),
+            threads: 1,
+            ctx: Some(64),
+            chunk: 1,
+            prefill_chunk: 1,
+        },
+    )?;
+    let t = engine.table();
+    println!("\n# dispatch table ({} commands per token)", t.len());
+    println!(
+        "{:>4}  {:<28} {:<17} {:<14} {:>7}  bindings",
+        "#", "label", "kernel", "patch", "grid"
+    );
+    for (i, cmd) in t.commands.iter().enumerate() {
+        let rows = if cmd.rows == akunu_core::table::RowMode::LastRow {
+            " last-row"
+        } else {
+            ""
+        };
+        println!(
+            "{i:>4}  {:<28} {:<17} {:<14} {:>7}  {}{rows}",
+            t.label(i),
+            cmd.kernel.name(),
+            cmd.patch.name(),
+            cmd.grid,
+            cmd.n_buffers
+        );
+    }
+    println!("\n# commands per token by kernel");
+    for (k, n) in t.kernel_histogram() {
+        println!("{:<17} {n}", k.name());
+    }
+    println!("total             {}", t.len());
+    Ok(())
+}

@@ -1,0 +1,105 @@
+//! Model and engine set-up shared by the subcommands: the default-model
+//! fetch, loading with a progress bar, and backend selection.
+
+use akunu_core::decode::{Engine, EngineOptions};
+use akunu_core::model::Model;
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Args, Clone)]
+pub struct ModelArgs {
+    /// GGUF model file (default: SmolLM2-135M-Instruct Q4_1, fetched on first use).
+    #[arg(short, long, value_name = "PATH")]
+    pub model: Option<PathBuf>,
+}
+
+#[derive(Args, Clone)]
+pub struct EngineArgs {
+    /// Device: cpu, or auto (the best available).
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// CPU threads (0: one per core).
+    #[arg(short, long, default_value_t = 0)]
+    pub threads: usize,
+    /// Context size in tokens (default: the model's, capped to a 1 GiB KV cache).
+    #[arg(short, long)]
+    pub ctx: Option<u32>,
+    /// Tokens per chain-decode submission.
+    #[arg(long, default_value_t = 16)]
+    pub chunk: u32,
+    /// Prompt tokens per prefill step.
+    #[arg(long, default_value_t = 512)]
+    pub prefill_chunk: u32,
+}
+
+pub fn model_path(a: &ModelArgs) -> Result<PathBuf> {
+    match &a.model {
+        Some(p) => {
+            if !p.exists() {
+                bail!("model file {} does not exist", p.display());
+            }
+            Ok(p.clone())
+        }
+        None => Ok(akunu_core::fetch::ensure_default_model(&mut |msg| {
+            eprintln!("akunu: {msg}")
+        })?),
+    }
+}
+
+pub fn model(a: &ModelArgs) -> Result<Arc<Model>> {
+    let path = model_path(a)?;
+    let model = Model::load(&path)?;
+    prefault(&model);
+    Ok(Arc::new(model))
+}
+
+/// Touches every page of the mapped weights with a progress bar, so that a
+/// model on a slow disk shows progress at load instead of stalling the
+/// first token.
+fn prefault(model: &Model) {
+    let data: &[u8] = model.file.mmap();
+    let total = data.len() as u64;
+    let bar = if total > (256 << 20) {
+        let b = indicatif::ProgressBar::new(total);
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "akunu: loading {bar:40} {bytes}/{total_bytes} ({eta})",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        Some(b)
+    } else {
+        None
+    };
+    let mut sum = 0u8;
+    for (i, chunk) in data.chunks(16 << 20).enumerate() {
+        for page in chunk.chunks(4096) {
+            sum = sum.wrapping_add(page[0]);
+        }
+        if let Some(b) = &bar {
+            b.set_position(((i as u64 + 1) * (16 << 20)).min(total));
+        }
+    }
+    std::hint::black_box(sum);
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+}
+
+pub fn engine(model: Arc<Model>, a: &EngineArgs) -> Result<Engine> {
+    let backend: Box<dyn akunu_core::backend::Backend> = match a.device.as_str() {
+        "cpu" | "auto" => Box::new(akunu_cpu::CpuBackend::new(a.threads)),
+        "cuda" => bail!(
+            "this build of akunu has no CUDA backend (the cuda feature arrives with the GPU backend); use --device cpu"
+        ),
+        other => bail!("unknown device '{other}' (expected cpu, cuda or auto)"),
+    };
+    let opts = EngineOptions {
+        ctx: a.ctx,
+        chunk: a.chunk,
+        prefill_chunk: a.prefill_chunk,
+    };
+    Engine::new(model, backend, &opts).context("setting up the engine")
+}

@@ -1,0 +1,364 @@
+//! Builds the dispatch table: one walk over the architecture at load time.
+//!
+//! Per layer the table holds seven commands:
+//!
+//! ```text
+//! gemv(QKV, fused) -> rope_kv_write -> attention -> gemv(O) ->
+//! residual_rmsnorm(ffn_norm) -> gemv(gate|up, fused) -> gemv(SwiGLU+down) ->
+//! residual_rmsnorm(next layer's attn_norm, or output_norm after the last)
+//! ```
+//!
+//! framed by the embedding lookup and first RMSNorm before, and the logits
+//! projection and argmax after. The same table serves decode (one row per
+//! step) and prefill (a chunk of rows per step).
+
+use crate::arch::ModelConfig;
+use crate::dtype::DType;
+use crate::ops::*;
+use crate::table::{BufferId, CmdBuilder, DispatchTable, PatchType};
+use std::collections::HashMap;
+use std::mem::offset_of;
+
+/// A weight tensor bound on the backend.
+#[derive(Copy, Clone, Debug)]
+pub struct WeightBuf {
+    pub buf: BufferId,
+    pub dtype: DType,
+}
+
+/// Backend buffers holding intermediate activations; each has room for
+/// `max_rows` rows.
+#[derive(Copy, Clone, Debug)]
+pub struct Scratch {
+    /// u32 token-id conveyor.
+    pub token_ids: BufferId,
+    /// Residual stream, `dim` wide.
+    pub h: BufferId,
+    /// Normed activations feeding the next projection, `dim` wide.
+    pub xn: BufferId,
+    /// Fused Q|K|V rows.
+    pub qkv: BufferId,
+    /// Attention output rows, `q_dim` wide.
+    pub attn: BufferId,
+    /// Output of the O and down projections, `dim` wide.
+    pub delta: BufferId,
+    /// Fused gate|up rows, `2 * ffn_dim` wide.
+    pub gu: BufferId,
+    /// Logits of the last row, `n_vocab` wide.
+    pub logits: BufferId,
+}
+
+/// Per-layer K and V caches: `[n_kv_heads][capacity][head_dim]` f32 each.
+#[derive(Clone, Debug)]
+pub struct KvBuffers {
+    pub k: Vec<BufferId>,
+    pub v: Vec<BufferId>,
+    pub capacity: u32,
+}
+
+pub struct BuildInputs<'a> {
+    pub cfg: &'a ModelConfig,
+    pub weights: &'a HashMap<String, WeightBuf>,
+    pub scratch: Scratch,
+    pub kv: &'a KvBuffers,
+    /// Rows the scratch buffers hold (the prefill chunk).
+    pub max_rows: u32,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("table builder: weight '{0}' was not bound")]
+pub struct MissingWeight(pub String);
+
+pub fn build_dispatch_table(inp: &BuildInputs) -> Result<DispatchTable, MissingWeight> {
+    let cfg = inp.cfg;
+    let s = inp.scratch;
+    let w = |name: &str| {
+        inp.weights
+            .get(name)
+            .copied()
+            .ok_or_else(|| MissingWeight(name.to_string()))
+    };
+    let mut t = DispatchTable {
+        max_rows: inp.max_rows,
+        ..Default::default()
+    };
+    let (dim, qkv_dim, q_dim, kv_dim, ffn) = (
+        cfg.dim,
+        cfg.qkv_dim(),
+        cfg.q_dim(),
+        cfg.kv_dim(),
+        cfg.ffn_dim,
+    );
+    let norm = NormParams {
+        dim,
+        eps: cfg.rms_eps,
+        post_norm: 0,
+        _pad: 0,
+    };
+
+    // 1. Embedding lookup from the conveyor.
+    let embd = w("token_embd.weight")?;
+    let scale = if cfg.arch.embed_scale_sqrt_dim {
+        (dim as f32).sqrt()
+    } else {
+        1.0
+    };
+    CmdBuilder::new(&mut t, KernelId::Embedding, 1)
+        .buf(s.token_ids, 0)
+        .buf(embd.buf, 0)
+        .buf(s.h, 0)
+        .params(&EmbedParams {
+            dim,
+            dtype: embd.dtype as u32,
+            n_vocab: cfg.n_vocab,
+            scale,
+        })
+        .patch(PatchType::TokenOffset, 0, 0)
+        .label("embedding")
+        .emit();
+
+    // 2. First attention norm.
+    CmdBuilder::new(&mut t, KernelId::RmsNorm, 1)
+        .buf(s.h, 0)
+        .buf(w("blk.0.attn_norm.weight")?.buf, 0)
+        .buf(s.xn, 0)
+        .params(&norm)
+        .label("layer.0.attn_norm")
+        .emit();
+
+    for l in 0..cfg.n_layers {
+        let b = |n: &str| format!("blk.{l}.{n}");
+        // 3a. Fused QKV projection.
+        let (wq, wk, wv) = (
+            w(&b("attn_q.weight"))?,
+            w(&b("attn_k.weight"))?,
+            w(&b("attn_v.weight"))?,
+        );
+        let mut qkv = CmdBuilder::new(&mut t, KernelId::Gemv, qkv_dim)
+            .buf(s.xn, 0)
+            .buf(s.qkv, 0)
+            .buf(wq.buf, 0)
+            .buf(wk.buf, 0)
+            .buf(wv.buf, 0);
+        if cfg.arch.qkv_bias {
+            qkv = qkv
+                .buf(w(&b("attn_q.bias"))?.buf, 0)
+                .buf(w(&b("attn_k.bias"))?.buf, 0)
+                .buf(w(&b("attn_v.bias"))?.buf, 0);
+        }
+        qkv.params(&GemvParams {
+            k: dim,
+            x_stride: dim,
+            out_stride: qkv_dim,
+            n_seg: 3,
+            n: [q_dim, kv_dim, kv_dim],
+            dtype: [wq.dtype as u32, wk.dtype as u32, wv.dtype as u32],
+            input_act: ACT_NONE,
+            accumulate: 0,
+            bias: cfg.arch.qkv_bias as u32,
+        })
+        .label(format!("layer.{l}.qkv"))
+        .emit();
+
+        // 3b. RoPE on Q and K, K and V written to the cache.
+        let rope = RopeParams {
+            pos: 0,
+            n_heads: cfg.n_heads,
+            n_kv_heads: cfg.n_kv_heads,
+            head_dim: cfg.head_dim,
+            rope_dim: cfg.rope_dim,
+            theta: cfg.rope_theta,
+            freq_scale: cfg.rope_freq_scale,
+            style: cfg.arch.rope_style,
+            qkv_stride: qkv_dim,
+            capacity: inp.kv.capacity,
+            freq_factors: 0,
+            _pad: 0,
+        };
+        CmdBuilder::new(&mut t, KernelId::RopeKvWrite, cfg.n_heads + cfg.n_kv_heads)
+            .buf(s.qkv, 0)
+            .buf(inp.kv.k[l as usize], 0)
+            .buf(inp.kv.v[l as usize], 0)
+            .params(&rope)
+            .patch(PatchType::Position, offset_of!(RopeParams, pos), 0)
+            .label(format!("layer.{l}.rope_kv_write"))
+            .emit();
+
+        // 3c. Attention over the cache.
+        let attn = AttnParams {
+            pos: 0,
+            kv_len: 0,
+            n_heads: cfg.n_heads,
+            n_kv_heads: cfg.n_kv_heads,
+            head_dim: cfg.head_dim,
+            capacity: inp.kv.capacity,
+            scale: 1.0 / (cfg.head_dim as f32).sqrt(),
+            window: 0,
+            qkv_stride: qkv_dim,
+            out_stride: q_dim,
+            softcap: 0.0,
+            _pad: 0,
+        };
+        CmdBuilder::new(&mut t, KernelId::Attention, cfg.n_heads)
+            .buf(s.qkv, 0)
+            .buf(inp.kv.k[l as usize], 0)
+            .buf(inp.kv.v[l as usize], 0)
+            .buf(s.attn, 0)
+            .params(&attn)
+            .patch(PatchType::KvSeqLen, offset_of!(AttnParams, kv_len), 0)
+            .label(format!("layer.{l}.attention"))
+            .emit();
+
+        // 3d. Output projection.
+        let wo = w(&b("attn_output.weight"))?;
+        gemv1(
+            &mut t,
+            s.attn,
+            s.delta,
+            wo,
+            q_dim,
+            q_dim,
+            dim,
+            dim,
+            ACT_NONE,
+            format!("layer.{l}.attn_output"),
+        );
+
+        // 3e. Residual add + FFN norm.
+        CmdBuilder::new(&mut t, KernelId::ResidualRmsNorm, 1)
+            .buf(s.h, 0)
+            .buf(s.delta, 0)
+            .buf(w(&b("ffn_norm.weight"))?.buf, 0)
+            .buf(s.xn, 0)
+            .params(&norm)
+            .label(format!("layer.{l}.residual_ffn_norm"))
+            .emit();
+
+        // 3f. Fused gate|up projection.
+        let (wg, wu) = (w(&b("ffn_gate.weight"))?, w(&b("ffn_up.weight"))?);
+        CmdBuilder::new(&mut t, KernelId::Gemv, 2 * ffn)
+            .buf(s.xn, 0)
+            .buf(s.gu, 0)
+            .buf(wg.buf, 0)
+            .buf(wu.buf, 0)
+            .params(&GemvParams {
+                k: dim,
+                x_stride: dim,
+                out_stride: 2 * ffn,
+                n_seg: 2,
+                n: [ffn, ffn, 0],
+                dtype: [wg.dtype as u32, wu.dtype as u32, 0],
+                input_act: ACT_NONE,
+                accumulate: 0,
+                bias: 0,
+            })
+            .label(format!("layer.{l}.gate_up"))
+            .emit();
+
+        // 3g. Gated activation fused into the down projection.
+        let wd = w(&b("ffn_down.weight"))?;
+        gemv1(
+            &mut t,
+            s.gu,
+            s.delta,
+            wd,
+            ffn,
+            2 * ffn,
+            dim,
+            dim,
+            cfg.arch.ffn_act,
+            format!("layer.{l}.act_down"),
+        );
+
+        // 3h. Residual add + the next norm (next layer's attention norm, or
+        // the output norm after the last layer).
+        let (next_norm, label) = if l + 1 < cfg.n_layers {
+            (
+                format!("blk.{}.attn_norm.weight", l + 1),
+                format!("layer.{l}.residual_next_norm"),
+            )
+        } else {
+            ("output_norm.weight".to_string(), "output_norm".to_string())
+        };
+        CmdBuilder::new(&mut t, KernelId::ResidualRmsNorm, 1)
+            .buf(s.h, 0)
+            .buf(s.delta, 0)
+            .buf(w(&next_norm)?.buf, 0)
+            .buf(s.xn, 0)
+            .params(&norm)
+            .label(label)
+            .emit();
+    }
+
+    // 5. Logits of the last row.
+    let out_w = if cfg.tied_output {
+        w("token_embd.weight")?
+    } else {
+        w("output.weight")?
+    };
+    CmdBuilder::new(&mut t, KernelId::Gemv, cfg.n_vocab)
+        .buf(s.xn, 0)
+        .buf(s.logits, 0)
+        .buf(out_w.buf, 0)
+        .params(&GemvParams {
+            k: dim,
+            x_stride: dim,
+            out_stride: cfg.n_vocab,
+            n_seg: 1,
+            n: [cfg.n_vocab, 0, 0],
+            dtype: [out_w.dtype as u32, 0, 0],
+            input_act: ACT_NONE,
+            accumulate: 0,
+            bias: 0,
+        })
+        .last_row()
+        .label("logits")
+        .emit();
+
+    // 6. Argmax into the next conveyor slot.
+    CmdBuilder::new(&mut t, KernelId::Argmax, 1)
+        .buf(s.logits, 0)
+        .buf(s.token_ids, 0)
+        .params(&ArgmaxParams {
+            n: cfg.n_vocab,
+            _pad: [0; 3],
+        })
+        .patch(PatchType::ArgmaxOutput, 0, 0)
+        .last_row()
+        .label("argmax")
+        .emit();
+    Ok(t)
+}
+
+/// A single-segment projection.
+#[allow(clippy::too_many_arguments)]
+fn gemv1(
+    t: &mut DispatchTable,
+    x: BufferId,
+    out: BufferId,
+    wt: WeightBuf,
+    k: u32,
+    x_stride: u32,
+    n: u32,
+    out_stride: u32,
+    act: u32,
+    label: String,
+) {
+    CmdBuilder::new(t, KernelId::Gemv, n)
+        .buf(x, 0)
+        .buf(out, 0)
+        .buf(wt.buf, 0)
+        .params(&GemvParams {
+            k,
+            x_stride,
+            out_stride,
+            n_seg: 1,
+            n: [n, 0, 0],
+            dtype: [wt.dtype as u32, 0, 0],
+            input_act: act,
+            accumulate: 0,
+            bias: 0,
+        })
+        .label(label)
+        .emit();
+}

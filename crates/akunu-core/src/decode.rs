@@ -1,0 +1,440 @@
+//! The engine and its decode loop: prefill, first token, chain decode, stop
+//! conditions, statistics and multi-turn continuation.
+
+use crate::backend::{Backend, BackendError, BufferRead};
+use crate::builder::{
+    BuildInputs, KvBuffers, MissingWeight, Scratch, WeightBuf, build_dispatch_table,
+};
+use crate::model::Model;
+use crate::table::{BufferId, DispatchTable, StepInfo};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Default KV-cache budget when `--ctx` is not given.
+pub const DEFAULT_KV_BUDGET_BYTES: u64 = 1 << 30;
+/// Default rows per prefill step.
+pub const DEFAULT_PREFILL_CHUNK: u32 = 512;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(
+        "the prompt is empty: nothing to evaluate (the model adds no BOS token, so give at least one token of text)"
+    )]
+    EmptyPrompt,
+    #[error(
+        "the prompt needs {needed} positions but the context holds {capacity} ({used} already used); shorten the prompt or raise --ctx"
+    )]
+    ContextOverflow {
+        needed: u64,
+        capacity: u32,
+        used: u32,
+    },
+    #[error("invalid option: {0}")]
+    InvalidOption(String),
+    #[error("token id {id} is outside the vocabulary ({n_vocab} tokens)")]
+    BadToken { id: u32, n_vocab: u32 },
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error(transparent)]
+    Build(#[from] MissingWeight),
+}
+
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    /// KV-cache capacity in positions (None: the model's context length,
+    /// capped to `DEFAULT_KV_BUDGET_BYTES`).
+    pub ctx: Option<u32>,
+    /// Tokens per chain-decode submission.
+    pub chunk: u32,
+    /// Rows per prefill step.
+    pub prefill_chunk: u32,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            ctx: None,
+            chunk: 16,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct GenerateOptions {
+    /// Tokens to generate; 0 evaluates the prompt only.
+    pub max_tokens: u32,
+    /// Keep generating past end-of-generation tokens.
+    pub ignore_eos: bool,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// The model produced an end-of-generation token.
+    Eos,
+    /// `max_tokens` tokens were generated.
+    MaxTokens,
+    /// The callback returned false.
+    Cancelled,
+    /// The KV cache is full.
+    ContextFull,
+    /// `max_tokens` was 0: only the prompt was evaluated.
+    PromptOnly,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Stats {
+    pub prompt_tokens: u32,
+    pub prefill_ms: f64,
+    pub prefill_tok_s: f64,
+    pub generated_tokens: u32,
+    /// Time of the decode steps (every generated token after the first,
+    /// which prefill produces).
+    pub decode_ms: f64,
+    pub decode_tok_s: f64,
+    pub decode_steps: u32,
+    pub stop_reason: StopReason,
+    /// Position (tokens in the KV cache) after this call.
+    pub position: u32,
+}
+
+/// One model on one backend with its KV cache: the unit that generates.
+pub struct Engine {
+    pub model: Arc<Model>,
+    backend: Box<dyn Backend>,
+    table: DispatchTable,
+    scratch: Scratch,
+    capacity: u32,
+    chunk: u32,
+    prefill_chunk: u32,
+    /// Tokens whose K and V are in the cache.
+    pos: u32,
+    /// The last generated token, emitted but not yet fed to the model.
+    pending: Option<u32>,
+    /// Every token of the sequence so far (fed ones and the pending one).
+    history: Vec<u32>,
+}
+
+impl Engine {
+    pub fn new(
+        model: Arc<Model>,
+        mut backend: Box<dyn Backend>,
+        opts: &EngineOptions,
+    ) -> Result<Engine, EngineError> {
+        let cfg = model.config.clone();
+        if opts.chunk == 0 || opts.chunk > 4096 {
+            return Err(EngineError::InvalidOption(format!(
+                "chunk must be in 1..=4096, got {}",
+                opts.chunk
+            )));
+        }
+        if opts.prefill_chunk == 0 || opts.prefill_chunk > 8192 {
+            return Err(EngineError::InvalidOption(format!(
+                "prefill chunk must be in 1..=8192, got {}",
+                opts.prefill_chunk
+            )));
+        }
+        let kv_bytes_per_pos = 2 * cfg.n_layers as u64 * cfg.kv_dim() as u64 * 4;
+        let capacity = match opts.ctx {
+            Some(0) => return Err(EngineError::InvalidOption("ctx must be at least 1".into())),
+            Some(c) => c,
+            None => cfg
+                .train_ctx
+                .min((DEFAULT_KV_BUDGET_BYTES / kv_bytes_per_pos).max(256) as u32),
+        };
+        if capacity as u64 * kv_bytes_per_pos > 256 << 30 {
+            return Err(EngineError::InvalidOption(format!(
+                "ctx {capacity} needs {} GiB of KV cache",
+                capacity as u64 * kv_bytes_per_pos >> 30
+            )));
+        }
+
+        let mut weights = HashMap::new();
+        for (name, _) in cfg.expected_tensors() {
+            let t = model
+                .file
+                .tensor(&name)
+                .ok_or_else(|| MissingWeight(name.clone()))?;
+            let buf = backend.weight(&model.file, t)?;
+            weights.insert(
+                name,
+                WeightBuf {
+                    buf,
+                    dtype: t.dtype,
+                },
+            );
+        }
+
+        let rows = opts.prefill_chunk as u64;
+        let f = 4u64;
+        let conveyor = (opts.chunk.max(opts.prefill_chunk) as u64 + 1) * 4;
+        let scratch = Scratch {
+            token_ids: backend.alloc(conveyor, "token ids")?,
+            h: backend.alloc(rows * cfg.dim as u64 * f, "residual")?,
+            xn: backend.alloc(rows * cfg.dim as u64 * f, "normed activations")?,
+            qkv: backend.alloc(rows * cfg.qkv_dim() as u64 * f, "qkv")?,
+            attn: backend.alloc(rows * cfg.q_dim() as u64 * f, "attention output")?,
+            delta: backend.alloc(rows * cfg.dim as u64 * f, "projection output")?,
+            gu: backend.alloc(rows * 2 * cfg.ffn_dim as u64 * f, "gate/up")?,
+            logits: backend.alloc(cfg.n_vocab as u64 * f, "logits")?,
+        };
+        let slab = capacity as u64 * cfg.kv_dim() as u64 * f;
+        let mut kv = KvBuffers {
+            k: vec![],
+            v: vec![],
+            capacity,
+        };
+        for l in 0..cfg.n_layers {
+            kv.k.push(backend.alloc(slab, &format!("K cache layer {l}"))?);
+            kv.v.push(backend.alloc(slab, &format!("V cache layer {l}"))?);
+        }
+        let table = build_dispatch_table(&BuildInputs {
+            cfg: &cfg,
+            weights: &weights,
+            scratch,
+            kv: &kv,
+            max_rows: opts.prefill_chunk,
+        })?;
+        backend.validate(&table)?;
+        Ok(Engine {
+            model,
+            backend,
+            table,
+            scratch,
+            capacity,
+            chunk: opts.chunk,
+            prefill_chunk: opts.prefill_chunk,
+            pos: 0,
+            pending: None,
+            history: Vec::new(),
+        })
+    }
+
+    pub fn table(&self) -> &DispatchTable {
+        &self.table
+    }
+
+    pub fn backend_description(&self) -> String {
+        self.backend.describe()
+    }
+
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    pub fn chunk(&self) -> u32 {
+        self.chunk
+    }
+
+    pub fn set_chunk(&mut self, chunk: u32) -> Result<(), EngineError> {
+        let max = self.chunk.max(self.prefill_chunk);
+        if chunk == 0 || chunk > max {
+            return Err(EngineError::InvalidOption(format!(
+                "chunk must be in 1..={max}"
+            )));
+        }
+        self.chunk = chunk;
+        Ok(())
+    }
+
+    /// Tokens in the KV cache.
+    pub fn position(&self) -> u32 {
+        self.pos
+    }
+
+    /// The whole sequence so far: prompts and generated tokens.
+    pub fn history(&self) -> &[u32] {
+        &self.history
+    }
+
+    /// Forgets the conversation (the cache is overwritten, not cleared).
+    pub fn reset(&mut self) {
+        self.pos = 0;
+        self.pending = None;
+        self.history.clear();
+    }
+
+    /// Feeds `tokens` (plus the pending generated token, if any) through the
+    /// model in prefill steps; returns the argmax after the last one.
+    fn prefill(&mut self, prompt: &[u32]) -> Result<Option<u32>, EngineError> {
+        let n_vocab = self.model.config.n_vocab;
+        if let Some(&id) = prompt.iter().find(|&&id| id >= n_vocab) {
+            return Err(EngineError::BadToken { id, n_vocab });
+        }
+        let mut feed: Vec<u32> = self.pending.into_iter().collect();
+        feed.extend_from_slice(prompt);
+        if feed.is_empty() {
+            return Ok(None);
+        }
+        let needed = self.pos as u64 + feed.len() as u64;
+        if needed > self.capacity as u64 {
+            return Err(EngineError::ContextOverflow {
+                needed,
+                capacity: self.capacity,
+                used: self.pos,
+            });
+        }
+        let mut next = None;
+        for chunk in feed.chunks(self.prefill_chunk as usize) {
+            let bytes: Vec<u8> = chunk.iter().flat_map(|t| t.to_le_bytes()).collect();
+            self.backend.write(self.scratch.token_ids, 0, &bytes)?;
+            let step = StepInfo {
+                pos: self.pos,
+                tok: 0,
+                rows: chunk.len() as u32,
+            };
+            self.backend.replay(&self.table, step, 1, None)?;
+            self.pos += chunk.len() as u32;
+            next = Some(
+                self.backend
+                    .read_u32(self.scratch.token_ids, chunk.len() as u64)?,
+            );
+        }
+        self.pending = None;
+        self.history.extend_from_slice(prompt);
+        Ok(next)
+    }
+
+    /// Evaluates `prompt` (continuing the sequence) and returns the logits
+    /// of its last position.
+    pub fn eval_logits(&mut self, prompt: &[u32]) -> Result<Vec<f32>, EngineError> {
+        if prompt.is_empty() && self.pending.is_none() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        self.prefill(prompt)?;
+        Ok(self
+            .backend
+            .read_f32s(self.scratch.logits, 0, self.model.config.n_vocab as usize)?)
+    }
+
+    /// Generates after `prompt`, continuing from the previous call's state.
+    /// `on_token(id, text)` receives every generated token with its text
+    /// (UTF-8 complete characters only) and may return false to stop.
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        on_token: &mut dyn FnMut(u32, &str) -> bool,
+    ) -> Result<Stats, EngineError> {
+        if prompt.is_empty() && self.pending.is_none() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let model = self.model.clone();
+        let tok = &model.tokenizer;
+        let t0 = Instant::now();
+        let first = self
+            .prefill(prompt)?
+            .expect("prefill of a non-empty feed yields a token");
+        let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let n_prompt = prompt.len() as u32;
+        let mut stats = Stats {
+            prompt_tokens: n_prompt,
+            prefill_ms,
+            prefill_tok_s: rate(n_prompt, prefill_ms),
+            generated_tokens: 0,
+            decode_ms: 0.0,
+            decode_tok_s: 0.0,
+            decode_steps: 0,
+            stop_reason: StopReason::PromptOnly,
+            position: self.pos,
+        };
+        if opts.max_tokens == 0 {
+            return Ok(stats);
+        }
+
+        let mut stream = tok.stream();
+        let is_stop = |id: u32| !opts.ignore_eos && tok.is_eog(id);
+        // Emits one generated token; returns whether generation goes on.
+        let mut emit = |id: u32,
+                        stats: &mut Stats,
+                        history: &mut Vec<u32>,
+                        pending: &mut Option<u32>|
+         -> bool {
+            if is_stop(id) {
+                stats.stop_reason = StopReason::Eos;
+                return false;
+            }
+            stats.generated_tokens += 1;
+            history.push(id);
+            *pending = Some(id);
+            let text = stream.push(id).unwrap_or_default();
+            if !on_token(id, &text) {
+                stats.stop_reason = StopReason::Cancelled;
+                return false;
+            }
+            if stats.generated_tokens >= opts.max_tokens {
+                stats.stop_reason = StopReason::MaxTokens;
+                return false;
+            }
+            true
+        };
+
+        let mut going = emit(first, &mut stats, &mut self.history, &mut self.pending);
+        let t1 = Instant::now();
+        while going {
+            let Some(input) = self.pending else { break };
+            let room = self.capacity - self.pos;
+            if room == 0 {
+                stats.stop_reason = StopReason::ContextFull;
+                break;
+            }
+            let want = opts.max_tokens - stats.generated_tokens;
+            let n = self.chunk.min(want).min(room);
+            self.backend
+                .write(self.scratch.token_ids, 0, &input.to_le_bytes())?;
+            let conveyor = self.scratch.token_ids;
+            let (history, pending) = (&mut self.history, &mut self.pending);
+            let mut stepped = 0u32;
+            let mut hook = |s: u32, bufs: &dyn BufferRead| -> bool {
+                stepped = s + 1;
+                match bufs.read_u32(conveyor, s as u64 + 1) {
+                    Ok(id) => {
+                        going = emit(id, &mut stats, history, pending);
+                        if !going && stats.stop_reason == StopReason::Eos {
+                            // The EOS token is not part of the sequence.
+                            *pending = None;
+                        }
+                        going
+                    }
+                    Err(_) => {
+                        going = false;
+                        false
+                    }
+                }
+            };
+            let step = StepInfo {
+                pos: self.pos,
+                tok: 0,
+                rows: 1,
+            };
+            let ran = self.backend.replay(&self.table, step, n, Some(&mut hook))?;
+            debug_assert_eq!(ran, stepped);
+            self.pos += ran;
+            stats.decode_steps += ran;
+        }
+        // Bytes of a character still incomplete when generation stopped are
+        // dropped: they are not valid text on their own.
+        drop(stream);
+        stats.decode_ms = t1.elapsed().as_secs_f64() * 1e3;
+        stats.decode_tok_s = rate(stats.decode_steps, stats.decode_ms);
+        stats.position = self.pos;
+        Ok(stats)
+    }
+
+    /// Read access for tests and tools (e.g. the logits buffer).
+    pub fn read_logits(&self) -> Result<Vec<f32>, EngineError> {
+        Ok(self
+            .backend
+            .read_f32s(self.scratch.logits, 0, self.model.config.n_vocab as usize)?)
+    }
+
+    pub fn logits_buffer(&self) -> BufferId {
+        self.scratch.logits
+    }
+}
+
+fn rate(n: u32, ms: f64) -> f64 {
+    if ms > 0.0 { n as f64 * 1e3 / ms } else { 0.0 }
+}

@@ -1,0 +1,632 @@
+//! The CPU implementation of every table kernel (see `akunu_core::ops` for
+//! the contract of each). Activations are f32; quantized products live in
+//! [`crate::quant`].
+
+use crate::pool::{ThreadPool, split_range};
+use crate::quant;
+use akunu_core::dtype::DType;
+use akunu_core::ops::*;
+use akunu_core::table::{DispatchCmd, RowMode, StepInfo};
+use std::cell::RefCell;
+
+/// A raw pointer that may be shared with pool threads. Each kernel below
+/// documents why its threads' accesses through it do not overlap.
+#[derive(Copy, Clone)]
+struct Ptr(*mut u8);
+// SAFETY: see the type's doc: sharing is sound only because every kernel
+// splits its writes into disjoint ranges per thread and the pool joins all
+// threads before the kernel returns.
+unsafe impl Send for Ptr {}
+unsafe impl Sync for Ptr {}
+
+impl Ptr {
+    // Methods (not field access) make closures capture the whole `Ptr`,
+    // which is Sync, rather than its raw-pointer field, which is not.
+    fn raw(self) -> *mut u8 {
+        self.0
+    }
+
+    fn f32(self) -> *mut f32 {
+        self.0 as *mut f32
+    }
+}
+
+/// # Safety
+/// `p` must be valid for reads of `n` f32s, 4-byte aligned, and not written
+/// by anyone for the returned lifetime.
+unsafe fn slice<'a>(p: *const f32, n: usize) -> &'a [f32] {
+    unsafe { std::slice::from_raw_parts(p, n) }
+}
+
+/// # Safety
+/// `p` must be valid for writes of `n` f32s, 4-byte aligned, and accessed by
+/// no one else for the returned lifetime.
+unsafe fn slice_mut<'a>(p: *mut f32, n: usize) -> &'a mut [f32] {
+    unsafe { std::slice::from_raw_parts_mut(p, n) }
+}
+
+fn dtype(id: u32) -> Result<DType, String> {
+    DType::from_ggml(id).ok_or_else(|| format!("unknown dtype id {id}"))
+}
+
+const F: u64 = 4;
+
+/// The bytes each binding must hold for steps of up to `max_rows` rows:
+/// `(slot, bytes)`. Also checks the parameters' internal consistency.
+pub fn extents(c: &DispatchCmd, max_rows: u32) -> Result<Vec<(usize, u64)>, String> {
+    let r = max_rows as u64;
+    let nb = c.n_buffers as usize;
+    let need_buffers = |n: usize| {
+        if nb == n {
+            Ok(())
+        } else {
+            Err(format!("expects {n} bindings, has {nb}"))
+        }
+    };
+    Ok(match c.kernel {
+        KernelId::Embedding => {
+            need_buffers(3)?;
+            let p: EmbedParams = c.params();
+            let dt = dtype(p.dtype)?;
+            if p.dim as usize % dt.block_elems() != 0 {
+                return Err(format!("dim {} not a multiple of the {dt} block", p.dim));
+            }
+            vec![
+                (0, 4),
+                (
+                    1,
+                    p.n_vocab as u64 * quant::row_bytes(dt, p.dim as usize) as u64,
+                ),
+                (2, r * p.dim as u64 * F),
+            ]
+        }
+        KernelId::RmsNorm => {
+            need_buffers(3)?;
+            let p: NormParams = c.params();
+            let d = p.dim as u64;
+            vec![(0, r * d * F), (1, d * F), (2, r * d * F)]
+        }
+        KernelId::ResidualRmsNorm => {
+            let p: NormParams = c.params();
+            need_buffers(if p.post_norm != 0 { 5 } else { 4 })?;
+            let d = p.dim as u64;
+            let mut v = vec![(0, r * d * F), (1, r * d * F), (2, d * F), (3, r * d * F)];
+            if p.post_norm != 0 {
+                v.push((4, d * F));
+            }
+            v
+        }
+        KernelId::Gemv => {
+            let p: GemvParams = c.params();
+            let ns = p.n_seg as usize;
+            if !(1..=3).contains(&ns) {
+                return Err(format!("n_seg {ns} outside 1..=3"));
+            }
+            need_buffers(2 + ns * (1 + (p.bias != 0) as usize))?;
+            let k = p.k as u64;
+            let width = if p.input_act == ACT_NONE { k } else { 2 * k };
+            if (p.x_stride as u64) < width {
+                return Err(format!("x_stride {} < input width {width}", p.x_stride));
+            }
+            if p.out_stride < p.total_rows() {
+                return Err(format!(
+                    "out_stride {} < {} output rows",
+                    p.out_stride,
+                    p.total_rows()
+                ));
+            }
+            if c.grid != p.total_rows() {
+                return Err(format!("grid {} != {} output rows", c.grid, p.total_rows()));
+            }
+            let out_rows = if c.rows == RowMode::LastRow { 1 } else { r };
+            let mut v = vec![
+                (0, r * p.x_stride as u64 * F),
+                (1, out_rows * p.out_stride as u64 * F),
+            ];
+            for s in 0..ns {
+                let dt = dtype(p.dtype[s])?;
+                if p.k as usize % dt.block_elems() != 0 {
+                    return Err(format!("k {} not a multiple of the {dt} block", p.k));
+                }
+                v.push((
+                    2 + s,
+                    p.n[s] as u64 * quant::row_bytes(dt, p.k as usize) as u64,
+                ));
+                if p.bias != 0 {
+                    v.push((2 + ns + s, p.n[s] as u64 * F));
+                }
+            }
+            v
+        }
+        KernelId::RopeKvWrite => {
+            let p: RopeParams = c.params();
+            need_buffers(if p.freq_factors != 0 { 4 } else { 3 })?;
+            if p.rope_dim > p.head_dim
+                || p.rope_dim % 2 != 0
+                || p.n_kv_heads == 0
+                || p.n_heads % p.n_kv_heads != 0
+            {
+                return Err("inconsistent head geometry".into());
+            }
+            if p.qkv_stride < (p.n_heads + 2 * p.n_kv_heads) * p.head_dim {
+                return Err("qkv_stride too small".into());
+            }
+            let slab = p.n_kv_heads as u64 * p.capacity as u64 * p.head_dim as u64 * F;
+            let mut v = vec![(0, r * p.qkv_stride as u64 * F), (1, slab), (2, slab)];
+            if p.freq_factors != 0 {
+                v.push((3, p.rope_dim as u64 / 2 * F));
+            }
+            v
+        }
+        KernelId::Attention => {
+            need_buffers(4)?;
+            let p: AttnParams = c.params();
+            if p.n_kv_heads == 0 || p.n_heads % p.n_kv_heads != 0 {
+                return Err("inconsistent head geometry".into());
+            }
+            if p.qkv_stride < p.n_heads * p.head_dim || p.out_stride < p.n_heads * p.head_dim {
+                return Err("row strides too small".into());
+            }
+            let slab = p.n_kv_heads as u64 * p.capacity as u64 * p.head_dim as u64 * F;
+            vec![
+                (0, r * p.qkv_stride as u64 * F),
+                (1, slab),
+                (2, slab),
+                (3, r * p.out_stride as u64 * F),
+            ]
+        }
+        KernelId::Argmax => {
+            need_buffers(2)?;
+            let p: ArgmaxParams = c.params();
+            vec![(0, p.n as u64 * F), (1, 4)]
+        }
+    })
+}
+
+/// Runs one (already patched) command. `ptrs[i]`/`lens[i]` are binding
+/// `i`'s address and the bytes available from it; `validate` has checked
+/// the static extents, the per-step ones are checked here.
+pub fn run(
+    pool: &ThreadPool,
+    c: &DispatchCmd,
+    ptrs: &[*mut u8; 8],
+    lens: &[usize; 8],
+    step: &StepInfo,
+) -> Result<(), String> {
+    for (i, p) in ptrs.iter().enumerate().take(c.n_buffers as usize) {
+        if (*p as usize) % 4 != 0 {
+            return Err(format!("binding {i} is not 4-byte aligned"));
+        }
+    }
+    let rows = step.rows as usize;
+    let p = |i: usize| Ptr(ptrs[i]);
+    match c.kernel {
+        KernelId::Embedding => {
+            let prm: EmbedParams = c.params();
+            if lens[0] < rows * 4 {
+                return Err(format!(
+                    "token conveyor holds {} ids, step needs {rows}",
+                    lens[0] / 4
+                ));
+            }
+            embedding(pool, &prm, p(0), p(1), p(2), rows)
+        }
+        KernelId::RmsNorm => {
+            let prm: NormParams = c.params();
+            norm_rows(pool, &prm, rows, None, p(0), p(1), p(2), None);
+            Ok(())
+        }
+        KernelId::ResidualRmsNorm => {
+            let prm: NormParams = c.params();
+            let post = (prm.post_norm != 0).then(|| p(4));
+            norm_rows(pool, &prm, rows, Some(p(1)), p(0), p(2), p(3), post);
+            Ok(())
+        }
+        KernelId::Gemv => gemv(pool, c, ptrs, rows),
+        KernelId::RopeKvWrite => {
+            let prm: RopeParams = c.params();
+            if prm.pos as u64 + rows as u64 > prm.capacity as u64 {
+                return Err(format!(
+                    "KV write at positions {}..{} beyond the cache ({} positions)",
+                    prm.pos,
+                    prm.pos as usize + rows,
+                    prm.capacity
+                ));
+            }
+            rope_kv_write(
+                pool,
+                &prm,
+                rows,
+                p(0),
+                p(1),
+                p(2),
+                (prm.freq_factors != 0).then(|| p(3)),
+            );
+            Ok(())
+        }
+        KernelId::Attention => {
+            let prm: AttnParams = c.params();
+            if prm.kv_len > prm.capacity || (prm.kv_len as usize) < rows {
+                return Err(format!(
+                    "attention over {} cache entries ({} rows, capacity {})",
+                    prm.kv_len, rows, prm.capacity
+                ));
+            }
+            attention(pool, &prm, rows, p(0), p(1), p(2), p(3));
+            Ok(())
+        }
+        KernelId::Argmax => {
+            let prm: ArgmaxParams = c.params();
+            if lens[1] < 4 {
+                return Err("argmax output slot lies beyond the token conveyor".into());
+            }
+            // SAFETY: extents checked n floats at binding 0; 4 bytes at binding 1.
+            let logits = unsafe { slice(p(0).f32(), prm.n as usize) };
+            let best = argmax(logits);
+            unsafe { (ptrs[1] as *mut u32).write(best) };
+            Ok(())
+        }
+    }
+}
+
+/// Index of the largest value; the lowest such index on ties; NaNs ignored.
+pub fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0usize;
+    let mut best_v = f32::NEG_INFINITY;
+    for (i, &x) in v.iter().enumerate() {
+        if x > best_v {
+            best_v = x;
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn embedding(
+    pool: &ThreadPool,
+    prm: &EmbedParams,
+    ids: Ptr,
+    table: Ptr,
+    out: Ptr,
+    rows: usize,
+) -> Result<(), String> {
+    let dt = dtype(prm.dtype)?;
+    let dim = prm.dim as usize;
+    let rb = quant::row_bytes(dt, dim);
+    pool.run(&|tid, nt| {
+        for r in split_range(rows, nt, tid, 1) {
+            // SAFETY: the conveyor holds `rows` ids (checked by the caller);
+            // the table holds n_vocab rows (validated) and the id is clamped
+            // into range; each thread writes its own output rows.
+            unsafe {
+                let id = (*(ids.raw() as *const u32).add(r)).min(prm.n_vocab - 1) as usize;
+                let src = std::slice::from_raw_parts(table.raw().add(id * rb), rb);
+                let dst = slice_mut(out.f32().add(r * dim), dim);
+                quant::dequant_row(dt, src, dim, dst);
+                if prm.scale != 1.0 {
+                    dst.iter_mut().for_each(|x| *x *= prm.scale);
+                }
+            }
+        }
+    });
+    Ok(())
+}
+
+fn rms_scale(x: &[f32], eps: f32) -> f32 {
+    let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    (1.0 / ((ss / x.len() as f64) + eps as f64).sqrt()) as f32
+}
+
+/// For each row: optionally `h += post_norm(delta)`; then `out = rmsnorm(h) * w`.
+#[allow(clippy::too_many_arguments)]
+fn norm_rows(
+    pool: &ThreadPool,
+    prm: &NormParams,
+    rows: usize,
+    delta: Option<Ptr>,
+    h: Ptr,
+    w: Ptr,
+    out: Ptr,
+    post: Option<Ptr>,
+) {
+    let d = prm.dim as usize;
+    let eps = prm.eps;
+    let work = |r: usize| {
+        // SAFETY: extents validated `rows * dim` floats for h, delta and
+        // out and `dim` for the weights; each row is touched by one thread.
+        unsafe {
+            let hr = slice_mut(h.f32().add(r * d), d);
+            if let Some(dp) = delta {
+                let dr = slice(dp.f32().add(r * d), d);
+                match post {
+                    Some(pw) => {
+                        let pw = slice(pw.f32(), d);
+                        let s = rms_scale(dr, eps);
+                        for i in 0..d {
+                            hr[i] += dr[i] * s * pw[i];
+                        }
+                    }
+                    None => hr.iter_mut().zip(dr).for_each(|(a, b)| *a += *b),
+                }
+            }
+            let wr = slice(w.f32(), d);
+            let s = rms_scale(hr, eps);
+            let or = slice_mut(out.f32().add(r * d), d);
+            for i in 0..d {
+                or[i] = hr[i] * s * wr[i];
+            }
+        }
+    };
+    if rows == 1 {
+        work(0);
+    } else {
+        pool.run(&|tid, nt| split_range(rows, nt, tid, 1).for_each(work));
+    }
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+fn gelu_tanh(x: f32) -> f32 {
+    const C: f32 = 0.797_884_6; // sqrt(2/pi)
+    0.5 * x * (1.0 + (C * (x + 0.044715 * x * x * x)).tanh())
+}
+
+fn gemv(
+    pool: &ThreadPool,
+    c: &DispatchCmd,
+    ptrs: &[*mut u8; 8],
+    rows: usize,
+) -> Result<(), String> {
+    let p: GemvParams = c.params();
+    let k = p.k as usize;
+    let ns = p.n_seg as usize;
+    let (first_row, n_x) = match c.rows {
+        RowMode::AllRows => (0, rows),
+        RowMode::LastRow => (rows - 1, 1),
+    };
+    let xs = p.x_stride as usize;
+    // SAFETY: extents validated `max_rows * x_stride` input floats and the
+    // step has at most max_rows rows.
+    let x_all = unsafe {
+        slice(
+            (ptrs[0] as *const f32).add(first_row * xs),
+            (n_x - 1) * xs + if p.input_act == ACT_NONE { k } else { 2 * k },
+        )
+    };
+    // The product wants `n_x` contiguous rows of `k`: apply the gated
+    // activation (fused SwiGLU/GeGLU + down) or compact strided rows.
+    let owned: Vec<f32>;
+    let x: &[f32] = if p.input_act == ACT_NONE && (xs == k || n_x == 1) {
+        &x_all[..(n_x - 1) * xs + k]
+    } else {
+        let mut v = vec![0f32; n_x * k];
+        for t in 0..n_x {
+            let row = &x_all[t * xs..];
+            let dst = &mut v[t * k..(t + 1) * k];
+            match p.input_act {
+                ACT_SWIGLU => (0..k).for_each(|i| dst[i] = silu(row[i]) * row[k + i]),
+                ACT_GEGLU => (0..k).for_each(|i| dst[i] = gelu_tanh(row[i]) * row[k + i]),
+                _ => dst.copy_from_slice(&row[..k]),
+            }
+        }
+        owned = v;
+        &owned
+    };
+
+    struct Seg {
+        start: usize,
+        n: usize,
+        dt: DType,
+        w: Ptr,
+        rb: usize,
+        bias: Option<Ptr>,
+    }
+    let mut segs = Vec::with_capacity(ns);
+    let mut start = 0;
+    for s in 0..ns {
+        let dt = dtype(p.dtype[s])?;
+        segs.push(Seg {
+            start,
+            n: p.n[s] as usize,
+            dt,
+            w: Ptr(ptrs[2 + s]),
+            rb: quant::row_bytes(dt, k),
+            bias: (p.bias != 0).then(|| Ptr(ptrs[2 + ns + s])),
+        });
+        start += p.n[s] as usize;
+    }
+    let total = start;
+    let out = Ptr(ptrs[1]);
+    let os = p.out_stride as usize;
+    let acc = p.accumulate != 0;
+
+    pool.run(&|tid, nt| {
+        let mine = split_range(total, nt, tid, 16);
+        for sg in &segs {
+            let a = mine.start.max(sg.start);
+            let b = mine.end.min(sg.start + sg.n);
+            if a >= b {
+                continue;
+            }
+            let (r0, nr) = (a - sg.start, b - a);
+            // SAFETY: rows r0..r0+nr of this segment's weight lie inside the
+            // binding (validated n * row_bytes); this thread alone writes
+            // output columns a..b of every row (ranges are disjoint per
+            // thread).
+            let w = unsafe { std::slice::from_raw_parts(sg.w.raw().add(r0 * sg.rb), nr * sg.rb) };
+            let bias = sg.bias.map(|bp| unsafe { slice(bp.f32().add(r0), nr) });
+            SCRATCH.with(|cell| {
+                let mut tmp = cell.borrow_mut();
+                tmp.clear();
+                tmp.resize(nr * n_x, 0.0);
+                if n_x == 1 {
+                    quant::gemv(sg.dt, w, k, &x[..k], &mut tmp);
+                } else {
+                    quant::gemm(sg.dt, w, k, nr, x, n_x, &mut tmp);
+                }
+                for t in 0..n_x {
+                    let dst = unsafe { slice_mut(out.f32().add(t * os + a), nr) };
+                    for i in 0..nr {
+                        let mut v = tmp[i * n_x + t];
+                        if let Some(bs) = bias {
+                            v += bs[i];
+                        }
+                        dst[i] = if acc { dst[i] + v } else { v };
+                    }
+                }
+            });
+        }
+    });
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rope_kv_write(
+    pool: &ThreadPool,
+    p: &RopeParams,
+    rows: usize,
+    qkv: Ptr,
+    kc: Ptr,
+    vc: Ptr,
+    factors: Option<Ptr>,
+) {
+    let hd = p.head_dim as usize;
+    let half = p.rope_dim as usize / 2;
+    let (nh, nkv) = (p.n_heads as usize, p.n_kv_heads as usize);
+    let cap = p.capacity as usize;
+    let stride = p.qkv_stride as usize;
+    // Inverse frequencies in f64: base^(-2i/rope_dim), divided by the
+    // optional per-frequency factors.
+    let inv: Vec<f64> = (0..half)
+        .map(|i| {
+            let f = (p.theta as f64).powf(-2.0 * i as f64 / p.rope_dim as f64);
+            // SAFETY: extents validated rope_dim/2 factors when enabled.
+            match factors {
+                Some(fp) => f / unsafe { *fp.f32().add(i) } as f64,
+                None => f,
+            }
+        })
+        .collect();
+    let work = |t: usize| {
+        let pos = (p.pos as usize + t) as f64 * p.freq_scale as f64;
+        let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
+        for i in 0..half {
+            let a = pos * inv[i];
+            cos[i] = a.cos() as f32;
+            sin[i] = a.sin() as f32;
+        }
+        // SAFETY: row t of the QKV buffer (validated for max_rows rows) is
+        // touched only by the thread handling t; cache rows `pos + t` of
+        // every head are likewise written by that thread only, and
+        // `pos + rows <= capacity` was checked by the caller.
+        let row = unsafe { slice_mut(qkv.f32().add(t * stride), (nh + 2 * nkv) * hd) };
+        for h in 0..nh + nkv {
+            let x = &mut row[h * hd..(h + 1) * hd];
+            for i in 0..half {
+                let (a, b) = if p.style == ROPE_NEOX {
+                    (i, i + half)
+                } else {
+                    (2 * i, 2 * i + 1)
+                };
+                let (x0, x1) = (x[a], x[b]);
+                x[a] = x0 * cos[i] - x1 * sin[i];
+                x[b] = x0 * sin[i] + x1 * cos[i];
+            }
+        }
+        let at = p.pos as usize + t;
+        for g in 0..nkv {
+            let ksrc = &row[(nh + g) * hd..(nh + g + 1) * hd];
+            let vsrc = &row[(nh + nkv + g) * hd..(nh + nkv + g + 1) * hd];
+            unsafe {
+                slice_mut(kc.f32().add((g * cap + at) * hd), hd).copy_from_slice(ksrc);
+                slice_mut(vc.f32().add((g * cap + at) * hd), hd).copy_from_slice(vsrc);
+            }
+        }
+    };
+    if rows == 1 {
+        work(0);
+    } else {
+        pool.run(&|tid, nt| split_range(rows, nt, tid, 1).for_each(work));
+    }
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    // Eight independent lanes let the compiler vectorise the reduction.
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for (x, y) in ra.iter().zip(rb) {
+        s += x * y;
+    }
+    s
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention(pool: &ThreadPool, p: &AttnParams, rows: usize, qkv: Ptr, kc: Ptr, vc: Ptr, out: Ptr) {
+    let hd = p.head_dim as usize;
+    let (nh, nkv) = (p.n_heads as usize, p.n_kv_heads as usize);
+    let group = nh / nkv;
+    let cap = p.capacity as usize;
+    let pos0 = p.kv_len as usize - rows;
+    let items = rows * nh;
+    let work = |item: usize, scores: &mut Vec<f32>| {
+        let (t, h) = (item / nh, item % nh);
+        let pos = pos0 + t;
+        let start = if p.window > 0 {
+            (pos + 1).saturating_sub(p.window as usize)
+        } else {
+            0
+        };
+        let g = h / group;
+        // SAFETY: the QKV row t and the cache slabs were validated; cache
+        // entries 0..kv_len were written by earlier RoPE/KV commands; the
+        // output slot (t, h) belongs to this work item alone.
+        let q = unsafe { slice(qkv.f32().add(t * p.qkv_stride as usize + h * hd), hd) };
+        let kbase = unsafe { slice(kc.f32().add(g * cap * hd), cap * hd) };
+        let vbase = unsafe { slice(vc.f32().add(g * cap * hd), cap * hd) };
+        scores.clear();
+        let mut mx = f32::NEG_INFINITY;
+        for j in start..=pos {
+            let mut s = dot(q, &kbase[j * hd..(j + 1) * hd]) * p.scale;
+            if p.softcap > 0.0 {
+                s = p.softcap * (s / p.softcap).tanh();
+            }
+            mx = mx.max(s);
+            scores.push(s);
+        }
+        let mut sum = 0f32;
+        for s in scores.iter_mut() {
+            *s = (*s - mx).exp();
+            sum += *s;
+        }
+        let o = unsafe { slice_mut(out.f32().add(t * p.out_stride as usize + h * hd), hd) };
+        o.fill(0.0);
+        for (jj, &w) in scores.iter().enumerate() {
+            let v = &vbase[(start + jj) * hd..(start + jj + 1) * hd];
+            let w = w / sum;
+            for i in 0..hd {
+                o[i] += w * v[i];
+            }
+        }
+    };
+    pool.run(&|tid, nt| {
+        SCRATCH.with(|cell| {
+            let mut scores = cell.borrow_mut();
+            for item in split_range(items, nt, tid, 1) {
+                work(item, &mut scores);
+            }
+        })
+    });
+}

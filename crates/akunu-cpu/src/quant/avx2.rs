@@ -1,0 +1,495 @@
+//! AVX2 + FMA + F16C kernels (8 f32 lanes).
+//!
+//! Every function here is `#[target_feature(enable = "avx2,fma,f16c")]`;
+//! the `unsafe fn` entry points require (1) that the CPU supports those
+//! features (guaranteed by `Level::Avx2` only being constructed after
+//! detection) and (2) the slice-length contracts stated on each function
+//! (checked with `assert!` in `mod.rs` before the call). Inner loops then
+//! read through raw pointers whose offsets stay inside those lengths.
+
+use super::{QK, row_bytes};
+use akunu_core::dtype::DType;
+use core::arch::x86_64::*;
+
+/// Horizontal sum of 8 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// The f16 at `p` (2 bytes, unaligned) converted and broadcast to 8 lanes.
+///
+/// # Safety
+/// `p..p+2` must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn bcast_f16(p: *const u8) -> __m256 {
+    // SAFETY: the caller guarantees 2 readable bytes at `p`.
+    let h = unsafe { (p as *const u16).read_unaligned() };
+    _mm256_cvtph_ps(_mm_set1_epi16(h as i16))
+}
+
+/// Bytes `p..p+8` zero-extended to eight 32-bit lanes.
+///
+/// # Safety
+/// `p..p+8` must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn widen_u8(p: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees 8 readable bytes (unaligned load).
+    _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(p as *const __m128i) })
+}
+
+/// Bytes `p..p+8` sign-extended to eight 32-bit lanes.
+///
+/// # Safety
+/// `p..p+8` must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn widen_i8(p: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees 8 readable bytes (unaligned load).
+    _mm256_cvtepi8_epi32(unsafe { _mm_loadl_epi64(p as *const __m128i) })
+}
+
+const T_F32: u8 = 0;
+const T_F16: u8 = 1;
+const T_BF16: u8 = 2;
+
+/// Eight consecutive elements of a float-typed row starting at element `i`.
+///
+/// # Safety
+/// Elements `i..i+8` of the row at `p` must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load8<const T: u8>(p: *const u8, i: usize) -> __m256 {
+    // SAFETY (all arms): the caller guarantees elements i..i+8 are in
+    // bounds; all loads are unaligned-tolerant.
+    unsafe {
+        match T {
+            T_F32 => _mm256_loadu_ps((p as *const f32).add(i)),
+            T_F16 => _mm256_cvtph_ps(_mm_loadu_si128((p as *const u16).add(i) as *const __m128i)),
+            _ => {
+                let h = _mm_loadu_si128((p as *const u16).add(i) as *const __m128i);
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+            }
+        }
+    }
+}
+
+/// One element of a float-typed row.
+///
+/// # Safety
+/// Element `i` of the row at `p` must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load1<const T: u8>(p: *const u8, i: usize) -> f32 {
+    // SAFETY: the caller guarantees element i is in bounds.
+    unsafe {
+        match T {
+            T_F32 => (p as *const f32).add(i).read_unaligned(),
+            T_F16 => half::f16::from_bits((p as *const u16).add(i).read_unaligned()).to_f32(),
+            _ => f32::from_bits(((p as *const u16).add(i).read_unaligned() as u32) << 16),
+        }
+    }
+}
+
+// ---------------------------------------------------------------- GEMV ---
+
+/// # Safety
+/// AVX2/FMA/F16C available; `w.len() == y.len() * row_bytes(dtype, k)`,
+/// `x.len() == k`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn gemv(dtype: DType, w: &[u8], k: usize, x: &[f32], y: &mut [f32]) {
+    let rb = row_bytes(dtype, k);
+    debug_assert!(w.len() == y.len() * rb && x.len() == k);
+    // SAFETY: features guaranteed by the caller; the length contract above
+    // is exactly what the row kernels require.
+    unsafe {
+        match dtype {
+            DType::Q4_0 => gemv_rows(w, rb, k, x, y, q4_rows::<4, false>, q4_rows::<1, false>),
+            DType::Q4_1 => gemv_rows(w, rb, k, x, y, q4_rows::<4, true>, q4_rows::<1, true>),
+            DType::Q8_0 => gemv_rows(w, rb, k, x, y, q8_rows::<4>, q8_rows::<1>),
+            DType::F32 => gemv_rows(
+                w,
+                rb,
+                k,
+                x,
+                y,
+                float_rows::<4, T_F32>,
+                float_rows::<1, T_F32>,
+            ),
+            DType::F16 => gemv_rows(
+                w,
+                rb,
+                k,
+                x,
+                y,
+                float_rows::<4, T_F16>,
+                float_rows::<1, T_F16>,
+            ),
+            DType::BF16 => gemv_rows(
+                w,
+                rb,
+                k,
+                x,
+                y,
+                float_rows::<4, T_BF16>,
+                float_rows::<1, T_BF16>,
+            ),
+        }
+    }
+}
+
+/// A row kernel: computes `R` outputs at `y` from `R` rows starting at `w`
+/// (row stride `rb` bytes) and `x` (`k` elements).
+type RowKernel = unsafe fn(*const u8, usize, usize, *const f32, *mut f32);
+
+/// Runs `k4` over groups of 4 rows and `k1` over the remaining rows.
+///
+/// # Safety
+/// Features available; `w.len() >= y.len() * rb`, `x.len() == k`, and the
+/// kernels read at most `rb` bytes per row and `k` elements of `x`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn gemv_rows(
+    w: &[u8],
+    rb: usize,
+    k: usize,
+    x: &[f32],
+    y: &mut [f32],
+    k4: RowKernel,
+    k1: RowKernel,
+) {
+    let n = y.len();
+    let (wp, xp, yp) = (w.as_ptr(), x.as_ptr(), y.as_mut_ptr());
+    let mut r = 0;
+    while r + 4 <= n {
+        // SAFETY: rows r..r+4 lie within `w` (r + 4 <= n) and outputs
+        // r..r+4 within `y`.
+        unsafe { k4(wp.add(r * rb), rb, k, xp, yp.add(r)) };
+        r += 4;
+    }
+    while r < n {
+        // SAFETY: row r < n lies within `w`, output r within `y`.
+        unsafe { k1(wp.add(r * rb), rb, k, xp, yp.add(r)) };
+        r += 1;
+    }
+}
+
+/// Q4_0 (`Q41 == false`) or Q4_1 rows.
+///
+/// # Safety
+/// `R` rows of `k / 32` blocks at `w` (stride `rb`), `k` floats at `x`,
+/// `R` writable floats at `y`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_rows<const R: usize, const Q41: bool>(
+    w: *const u8,
+    rb: usize,
+    k: usize,
+    x: *const f32,
+    y: *mut f32,
+) {
+    let (bs, qoff) = if Q41 { (20, 4) } else { (18, 2) };
+    let nb = k / QK;
+    let mask = _mm256_set1_epi32(0xF);
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b in 0..nb {
+        // SAFETY: b < nb, so x[b*32 .. b*32+32] is in bounds, and each row's
+        // block b (bytes b*bs .. b*bs+bs < rb) is in bounds.
+        unsafe {
+            let xb = x.add(b * QK);
+            let x0 = _mm256_loadu_ps(xb);
+            let x1 = _mm256_loadu_ps(xb.add(8));
+            let x2 = _mm256_loadu_ps(xb.add(16));
+            let x3 = _mm256_loadu_ps(xb.add(24));
+            // Lane-wise partial sums of the block of x. Q4_0: the start
+            // value -8*x folds the nibble offset into the accumulation;
+            // Q4_1: m * sum(x) adds the block minimum.
+            let s = _mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3));
+            let s = if Q41 {
+                s
+            } else {
+                _mm256_mul_ps(s, _mm256_set1_ps(-8.0))
+            };
+            for (r, a) in acc.iter_mut().enumerate() {
+                let p = w.add(r * rb + b * bs);
+                let d = bcast_f16(p);
+                // bytes 0..8 -> lanes: low nibbles = elements 0..8,
+                // high nibbles = elements 16..24; bytes 8..16 likewise.
+                let b0 = widen_u8(p.add(qoff));
+                let b1 = widen_u8(p.add(qoff + 8));
+                let q0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, mask));
+                let q1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask));
+                let q2 = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(b0));
+                let q3 = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(b1));
+                let mut t = if Q41 {
+                    _mm256_mul_ps(q0, x0)
+                } else {
+                    _mm256_fmadd_ps(q0, x0, s)
+                };
+                t = _mm256_fmadd_ps(q1, x1, t);
+                t = _mm256_fmadd_ps(q2, x2, t);
+                t = _mm256_fmadd_ps(q3, x3, t);
+                *a = _mm256_fmadd_ps(d, t, *a);
+                if Q41 {
+                    *a = _mm256_fmadd_ps(bcast_f16(p.add(2)), s, *a);
+                }
+            }
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        // SAFETY: r < R outputs are writable.
+        unsafe { *y.add(r) = hsum(*a) };
+    }
+}
+
+/// Q8_0 rows.
+///
+/// # Safety
+/// As for [`q4_rows`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_rows<const R: usize>(w: *const u8, rb: usize, k: usize, x: *const f32, y: *mut f32) {
+    let nb = k / QK;
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b in 0..nb {
+        // SAFETY: b < nb: x block and each row's 34-byte block are in bounds.
+        unsafe {
+            let xb = x.add(b * QK);
+            let x0 = _mm256_loadu_ps(xb);
+            let x1 = _mm256_loadu_ps(xb.add(8));
+            let x2 = _mm256_loadu_ps(xb.add(16));
+            let x3 = _mm256_loadu_ps(xb.add(24));
+            for (r, a) in acc.iter_mut().enumerate() {
+                let p = w.add(r * rb + b * 34);
+                let d = bcast_f16(p);
+                let q0 = _mm256_cvtepi32_ps(widen_i8(p.add(2)));
+                let q1 = _mm256_cvtepi32_ps(widen_i8(p.add(10)));
+                let q2 = _mm256_cvtepi32_ps(widen_i8(p.add(18)));
+                let q3 = _mm256_cvtepi32_ps(widen_i8(p.add(26)));
+                let mut t = _mm256_mul_ps(q0, x0);
+                t = _mm256_fmadd_ps(q1, x1, t);
+                t = _mm256_fmadd_ps(q2, x2, t);
+                t = _mm256_fmadd_ps(q3, x3, t);
+                *a = _mm256_fmadd_ps(d, t, *a);
+            }
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        // SAFETY: r < R outputs are writable.
+        unsafe { *y.add(r) = hsum(*a) };
+    }
+}
+
+/// F32/F16/BF16 rows (any `k`).
+///
+/// # Safety
+/// `R` rows of `k` elements at `w` (stride `rb` bytes), `k` floats at `x`,
+/// `R` writable floats at `y`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn float_rows<const R: usize, const T: u8>(
+    w: *const u8,
+    rb: usize,
+    k: usize,
+    x: *const f32,
+    y: *mut f32,
+) {
+    // Two accumulators per row: 2*R independent FMA chains.
+    let mut acc0 = [_mm256_setzero_ps(); R];
+    let mut acc1 = [_mm256_setzero_ps(); R];
+    let mut i = 0;
+    // SAFETY (all blocks below): every load covers elements < k of x and
+    // of a row r < R, as guaranteed by the loop bounds.
+    while i + 16 <= k {
+        unsafe {
+            let x0 = _mm256_loadu_ps(x.add(i));
+            let x1 = _mm256_loadu_ps(x.add(i + 8));
+            for r in 0..R {
+                let p = w.add(r * rb);
+                acc0[r] = _mm256_fmadd_ps(load8::<T>(p, i), x0, acc0[r]);
+                acc1[r] = _mm256_fmadd_ps(load8::<T>(p, i + 8), x1, acc1[r]);
+            }
+        }
+        i += 16;
+    }
+    if i + 8 <= k {
+        unsafe {
+            let x0 = _mm256_loadu_ps(x.add(i));
+            for r in 0..R {
+                acc0[r] = _mm256_fmadd_ps(load8::<T>(w.add(r * rb), i), x0, acc0[r]);
+            }
+        }
+        i += 8;
+    }
+    for r in 0..R {
+        let mut s = hsum(_mm256_add_ps(acc0[r], acc1[r]));
+        for j in i..k {
+            unsafe { s += load1::<T>(w.add(r * rb), j) * *x.add(j) };
+        }
+        unsafe { *y.add(r) = s };
+    }
+}
+
+// ------------------------------------------------------------- DEQUANT ---
+
+/// # Safety
+/// AVX2/FMA/F16C available; `src.len() == row_bytes(dtype, k)`,
+/// `out.len() == k`.
+///
+/// Results are bit-identical to the scalar path (same operations, one
+/// rounding each).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dequant_row(dtype: DType, src: &[u8], k: usize, out: &mut [f32]) {
+    debug_assert!(src.len() == row_bytes(dtype, k) && out.len() == k);
+    let (s, o) = (src.as_ptr(), out.as_mut_ptr());
+    let nb = k / QK;
+    let mask = _mm256_set1_epi32(0xF);
+    // SAFETY (all arms): block b < nb lies inside `src` (b * block_bytes +
+    // block_bytes <= src.len()) and writes go to out[b*32 .. b*32+32] with
+    // b*32+32 <= k; float types touch elements < k only.
+    unsafe {
+        match dtype {
+            DType::Q4_0 | DType::Q4_1 => {
+                let q41 = dtype == DType::Q4_1;
+                let (bs, qoff) = if q41 { (20, 4) } else { (18, 2) };
+                let off = _mm256_set1_ps(if q41 { 0.0 } else { 8.0 });
+                for b in 0..nb {
+                    let p = s.add(b * bs);
+                    let d = bcast_f16(p);
+                    let m = if q41 {
+                        bcast_f16(p.add(2))
+                    } else {
+                        _mm256_setzero_ps()
+                    };
+                    let b0 = widen_u8(p.add(qoff));
+                    let b1 = widen_u8(p.add(qoff + 8));
+                    let qs = [
+                        _mm256_and_si256(b0, mask),
+                        _mm256_and_si256(b1, mask),
+                        _mm256_srli_epi32::<4>(b0),
+                        _mm256_srli_epi32::<4>(b1),
+                    ];
+                    for (j, q) in qs.into_iter().enumerate() {
+                        // q - 8 is exact; then a single rounding in the
+                        // multiply (Q4_0), or multiply-then-add (Q4_1) like
+                        // the scalar code.
+                        let q = _mm256_sub_ps(_mm256_cvtepi32_ps(q), off);
+                        let v = _mm256_mul_ps(d, q);
+                        let v = if q41 { _mm256_add_ps(v, m) } else { v };
+                        _mm256_storeu_ps(o.add(b * QK + j * 8), v);
+                    }
+                }
+            }
+            DType::Q8_0 => {
+                for b in 0..nb {
+                    let p = s.add(b * 34);
+                    let d = bcast_f16(p);
+                    for j in 0..4 {
+                        let q = _mm256_cvtepi32_ps(widen_i8(p.add(2 + j * 8)));
+                        _mm256_storeu_ps(o.add(b * QK + j * 8), _mm256_mul_ps(d, q));
+                    }
+                }
+            }
+            DType::F32 => dequant_float::<T_F32>(s, k, o),
+            DType::F16 => dequant_float::<T_F16>(s, k, o),
+            DType::BF16 => dequant_float::<T_BF16>(s, k, o),
+        }
+    }
+}
+
+/// # Safety
+/// `k` elements readable at `s`, `k` floats writable at `o`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dequant_float<const T: u8>(s: *const u8, k: usize, o: *mut f32) {
+    let mut i = 0;
+    // SAFETY: i + 8 <= k in the loop, j < k in the tail.
+    unsafe {
+        while i + 8 <= k {
+            _mm256_storeu_ps(o.add(i), load8::<T>(s, i));
+            i += 8;
+        }
+        for j in i..k {
+            *o.add(j) = load1::<T>(s, j);
+        }
+    }
+}
+
+// ---------------------------------------------------------------- GEMM ---
+
+/// Micro-kernel: `c[i*ldc + j] += dot(a[i*lda..][..len], b[j*ldb..][..len])`
+/// for `i < mr <= 4`, `j < nt <= 3`.
+///
+/// # Safety
+/// AVX2/FMA available and the bounds verified by `super::check_tile`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn tile(
+    a: &[f32],
+    lda: usize,
+    mr: usize,
+    b: &[f32],
+    ldb: usize,
+    nt: usize,
+    len: usize,
+    c: &mut [f32],
+    ldc: usize,
+) {
+    let (ap, bp, cp) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
+    macro_rules! go {
+        ($($m:literal, $n:literal);*) => {
+            match (mr, nt) {
+                // SAFETY: the caller verified the bounds for (mr, nt).
+                $(($m, $n) => unsafe { tile_k::<$m, $n>(ap, lda, bp, ldb, len, cp, ldc) },)*
+                _ => unreachable!("tile shape checked by caller"),
+            }
+        };
+    }
+    go!(4,3; 4,2; 4,1; 3,3; 3,2; 3,1; 2,3; 2,2; 2,1; 1,3; 1,2; 1,1);
+}
+
+/// # Safety
+/// `a[i*lda + l]`, `b[j*ldb + l]` readable and `c[i*ldc + j]` writable for
+/// `i < M`, `j < N`, `l < len`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_k<const M: usize, const N: usize>(
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    ldb: usize,
+    len: usize,
+    c: *mut f32,
+    ldc: usize,
+) {
+    let mut acc = [[_mm256_setzero_ps(); N]; M];
+    let mut l = 0;
+    // SAFETY (all blocks): l + 8 <= len in the vector loop and l < len in
+    // the scalar tail, with i < M and j < N as required above.
+    while l + 8 <= len {
+        unsafe {
+            let mut bv = [_mm256_setzero_ps(); N];
+            for (j, v) in bv.iter_mut().enumerate() {
+                *v = _mm256_loadu_ps(b.add(j * ldb + l));
+            }
+            for (i, row) in acc.iter_mut().enumerate() {
+                let av = _mm256_loadu_ps(a.add(i * lda + l));
+                for (j, r) in row.iter_mut().enumerate() {
+                    *r = _mm256_fmadd_ps(av, bv[j], *r);
+                }
+            }
+        }
+        l += 8;
+    }
+    for (i, row) in acc.iter().enumerate() {
+        for (j, r) in row.iter().enumerate() {
+            let mut s = hsum(*r);
+            for t in l..len {
+                unsafe { s += *a.add(i * lda + t) * *b.add(j * ldb + t) };
+            }
+            unsafe { *c.add(i * ldc + j) += s };
+        }
+    }
+}

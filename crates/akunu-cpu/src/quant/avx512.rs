@@ -1,0 +1,451 @@
+//! AVX-512 (F/BW/VL) kernels (16 f32 lanes).
+//!
+//! Every function here is `#[target_feature(enable = "avx512f,avx512bw,
+//! avx512vl,avx2,fma,f16c")]`; the `unsafe fn` entry points require (1)
+//! that the CPU supports those features (guaranteed by `Level::Avx512` only
+//! being constructed after detection) and (2) the slice-length contracts
+//! stated on each function (checked with `assert!` in `mod.rs`). Inner loops
+//! read through raw pointers whose offsets stay inside those lengths; float
+//! tails use masked loads, which never touch masked-off elements.
+//!
+//! Q4 nibbles are turned into floats with a 16-entry f32 lookup table and
+//! `vpermps` (`_mm512_permutexvar_ps` only looks at the low 4 bits of each
+//! index lane, so the low nibble needs no masking).
+
+use super::{QK, row_bytes};
+use akunu_core::dtype::DType;
+use core::arch::x86_64::*;
+
+/// The f16 at `p` (2 bytes, unaligned) converted and broadcast to 16 lanes.
+///
+/// # Safety
+/// `p..p+2` must be readable.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn bcast_f16(p: *const u8) -> __m512 {
+    // SAFETY: the caller guarantees 2 readable bytes at `p`.
+    let h = unsafe { (p as *const u16).read_unaligned() };
+    _mm512_cvtph_ps(_mm256_set1_epi16(h as i16))
+}
+
+/// Bytes `p..p+16` zero-extended to sixteen 32-bit lanes.
+///
+/// # Safety
+/// `p..p+16` must be readable.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn widen_u8(p: *const u8) -> __m512i {
+    // SAFETY: the caller guarantees 16 readable bytes (unaligned load).
+    _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(p as *const __m128i) })
+}
+
+/// Bytes `p..p+16` sign-extended to sixteen 32-bit lanes.
+///
+/// # Safety
+/// `p..p+16` must be readable.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn widen_i8(p: *const u8) -> __m512i {
+    // SAFETY: the caller guarantees 16 readable bytes (unaligned load).
+    _mm512_cvtepi8_epi32(unsafe { _mm_loadu_si128(p as *const __m128i) })
+}
+
+/// Nibble -> f32 table: `q - 8` for Q4_0, `q` for Q4_1.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn nibble_table(q41: bool) -> __m512 {
+    let t = _mm512_setr_ps(
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+    );
+    if q41 {
+        t
+    } else {
+        _mm512_sub_ps(t, _mm512_set1_ps(8.0))
+    }
+}
+
+const T_F32: u8 = 0;
+const T_F16: u8 = 1;
+const T_BF16: u8 = 2;
+
+/// Elements `i..i+16` of a float-typed row, only those whose bit is set in
+/// `mask` are read (the others are 0).
+///
+/// # Safety
+/// Every element `i + l` with bit `l` of `mask` set must be readable.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn load16<const T: u8>(p: *const u8, i: usize, mask: __mmask16) -> __m512 {
+    // SAFETY (all arms): masked loads only access the selected elements,
+    // which the caller guarantees are in bounds; unaligned is fine.
+    unsafe {
+        match T {
+            T_F32 => _mm512_maskz_loadu_ps(mask, (p as *const f32).add(i)),
+            T_F16 => _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, (p as *const i16).add(i))),
+            _ => {
+                let h = _mm256_maskz_loadu_epi16(mask, (p as *const i16).add(i));
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+            }
+        }
+    }
+}
+
+/// Mask selecting the first `n` (<= 16) lanes.
+#[inline(always)]
+fn first(n: usize) -> __mmask16 {
+    if n >= 16 {
+        0xFFFF
+    } else {
+        ((1u32 << n) - 1) as __mmask16
+    }
+}
+
+// ---------------------------------------------------------------- GEMV ---
+
+/// # Safety
+/// AVX-512 F/BW/VL + AVX2/FMA/F16C available;
+/// `w.len() == y.len() * row_bytes(dtype, k)`, `x.len() == k`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub(super) unsafe fn gemv(dtype: DType, w: &[u8], k: usize, x: &[f32], y: &mut [f32]) {
+    let rb = row_bytes(dtype, k);
+    debug_assert!(w.len() == y.len() * rb && x.len() == k);
+    // SAFETY: features guaranteed by the caller; the length contract above
+    // is exactly what the row kernels require.
+    unsafe {
+        match dtype {
+            DType::Q4_0 => gemv_rows(w, rb, k, x, y, q4_rows::<4, false>, q4_rows::<1, false>),
+            DType::Q4_1 => gemv_rows(w, rb, k, x, y, q4_rows::<4, true>, q4_rows::<1, true>),
+            DType::Q8_0 => gemv_rows(w, rb, k, x, y, q8_rows::<4>, q8_rows::<1>),
+            DType::F32 => gemv_rows(
+                w,
+                rb,
+                k,
+                x,
+                y,
+                float_rows::<4, T_F32>,
+                float_rows::<1, T_F32>,
+            ),
+            DType::F16 => gemv_rows(
+                w,
+                rb,
+                k,
+                x,
+                y,
+                float_rows::<4, T_F16>,
+                float_rows::<1, T_F16>,
+            ),
+            DType::BF16 => gemv_rows(
+                w,
+                rb,
+                k,
+                x,
+                y,
+                float_rows::<4, T_BF16>,
+                float_rows::<1, T_BF16>,
+            ),
+        }
+    }
+}
+
+/// A row kernel: computes `R` outputs at `y` from `R` rows starting at `w`
+/// (row stride `rb` bytes) and `x` (`k` elements).
+type RowKernel = unsafe fn(*const u8, usize, usize, *const f32, *mut f32);
+
+/// Runs `k4` over groups of 4 rows and `k1` over the remaining rows.
+///
+/// # Safety
+/// Features available; `w.len() >= y.len() * rb`, `x.len() == k`, and the
+/// kernels read at most `rb` bytes per row and `k` elements of `x`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn gemv_rows(
+    w: &[u8],
+    rb: usize,
+    k: usize,
+    x: &[f32],
+    y: &mut [f32],
+    k4: RowKernel,
+    k1: RowKernel,
+) {
+    let n = y.len();
+    let (wp, xp, yp) = (w.as_ptr(), x.as_ptr(), y.as_mut_ptr());
+    let mut r = 0;
+    while r + 4 <= n {
+        // SAFETY: rows r..r+4 lie within `w` (r + 4 <= n) and outputs
+        // r..r+4 within `y`.
+        unsafe { k4(wp.add(r * rb), rb, k, xp, yp.add(r)) };
+        r += 4;
+    }
+    while r < n {
+        // SAFETY: row r < n lies within `w`, output r within `y`.
+        unsafe { k1(wp.add(r * rb), rb, k, xp, yp.add(r)) };
+        r += 1;
+    }
+}
+
+/// Q4_0 (`Q41 == false`) or Q4_1 rows.
+///
+/// # Safety
+/// `R` rows of `k / 32` blocks at `w` (stride `rb`), `k` floats at `x`,
+/// `R` writable floats at `y`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn q4_rows<const R: usize, const Q41: bool>(
+    w: *const u8,
+    rb: usize,
+    k: usize,
+    x: *const f32,
+    y: *mut f32,
+) {
+    let (bs, qoff) = if Q41 { (20, 4) } else { (18, 2) };
+    let nb = k / QK;
+    let tbl = nibble_table(Q41);
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in 0..nb {
+        // SAFETY: b < nb, so x[b*32 .. b*32+32] is in bounds, and each row's
+        // block b (bytes b*bs .. b*bs+bs <= rb) is in bounds.
+        unsafe {
+            let xb = x.add(b * QK);
+            let x0 = _mm512_loadu_ps(xb);
+            let x1 = _mm512_loadu_ps(xb.add(16));
+            let s = if Q41 { _mm512_add_ps(x0, x1) } else { x0 };
+            for (r, a) in acc.iter_mut().enumerate() {
+                let p = w.add(r * rb + b * bs);
+                let d = bcast_f16(p);
+                // byte j -> lane j; low nibble = element j, high = j + 16.
+                let bw = widen_u8(p.add(qoff));
+                let lo = _mm512_permutexvar_ps(bw, tbl);
+                let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(bw), tbl);
+                let t = _mm512_fmadd_ps(hi, x1, _mm512_mul_ps(lo, x0));
+                *a = _mm512_fmadd_ps(d, t, *a);
+                if Q41 {
+                    *a = _mm512_fmadd_ps(bcast_f16(p.add(2)), s, *a);
+                }
+            }
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        // SAFETY: r < R outputs are writable.
+        unsafe { *y.add(r) = _mm512_reduce_add_ps(*a) };
+    }
+}
+
+/// Q8_0 rows.
+///
+/// # Safety
+/// As for [`q4_rows`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn q8_rows<const R: usize>(w: *const u8, rb: usize, k: usize, x: *const f32, y: *mut f32) {
+    let nb = k / QK;
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in 0..nb {
+        // SAFETY: b < nb: x block and each row's 34-byte block are in bounds.
+        unsafe {
+            let xb = x.add(b * QK);
+            let x0 = _mm512_loadu_ps(xb);
+            let x1 = _mm512_loadu_ps(xb.add(16));
+            for (r, a) in acc.iter_mut().enumerate() {
+                let p = w.add(r * rb + b * 34);
+                let d = bcast_f16(p);
+                let q0 = _mm512_cvtepi32_ps(widen_i8(p.add(2)));
+                let q1 = _mm512_cvtepi32_ps(widen_i8(p.add(18)));
+                let t = _mm512_fmadd_ps(q1, x1, _mm512_mul_ps(q0, x0));
+                *a = _mm512_fmadd_ps(d, t, *a);
+            }
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        // SAFETY: r < R outputs are writable.
+        unsafe { *y.add(r) = _mm512_reduce_add_ps(*a) };
+    }
+}
+
+/// F32/F16/BF16 rows (any `k`; the tail uses masked loads).
+///
+/// # Safety
+/// `R` rows of `k` elements at `w` (stride `rb` bytes), `k` floats at `x`,
+/// `R` writable floats at `y`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn float_rows<const R: usize, const T: u8>(
+    w: *const u8,
+    rb: usize,
+    k: usize,
+    x: *const f32,
+    y: *mut f32,
+) {
+    // Two accumulators per row: 2*R independent FMA chains.
+    let mut acc0 = [_mm512_setzero_ps(); R];
+    let mut acc1 = [_mm512_setzero_ps(); R];
+    let mut i = 0;
+    while i + 32 <= k {
+        // SAFETY: elements i..i+32 < k of x and of each row r < R.
+        unsafe {
+            let x0 = _mm512_loadu_ps(x.add(i));
+            let x1 = _mm512_loadu_ps(x.add(i + 16));
+            for r in 0..R {
+                let p = w.add(r * rb);
+                acc0[r] = _mm512_fmadd_ps(load16::<T>(p, i, 0xFFFF), x0, acc0[r]);
+                acc1[r] = _mm512_fmadd_ps(load16::<T>(p, i + 16, 0xFFFF), x1, acc1[r]);
+            }
+        }
+        i += 32;
+    }
+    while i < k {
+        let m = first(k - i);
+        // SAFETY: the mask selects only elements i..min(i+16, k).
+        unsafe {
+            let x0 = _mm512_maskz_loadu_ps(m, x.add(i));
+            for r in 0..R {
+                acc0[r] = _mm512_fmadd_ps(load16::<T>(w.add(r * rb), i, m), x0, acc0[r]);
+            }
+        }
+        i += 16;
+    }
+    for r in 0..R {
+        // SAFETY: r < R outputs are writable.
+        unsafe { *y.add(r) = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r])) };
+    }
+}
+
+// ------------------------------------------------------------- DEQUANT ---
+
+/// # Safety
+/// AVX-512 F/BW/VL + AVX2/FMA/F16C available;
+/// `src.len() == row_bytes(dtype, k)`, `out.len() == k`.
+///
+/// Results are bit-identical to the scalar path (same operations, one
+/// rounding each).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub(super) unsafe fn dequant_row(dtype: DType, src: &[u8], k: usize, out: &mut [f32]) {
+    debug_assert!(src.len() == row_bytes(dtype, k) && out.len() == k);
+    let (s, o) = (src.as_ptr(), out.as_mut_ptr());
+    let nb = k / QK;
+    // SAFETY (all arms): block b < nb lies inside `src` and writes go to
+    // out[b*32 .. b*32+32] with b*32+32 <= k; float types touch (masked)
+    // elements < k only.
+    unsafe {
+        match dtype {
+            DType::Q4_0 | DType::Q4_1 => {
+                let q41 = dtype == DType::Q4_1;
+                let (bs, qoff) = if q41 { (20, 4) } else { (18, 2) };
+                let tbl = nibble_table(q41);
+                for b in 0..nb {
+                    let p = s.add(b * bs);
+                    let d = bcast_f16(p);
+                    let bw = widen_u8(p.add(qoff));
+                    let mut lo = _mm512_mul_ps(d, _mm512_permutexvar_ps(bw, tbl));
+                    let mut hi =
+                        _mm512_mul_ps(d, _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(bw), tbl));
+                    if q41 {
+                        // multiply-then-add, like the scalar code.
+                        let m = bcast_f16(p.add(2));
+                        lo = _mm512_add_ps(lo, m);
+                        hi = _mm512_add_ps(hi, m);
+                    }
+                    _mm512_storeu_ps(o.add(b * QK), lo);
+                    _mm512_storeu_ps(o.add(b * QK + 16), hi);
+                }
+            }
+            DType::Q8_0 => {
+                for b in 0..nb {
+                    let p = s.add(b * 34);
+                    let d = bcast_f16(p);
+                    let q0 = _mm512_cvtepi32_ps(widen_i8(p.add(2)));
+                    let q1 = _mm512_cvtepi32_ps(widen_i8(p.add(18)));
+                    _mm512_storeu_ps(o.add(b * QK), _mm512_mul_ps(d, q0));
+                    _mm512_storeu_ps(o.add(b * QK + 16), _mm512_mul_ps(d, q1));
+                }
+            }
+            DType::F32 => dequant_float::<T_F32>(s, k, o),
+            DType::F16 => dequant_float::<T_F16>(s, k, o),
+            DType::BF16 => dequant_float::<T_BF16>(s, k, o),
+        }
+    }
+}
+
+/// # Safety
+/// `k` elements readable at `s`, `k` floats writable at `o`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn dequant_float<const T: u8>(s: *const u8, k: usize, o: *mut f32) {
+    let mut i = 0;
+    while i < k {
+        let m = first(k - i);
+        // SAFETY: the mask selects only elements i..min(i+16, k).
+        unsafe { _mm512_mask_storeu_ps(o.add(i), m, load16::<T>(s, i, m)) };
+        i += 16;
+    }
+}
+
+// ---------------------------------------------------------------- GEMM ---
+
+/// Micro-kernel: `c[i*ldc + j] += dot(a[i*lda..][..len], b[j*ldb..][..len])`
+/// for `i < mr <= 4`, `j < nt <= 4`.
+///
+/// # Safety
+/// AVX-512 available and the bounds verified by `super::check_tile`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub(super) unsafe fn tile(
+    a: &[f32],
+    lda: usize,
+    mr: usize,
+    b: &[f32],
+    ldb: usize,
+    nt: usize,
+    len: usize,
+    c: &mut [f32],
+    ldc: usize,
+) {
+    let (ap, bp, cp) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
+    macro_rules! go {
+        ($($m:literal, $n:literal);*) => {
+            match (mr, nt) {
+                // SAFETY: the caller verified the bounds for (mr, nt).
+                $(($m, $n) => unsafe { tile_k::<$m, $n>(ap, lda, bp, ldb, len, cp, ldc) },)*
+                _ => unreachable!("tile shape checked by caller"),
+            }
+        };
+    }
+    go!(4,4; 4,3; 4,2; 4,1; 3,4; 3,3; 3,2; 3,1; 2,4; 2,3; 2,2; 2,1; 1,4; 1,3; 1,2; 1,1);
+}
+
+/// # Safety
+/// `a[i*lda + l]`, `b[j*ldb + l]` readable and `c[i*ldc + j]` writable for
+/// `i < M`, `j < N`, `l < len`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn tile_k<const M: usize, const N: usize>(
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    ldb: usize,
+    len: usize,
+    c: *mut f32,
+    ldc: usize,
+) {
+    let mut acc = [[_mm512_setzero_ps(); N]; M];
+    let mut l = 0;
+    while l < len {
+        let m = first(len - l);
+        // SAFETY: the mask selects only offsets l..min(l+16, len), for rows
+        // i < M of a and j < N of b.
+        unsafe {
+            let mut bv = [_mm512_setzero_ps(); N];
+            for (j, v) in bv.iter_mut().enumerate() {
+                *v = _mm512_maskz_loadu_ps(m, b.add(j * ldb + l));
+            }
+            for (i, row) in acc.iter_mut().enumerate() {
+                let av = _mm512_maskz_loadu_ps(m, a.add(i * lda + l));
+                for (j, r) in row.iter_mut().enumerate() {
+                    *r = _mm512_fmadd_ps(av, bv[j], *r);
+                }
+            }
+        }
+        l += 16;
+    }
+    for (i, row) in acc.iter().enumerate() {
+        for (j, r) in row.iter().enumerate() {
+            // SAFETY: i < M, j < N: c[i*ldc + j] is writable.
+            unsafe { *c.add(i * ldc + j) += _mm512_reduce_add_ps(*r) };
+        }
+    }
+}

@@ -1,0 +1,166 @@
+//! Portable scalar kernels: always correct, used as the fallback and as the
+//! reference for the SIMD paths. Callers (in `mod.rs`) have already checked
+//! all lengths; slices are indexed normally here (no `unsafe`).
+
+use super::{QK, bf16_at, f16_at};
+use akunu_core::dtype::DType;
+
+pub(super) fn dequant_row(dtype: DType, src: &[u8], k: usize, out: &mut [f32]) {
+    let out = &mut out[..k];
+    match dtype {
+        DType::F32 => {
+            for (o, b) in out.iter_mut().zip(src.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        DType::F16 => {
+            for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
+                *o = f16_at(b);
+            }
+        }
+        DType::BF16 => {
+            for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
+                *o = bf16_at(b);
+            }
+        }
+        DType::Q4_0 => {
+            for (o, blk) in out.chunks_exact_mut(QK).zip(src.chunks_exact(18)) {
+                let d = f16_at(blk);
+                for j in 0..16 {
+                    let q = blk[2 + j];
+                    o[j] = d * ((q & 0xF) as i32 - 8) as f32;
+                    o[j + 16] = d * ((q >> 4) as i32 - 8) as f32;
+                }
+            }
+        }
+        DType::Q4_1 => {
+            for (o, blk) in out.chunks_exact_mut(QK).zip(src.chunks_exact(20)) {
+                let d = f16_at(blk);
+                let m = f16_at(&blk[2..]);
+                for j in 0..16 {
+                    let q = blk[4 + j];
+                    o[j] = d * (q & 0xF) as f32 + m;
+                    o[j + 16] = d * (q >> 4) as f32 + m;
+                }
+            }
+        }
+        DType::Q8_0 => {
+            for (o, blk) in out.chunks_exact_mut(QK).zip(src.chunks_exact(34)) {
+                let d = f16_at(blk);
+                for j in 0..QK {
+                    o[j] = d * (blk[2 + j] as i8) as f32;
+                }
+            }
+        }
+    }
+}
+
+/// Dot product of one row (exactly `row_bytes(dtype, k)` bytes) with `x`.
+fn dot_row(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
+    match dtype {
+        DType::F32 => row
+            .chunks_exact(4)
+            .zip(x)
+            .map(|(b, &xv)| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) * xv)
+            .sum(),
+        DType::F16 => row
+            .chunks_exact(2)
+            .zip(x)
+            .map(|(b, &xv)| f16_at(b) * xv)
+            .sum(),
+        DType::BF16 => row
+            .chunks_exact(2)
+            .zip(x)
+            .map(|(b, &xv)| bf16_at(b) * xv)
+            .sum(),
+        DType::Q4_0 => {
+            let mut acc = 0f32;
+            for (blk, xb) in row.chunks_exact(18).zip(x.chunks_exact(QK)) {
+                let mut s = 0f32;
+                for j in 0..16 {
+                    let q = blk[2 + j];
+                    s += ((q & 0xF) as i32 - 8) as f32 * xb[j];
+                    s += ((q >> 4) as i32 - 8) as f32 * xb[j + 16];
+                }
+                acc += f16_at(blk) * s;
+            }
+            acc
+        }
+        DType::Q4_1 => {
+            let mut acc = 0f32;
+            for (blk, xb) in row.chunks_exact(20).zip(x.chunks_exact(QK)) {
+                let mut s = 0f32;
+                let mut sx = 0f32;
+                for j in 0..16 {
+                    let q = blk[4 + j];
+                    s += (q & 0xF) as f32 * xb[j];
+                    s += (q >> 4) as f32 * xb[j + 16];
+                    sx += xb[j] + xb[j + 16];
+                }
+                acc += f16_at(blk) * s + f16_at(&blk[2..]) * sx;
+            }
+            acc
+        }
+        DType::Q8_0 => {
+            let mut acc = 0f32;
+            for (blk, xb) in row.chunks_exact(34).zip(x.chunks_exact(QK)) {
+                let mut s = 0f32;
+                for j in 0..QK {
+                    s += (blk[2 + j] as i8) as f32 * xb[j];
+                }
+                acc += f16_at(blk) * s;
+            }
+            acc
+        }
+    }
+}
+
+/// `w.len() == y.len() * row_bytes(dtype, k)`, `x.len() == k` (checked by caller).
+pub(super) fn gemv(dtype: DType, w: &[u8], k: usize, x: &[f32], y: &mut [f32]) {
+    let rb = super::row_bytes(dtype, k);
+    if rb == 0 {
+        y.fill(0.0);
+        return;
+    }
+    for (yv, row) in y.iter_mut().zip(w.chunks_exact(rb)) {
+        *yv = dot_row(dtype, row, x);
+    }
+}
+
+/// `c[i*ldc + j] += dot(a[i*lda..][..len], b[j*ldb..][..len])` for `i < mr`,
+/// `j < nt` (bounds checked by the caller).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn tile(
+    a: &[f32],
+    lda: usize,
+    mr: usize,
+    b: &[f32],
+    ldb: usize,
+    nt: usize,
+    len: usize,
+    c: &mut [f32],
+    ldc: usize,
+) {
+    for i in 0..mr {
+        let ar = &a[i * lda..i * lda + len];
+        for j in 0..nt {
+            let br = &b[j * ldb..j * ldb + len];
+            // Four partial sums: shorter dependency chains, slightly better
+            // rounding than one running sum.
+            let mut s = [0f32; 4];
+            let mut ca = ar.chunks_exact(4);
+            let mut cb = br.chunks_exact(4);
+            for (p, q) in (&mut ca).zip(&mut cb) {
+                s[0] += p[0] * q[0];
+                s[1] += p[1] * q[1];
+                s[2] += p[2] * q[2];
+                s[3] += p[3] * q[3];
+            }
+            let mut t = (s[0] + s[1]) + (s[2] + s[3]);
+            for (p, q) in ca.remainder().iter().zip(cb.remainder()) {
+                t += p * q;
+            }
+            c[i * ldc + j] += t;
+        }
+    }
+}
