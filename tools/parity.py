@@ -36,7 +36,11 @@ import sys
 import tempfile
 import time
 
-import numpy as np
+# environment for the engine subprocesses, captured before we tune BLAS threads
+ENGINE_ENV = dict(os.environ)
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # see reference.py
+
+import numpy as np  # noqa: E402
 
 TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TOOLS_DIR)
@@ -157,19 +161,24 @@ def reference_results(model: str, prompts, n_greedy: int, cache_dir: str | None)
     return res
 
 
+def fmt_cmd(cmd: list[str]) -> str:
+    """Command line for messages, with very long arguments (id lists) shortened."""
+    return " ".join(c if len(c) <= 60 else f"{c[:40]}...({len(c)} chars)" for c in cmd)
+
+
 def run_engine(cmd: list[str], timeout: float) -> tuple[bool, str, str]:
     """Run the engine; returns (ok, stdout, error message)."""
     try:
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout)
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout, env=ENGINE_ENV)
     except subprocess.TimeoutExpired:
-        return False, "", f"timed out after {timeout:.0f}s: {' '.join(cmd)}"
+        return False, "", f"timed out after {timeout:.0f}s: {fmt_cmd(cmd)}"
     except OSError as e:
         return False, "", f"could not run {cmd[0]}: {e}"
     out = p.stdout.decode("utf-8", errors="replace")
     if p.returncode != 0:
         err = p.stderr.decode("utf-8", errors="replace").strip().splitlines()
         tail = " | ".join(err[-5:])
-        return False, out, f"exit status {p.returncode}: {' '.join(cmd)} ; stderr: {tail}"
+        return False, out, f"exit status {p.returncode}: {fmt_cmd(cmd)} ; stderr: {tail}"
     return True, out, ""
 
 

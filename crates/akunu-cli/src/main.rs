@@ -32,6 +32,8 @@ enum Cmd {
     Bench(bench::BenchArgs),
     /// Evaluate a prompt and write the logits of its last position (raw little-endian f32).
     Eval(EvalArgs),
+    /// Download the default model now (if not cached) and print its path.
+    Fetch,
 }
 
 #[derive(Args)]
@@ -117,6 +119,7 @@ fn main() {
         Cmd::Inspect(a) => inspect::run(a),
         Cmd::Bench(a) => bench::run(a),
         Cmd::Eval(a) => eval(a),
+        Cmd::Fetch => fetch(),
     };
     if let Err(e) = r {
         eprintln!("akunu: error: {e:#}");
@@ -259,5 +262,11 @@ fn eval(a: EvalArgs) -> Result<()> {
     let logits = engine.eval_logits(&ids)?;
     let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
     std::fs::write(&a.out, bytes).with_context(|| format!("writing {}", a.out.display()))?;
+    Ok(())
+}
+
+fn fetch() -> Result<()> {
+    let path = akunu_core::fetch::ensure_default_model(&mut |msg| eprintln!("akunu: {msg}"))?;
+    println!("{}", path.display());
     Ok(())
 }

@@ -115,7 +115,12 @@ pub struct Engine {
     pending: Option<u32>,
     /// Every token of the sequence so far (fed ones and the pending one).
     history: Vec<u32>,
+    /// Receives the logits behind every generated token (tests, tools).
+    probe: Option<LogitsProbe>,
 }
+
+/// A callback given the logits from which each generated token was chosen.
+pub type LogitsProbe = Box<dyn FnMut(&[f32]) + Send>;
 
 impl Engine {
     pub fn new(
@@ -209,7 +214,14 @@ impl Engine {
             pos: 0,
             pending: None,
             history: Vec::new(),
+            probe: None,
         })
+    }
+
+    /// Installs (or removes) a callback that sees the logits of every
+    /// generated token. It costs a logits read-back per token.
+    pub fn set_logits_probe(&mut self, probe: Option<LogitsProbe>) {
+        self.probe = probe;
     }
 
     pub fn table(&self) -> &DispatchTable {
@@ -343,6 +355,12 @@ impl Engine {
         if opts.max_tokens == 0 {
             return Ok(stats);
         }
+        if let Some(probe) = self.probe.as_mut() {
+            let l =
+                self.backend
+                    .read_f32s(self.scratch.logits, 0, model.config.n_vocab as usize)?;
+            probe(&l);
+        }
 
         let mut stream = tok.stream();
         let is_stop = |id: u32| !opts.ignore_eos && tok.is_eog(id);
@@ -384,11 +402,18 @@ impl Engine {
             let n = self.chunk.min(want).min(room);
             self.backend
                 .write(self.scratch.token_ids, 0, &input.to_le_bytes())?;
-            let conveyor = self.scratch.token_ids;
-            let (history, pending) = (&mut self.history, &mut self.pending);
+            let (conveyor, logits) = (self.scratch.token_ids, self.scratch.logits);
+            let (history, pending, probe) = (&mut self.history, &mut self.pending, &mut self.probe);
+            let n_vocab = model.config.n_vocab as usize;
             let mut stepped = 0u32;
             let mut hook = |s: u32, bufs: &dyn BufferRead| -> bool {
                 stepped = s + 1;
+                if let Some(p) = probe.as_mut() {
+                    match bufs.read_f32s(logits, 0, n_vocab) {
+                        Ok(l) => p(&l),
+                        Err(_) => return false,
+                    }
+                }
                 match bufs.read_u32(conveyor, s as u64 + 1) {
                     Ok(id) => {
                         going = emit(id, &mut stats, history, pending);

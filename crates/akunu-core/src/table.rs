@@ -269,3 +269,99 @@ impl<'t> CmdBuilder<'t> {
         table.labels.push(label);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::{AttnParams, KernelId};
+    use bytemuck::Zeroable;
+    use std::mem::offset_of;
+
+    fn u32_at(c: &DispatchCmd, off: usize) -> u32 {
+        u32::from_le_bytes(c.params[off..off + 4].try_into().unwrap())
+    }
+
+    #[test]
+    fn every_patch_type_rewrites_its_fields() {
+        let mut t = DispatchTable::default();
+        let p = AttnParams::zeroed();
+        let (o_pos, o_kv) = (offset_of!(AttnParams, pos), offset_of!(AttnParams, kv_len));
+        for patch in PatchType::ALL {
+            let (a, b) = match patch {
+                PatchType::PosAndKv => (o_pos, o_kv),
+                PatchType::KvSeqLen => (o_kv, 0),
+                _ => (o_pos, 0),
+            };
+            CmdBuilder::new(&mut t, KernelId::Attention, 1)
+                .buf(7, 100)
+                .buf(8, 200)
+                .params(&p)
+                .patch(patch, a, b)
+                .label(patch.name())
+                .emit();
+        }
+        let step = StepInfo {
+            pos: 40,
+            tok: 3,
+            rows: 1,
+        };
+        for (i, cmd) in t.commands.iter().enumerate() {
+            let mut c = *cmd;
+            c.apply_patch(&step);
+            assert_eq!(t.label(i), cmd.patch.name());
+            match cmd.patch {
+                PatchType::None => {
+                    assert_eq!(c.params, cmd.params);
+                    assert_eq!(c.buffers, cmd.buffers);
+                }
+                PatchType::TokenOffset => {
+                    assert_eq!(c.buffers[0].offset, 12);
+                    assert_eq!(c.buffers[1].offset, 200);
+                }
+                PatchType::Position => assert_eq!(u32_at(&c, o_pos), 40),
+                PatchType::KvSeqLen => {
+                    assert_eq!(u32_at(&c, o_kv), 41);
+                    assert_eq!(u32_at(&c, o_pos), 0);
+                }
+                PatchType::PosAndKv => {
+                    assert_eq!(u32_at(&c, o_pos), 40);
+                    assert_eq!(u32_at(&c, o_kv), 41);
+                }
+                PatchType::ArgmaxOutput => {
+                    assert_eq!(c.buffers[1].offset, 16);
+                    assert_eq!(c.buffers[0].offset, 100);
+                }
+            }
+        }
+        // Prefill steps: several rows; kv_len covers them all and the
+        // argmax lands after the last row.
+        let step = StepInfo {
+            pos: 10,
+            tok: 0,
+            rows: 5,
+        };
+        let mut c = t.commands[4];
+        c.apply_patch(&step);
+        assert_eq!(u32_at(&c, o_kv), 15);
+        let mut c = t.commands[5];
+        c.apply_patch(&step);
+        assert_eq!(c.buffers[1].offset, 20);
+    }
+
+    #[test]
+    fn labels_stay_parallel_and_commands_stay_plain() {
+        let mut t = DispatchTable::default();
+        CmdBuilder::new(&mut t, KernelId::Argmax, 1)
+            .label("a")
+            .emit();
+        CmdBuilder::new(&mut t, KernelId::Argmax, 1).emit();
+        assert_eq!(t.labels.len(), t.commands.len());
+        assert_eq!(t.label(0), "a");
+        assert_eq!(t.label(1), "");
+        assert_eq!(t.label(9), "");
+        // The hot array holds no pointers: each command is a small Copy value.
+        fn is_copy<T: Copy>() {}
+        is_copy::<DispatchCmd>();
+        assert!(std::mem::size_of::<DispatchCmd>() <= 256);
+    }
+}

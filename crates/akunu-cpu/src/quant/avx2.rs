@@ -21,6 +21,14 @@ fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+/// Horizontal sums of four vectors: `[sum(a0), sum(a1), sum(a2), sum(a3)]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum4(a0: __m256, a1: __m256, a2: __m256, a3: __m256) -> __m128 {
+    let h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h))
+}
+
 /// The f16 at `p` (2 bytes, unaligned) converted and broadcast to 8 lanes.
 ///
 /// # Safety
@@ -55,6 +63,18 @@ unsafe fn widen_i8(p: *const u8) -> __m256i {
     _mm256_cvtepi8_epi32(unsafe { _mm_loadl_epi64(p as *const __m128i) })
 }
 
+/// Software prefetch distance (bytes ahead in each weight row stream).
+const PF_DIST: usize = 1024;
+
+/// Prefetch hint for the cache line holding `p`; never faults, so `p` may
+/// point past the end of the weights (it is only formed with wrapping_add).
+#[inline(always)]
+fn prefetch(p: *const u8) {
+    // SAFETY: prefetch is a hint: it performs no architectural memory
+    // access and cannot fault, whatever the address.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
+}
+
 const T_F32: u8 = 0;
 const T_F16: u8 = 1;
 const T_BF16: u8 = 2;
@@ -66,7 +86,7 @@ const T_BF16: u8 = 2;
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn load8<const T: u8>(p: *const u8, i: usize) -> __m256 {
-    // SAFETY (all arms): the caller guarantees elements i..i+8 are in
+    // SAFETY: (all arms) the caller guarantees elements i..i+8 are in
     // bounds; all loads are unaligned-tolerant.
     unsafe {
         match T {
@@ -217,6 +237,7 @@ unsafe fn q4_rows<const R: usize, const Q41: bool>(
             };
             for (r, a) in acc.iter_mut().enumerate() {
                 let p = w.add(r * rb + b * bs);
+                prefetch(p.wrapping_add(PF_DIST));
                 let d = bcast_f16(p);
                 // bytes 0..8 -> lanes: low nibbles = elements 0..8,
                 // high nibbles = elements 16..24; bytes 8..16 likewise.
@@ -265,6 +286,7 @@ unsafe fn q8_rows<const R: usize>(w: *const u8, rb: usize, k: usize, x: *const f
             let x3 = _mm256_loadu_ps(xb.add(24));
             for (r, a) in acc.iter_mut().enumerate() {
                 let p = w.add(r * rb + b * 34);
+                prefetch(p.wrapping_add(PF_DIST));
                 let d = bcast_f16(p);
                 let q0 = _mm256_cvtepi32_ps(widen_i8(p.add(2)));
                 let q1 = _mm256_cvtepi32_ps(widen_i8(p.add(10)));
@@ -289,6 +311,7 @@ unsafe fn q8_rows<const R: usize>(w: *const u8, rb: usize, k: usize, x: *const f
 /// # Safety
 /// `R` rows of `k` elements at `w` (stride `rb` bytes), `k` floats at `x`,
 /// `R` writable floats at `y`.
+#[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn float_rows<const R: usize, const T: u8>(
     w: *const u8,
@@ -301,9 +324,8 @@ unsafe fn float_rows<const R: usize, const T: u8>(
     let mut acc0 = [_mm256_setzero_ps(); R];
     let mut acc1 = [_mm256_setzero_ps(); R];
     let mut i = 0;
-    // SAFETY (all blocks below): every load covers elements < k of x and
-    // of a row r < R, as guaranteed by the loop bounds.
     while i + 16 <= k {
+        // SAFETY: elements i..i+16 < k of x and of each row r < R.
         unsafe {
             let x0 = _mm256_loadu_ps(x.add(i));
             let x1 = _mm256_loadu_ps(x.add(i + 8));
@@ -316,6 +338,7 @@ unsafe fn float_rows<const R: usize, const T: u8>(
         i += 16;
     }
     if i + 8 <= k {
+        // SAFETY: elements i..i+8 < k of x and of each row r < R.
         unsafe {
             let x0 = _mm256_loadu_ps(x.add(i));
             for r in 0..R {
@@ -327,8 +350,10 @@ unsafe fn float_rows<const R: usize, const T: u8>(
     for r in 0..R {
         let mut s = hsum(_mm256_add_ps(acc0[r], acc1[r]));
         for j in i..k {
+            // SAFETY: j < k, r < R.
             unsafe { s += load1::<T>(w.add(r * rb), j) * *x.add(j) };
         }
+        // SAFETY: r < R outputs are writable.
         unsafe { *y.add(r) = s };
     }
 }
@@ -347,7 +372,7 @@ pub(super) unsafe fn dequant_row(dtype: DType, src: &[u8], k: usize, out: &mut [
     let (s, o) = (src.as_ptr(), out.as_mut_ptr());
     let nb = k / QK;
     let mask = _mm256_set1_epi32(0xF);
-    // SAFETY (all arms): block b < nb lies inside `src` (b * block_bytes +
+    // SAFETY: (all arms) block b < nb lies inside `src` (b * block_bytes +
     // block_bytes <= src.len()) and writes go to out[b*32 .. b*32+32] with
     // b*32+32 <= k; float types touch elements < k only.
     unsafe {
@@ -466,9 +491,8 @@ unsafe fn tile_k<const M: usize, const N: usize>(
 ) {
     let mut acc = [[_mm256_setzero_ps(); N]; M];
     let mut l = 0;
-    // SAFETY (all blocks): l + 8 <= len in the vector loop and l < len in
-    // the scalar tail, with i < M and j < N as required above.
     while l + 8 <= len {
+        // SAFETY: l + 8 <= len, rows i < M of a and j < N of b.
         unsafe {
             let mut bv = [_mm256_setzero_ps(); N];
             for (j, v) in bv.iter_mut().enumerate() {
@@ -484,12 +508,19 @@ unsafe fn tile_k<const M: usize, const N: usize>(
         l += 8;
     }
     for (i, row) in acc.iter().enumerate() {
-        for (j, r) in row.iter().enumerate() {
-            let mut s = hsum(*r);
+        // Reduce the (up to 4) accumulators of this row together.
+        let z = _mm256_setzero_ps();
+        let v = |j: usize| if j < N { row[j] } else { z };
+        let mut sums = [0f32; 4];
+        // SAFETY: `sums` has room for 4 floats.
+        unsafe { _mm_storeu_ps(sums.as_mut_ptr(), hsum4(v(0), v(1), v(2), v(3))) };
+        for (j, s) in sums.iter_mut().take(N).enumerate() {
             for t in l..len {
-                unsafe { s += *a.add(i * lda + t) * *b.add(j * ldb + t) };
+                // SAFETY: t < len, i < M, j < N.
+                unsafe { *s += *a.add(i * lda + t) * *b.add(j * ldb + t) };
             }
-            unsafe { *c.add(i * ldc + j) += s };
+            // SAFETY: i < M, j < N: c[i*ldc + j] is writable.
+            unsafe { *c.add(i * ldc + j) += *s };
         }
     }
 }

@@ -16,6 +16,23 @@ use super::{QK, row_bytes};
 use akunu_core::dtype::DType;
 use core::arch::x86_64::*;
 
+/// 512 -> 256 bits: lane-wise sum of the two halves.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn fold256(a: __m512) -> __m256 {
+    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)));
+    _mm256_add_ps(_mm512_castps512_ps256(a), hi)
+}
+
+/// Horizontal sums of four vectors: `[sum(a0), sum(a1), sum(a2), sum(a3)]`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn hsum4(a0: __m512, a1: __m512, a2: __m512, a3: __m512) -> __m128 {
+    let (a0, a1, a2, a3) = (fold256(a0), fold256(a1), fold256(a2), fold256(a3));
+    let h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h))
+}
+
 /// The f16 at `p` (2 bytes, unaligned) converted and broadcast to 16 lanes.
 ///
 /// # Safety
@@ -64,6 +81,18 @@ fn nibble_table(q41: bool) -> __m512 {
     }
 }
 
+/// Software prefetch distance (bytes ahead in each weight row stream).
+const PF_DIST: usize = 1024;
+
+/// Prefetch hint for the cache line holding `p`; never faults, so `p` may
+/// point past the end of the weights (it is only formed with wrapping_add).
+#[inline(always)]
+fn prefetch(p: *const u8) {
+    // SAFETY: prefetch is a hint: it performs no architectural memory
+    // access and cannot fault, whatever the address.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
+}
+
 const T_F32: u8 = 0;
 const T_F16: u8 = 1;
 const T_BF16: u8 = 2;
@@ -76,7 +105,7 @@ const T_BF16: u8 = 2;
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn load16<const T: u8>(p: *const u8, i: usize, mask: __mmask16) -> __m512 {
-    // SAFETY (all arms): masked loads only access the selected elements,
+    // SAFETY: (all arms) masked loads only access the selected elements,
     // which the caller guarantees are in bounds; unaligned is fine.
     unsafe {
         match T {
@@ -210,6 +239,7 @@ unsafe fn q4_rows<const R: usize, const Q41: bool>(
             let s = if Q41 { _mm512_add_ps(x0, x1) } else { x0 };
             for (r, a) in acc.iter_mut().enumerate() {
                 let p = w.add(r * rb + b * bs);
+                prefetch(p.wrapping_add(PF_DIST));
                 let d = bcast_f16(p);
                 // byte j -> lane j; low nibble = element j, high = j + 16.
                 let bw = widen_u8(p.add(qoff));
@@ -245,6 +275,7 @@ unsafe fn q8_rows<const R: usize>(w: *const u8, rb: usize, k: usize, x: *const f
             let x1 = _mm512_loadu_ps(xb.add(16));
             for (r, a) in acc.iter_mut().enumerate() {
                 let p = w.add(r * rb + b * 34);
+                prefetch(p.wrapping_add(PF_DIST));
                 let d = bcast_f16(p);
                 let q0 = _mm512_cvtepi32_ps(widen_i8(p.add(2)));
                 let q1 = _mm512_cvtepi32_ps(widen_i8(p.add(18)));
@@ -264,6 +295,7 @@ unsafe fn q8_rows<const R: usize>(w: *const u8, rb: usize, k: usize, x: *const f
 /// # Safety
 /// `R` rows of `k` elements at `w` (stride `rb` bytes), `k` floats at `x`,
 /// `R` writable floats at `y`.
+#[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn float_rows<const R: usize, const T: u8>(
     w: *const u8,
@@ -319,7 +351,7 @@ pub(super) unsafe fn dequant_row(dtype: DType, src: &[u8], k: usize, out: &mut [
     debug_assert!(src.len() == row_bytes(dtype, k) && out.len() == k);
     let (s, o) = (src.as_ptr(), out.as_mut_ptr());
     let nb = k / QK;
-    // SAFETY (all arms): block b < nb lies inside `src` and writes go to
+    // SAFETY: (all arms) block b < nb lies inside `src` and writes go to
     // out[b*32 .. b*32+32] with b*32+32 <= k; float types touch (masked)
     // elements < k only.
     unsafe {
@@ -424,8 +456,15 @@ unsafe fn tile_k<const M: usize, const N: usize>(
 ) {
     let mut acc = [[_mm512_setzero_ps(); N]; M];
     let mut l = 0;
-    while l < len {
-        let m = first(len - l);
+    loop {
+        // Full vectors, then one masked step for the tail (if any).
+        let m = if l + 16 <= len {
+            0xFFFF
+        } else if l < len {
+            first(len - l)
+        } else {
+            break;
+        };
         // SAFETY: the mask selects only offsets l..min(l+16, len), for rows
         // i < M of a and j < N of b.
         unsafe {
@@ -443,9 +482,15 @@ unsafe fn tile_k<const M: usize, const N: usize>(
         l += 16;
     }
     for (i, row) in acc.iter().enumerate() {
-        for (j, r) in row.iter().enumerate() {
+        // Reduce the (up to 4) accumulators of this row together.
+        let z = _mm512_setzero_ps();
+        let v = |j: usize| if j < N { row[j] } else { z };
+        let mut sums = [0f32; 4];
+        // SAFETY: `sums` has room for 4 floats.
+        unsafe { _mm_storeu_ps(sums.as_mut_ptr(), hsum4(v(0), v(1), v(2), v(3))) };
+        for (j, s) in sums.iter().take(N).enumerate() {
             // SAFETY: i < M, j < N: c[i*ldc + j] is writable.
-            unsafe { *c.add(i * ldc + j) += _mm512_reduce_add_ps(*r) };
+            unsafe { *c.add(i * ldc + j) += *s };
         }
     }
 }

@@ -137,7 +137,7 @@ pub fn simd_level() -> &'static str {
 pub fn row_bytes(dtype: DType, k: usize) -> usize {
     let be = dtype.block_elems();
     assert!(
-        k % be == 0,
+        k.is_multiple_of(be),
         "row of {k} elements is not a whole number of {dtype} blocks"
     );
     (k / be) * dtype.block_bytes()
@@ -154,12 +154,12 @@ pub(crate) fn dequant_row_with(lvl: Level, dtype: DType, src: &[u8], k: usize, o
     assert_eq!(out.len(), k, "dequant_row: out length");
     match lvl {
         Level::Scalar => scalar::dequant_row(dtype, src, k, out),
+        #[cfg(target_arch = "x86_64")]
         // SAFETY: the level is only constructed when the CPU supports its
         // features (`supported_levels`); lengths were checked just above.
-        #[cfg(target_arch = "x86_64")]
         Level::Avx2 => unsafe { avx2::dequant_row(dtype, src, k, out) },
-        // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
         Level::Avx512 => unsafe { avx512::dequant_row(dtype, src, k, out) },
         #[cfg(target_arch = "aarch64")]
         Level::Neon => scalar::dequant_row(dtype, src, k, out),
@@ -181,12 +181,12 @@ pub(crate) fn gemv_with(lvl: Level, dtype: DType, w: &[u8], k: usize, x: &[f32],
     let w = &w[..need];
     match lvl {
         Level::Scalar => scalar::gemv(dtype, w, k, x, y),
+        #[cfg(target_arch = "x86_64")]
         // SAFETY: the level is only constructed when the CPU supports its
         // features; `w.len() == y.len() * rb` and `x.len() == k` hold.
-        #[cfg(target_arch = "x86_64")]
         Level::Avx2 => unsafe { avx2::gemv(dtype, w, k, x, y) },
-        // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
         Level::Avx512 => unsafe { avx512::gemv(dtype, w, k, x, y) },
         #[cfg(target_arch = "aarch64")]
         Level::Neon => neon::gemv(dtype, w, k, x, y),
@@ -200,10 +200,10 @@ pub fn gemm(dtype: DType, w: &[u8], k: usize, n_rows: usize, x: &[f32], n_x: usi
 }
 
 /// Weight rows dequantized together into the scratch panel.
-const PANEL_ROWS: usize = 16;
+const PANEL_ROWS: usize = 8;
 /// Columns (elements of `k`) per scratch chunk; a multiple of 32 so chunks
 /// start on block boundaries. PANEL_ROWS * KC * 4 B = 16 KiB (L1-resident).
-const KC: usize = 256;
+const KC: usize = 512;
 
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm_with(
@@ -330,12 +330,12 @@ fn tile_with(
     check_tile(a, lda, mr, b, ldb, nt, len, c, ldc, tile_shape(lvl));
     match lvl {
         Level::Scalar => scalar::tile(a, lda, mr, b, ldb, nt, len, c, ldc),
+        #[cfg(target_arch = "x86_64")]
         // SAFETY: the CPU supports the level's features; `check_tile`
         // verified every index the kernel touches is in bounds.
-        #[cfg(target_arch = "x86_64")]
         Level::Avx2 => unsafe { avx2::tile(a, lda, mr, b, ldb, nt, len, c, ldc) },
-        // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
         Level::Avx512 => unsafe { avx512::tile(a, lda, mr, b, ldb, nt, len, c, ldc) },
         #[cfg(target_arch = "aarch64")]
         Level::Neon => neon::tile(a, lda, mr, b, ldb, nt, len, c, ldc),
@@ -509,7 +509,7 @@ mod tests {
             for dtype in ALL {
                 let mut ks = vec![32, 64, 576, 1536, 2048];
                 if dtype.block_elems() == 1 {
-                    ks.extend([1, 7, 33, 300]);
+                    ks.extend([1, 7, 33, 300, 1100]);
                 }
                 for &k in &ks {
                     for rows in [1, 3, 7, 130] {
@@ -700,6 +700,8 @@ mod tests {
     #[test]
     fn level_names() {
         assert!(["avx512", "avx2+fma", "neon", "scalar"].contains(&simd_level()));
+        assert!(supported_levels().contains(&level()));
+        eprintln!("levels tested: {:?}", supported_levels());
         assert_eq!(row_bytes(DType::Q4_0, 64), 36);
         assert_eq!(row_bytes(DType::Q4_1, 64), 40);
         assert_eq!(row_bytes(DType::Q8_0, 64), 68);

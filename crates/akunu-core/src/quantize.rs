@@ -1,0 +1,479 @@
+//! f32 → storage-type row quantizers, bit-exact with GGML's reference
+//! (`quantize_row_*_ref`) quantizers, so that a file written here holds the
+//! same bytes llama.cpp's `llama-quantize` would write for the same floats.
+//!
+//! Layouts (little-endian, one block per 32 elements for the Q types):
+//! - Q8_0: `d: f16`, `qs: [i8; 32]`; x ≈ d·q.
+//! - Q4_0: `d: f16`, `qs: [u8; 16]`; element j in the low nibble of byte j,
+//!   element j+16 in its high nibble; x ≈ d·(q − 8).
+//! - Q4_1: `d: f16`, `m: f16`, `qs: [u8; 16]` (nibbles as Q4_0); x ≈ d·q + m.
+//! - F16 (IEEE half, round to nearest even) and BF16 (top 16 bits of the
+//!   f32, round to nearest even, NaN kept quiet), as GGML converts them.
+
+use crate::dtype::DType;
+use half::f16;
+
+/// Elements per block of the quantized types.
+pub const QK: usize = 32;
+
+#[derive(Debug, thiserror::Error)]
+pub enum QuantizeError {
+    #[error(
+        "cannot quantize {n} values to {dtype}: the count must be a multiple of its block size {block}"
+    )]
+    Length {
+        dtype: DType,
+        n: usize,
+        block: usize,
+    },
+    #[error("{n} values of {dtype} need {want} bytes, but the output buffer has {got}")]
+    Output {
+        dtype: DType,
+        n: usize,
+        want: usize,
+        got: usize,
+    },
+}
+
+/// Bytes that `n` values take in `dtype`, if `n` is a whole number of blocks.
+pub fn quantized_size(dtype: DType, n: usize) -> Result<usize, QuantizeError> {
+    let block = dtype.block_elems();
+    if n % block != 0 {
+        return Err(QuantizeError::Length { dtype, n, block });
+    }
+    Ok(n / block * dtype.block_bytes())
+}
+
+/// Converts `src` to `dtype` into `dst`, which must be exactly
+/// [`quantized_size`] bytes long.
+pub fn quantize_into(dtype: DType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantizeError> {
+    let want = quantized_size(dtype, src.len())?;
+    if dst.len() != want {
+        return Err(QuantizeError::Output {
+            dtype,
+            n: src.len(),
+            want,
+            got: dst.len(),
+        });
+    }
+    match dtype {
+        DType::F32 => quantize_row_f32(src, dst),
+        DType::F16 => quantize_row_f16(src, dst),
+        DType::BF16 => quantize_row_bf16(src, dst),
+        DType::Q8_0 => quantize_row_q8_0(src, dst),
+        DType::Q4_0 => quantize_row_q4_0(src, dst),
+        DType::Q4_1 => quantize_row_q4_1(src, dst),
+    }
+    Ok(())
+}
+
+/// Converts `src` to `dtype`, returning the bytes.
+pub fn quantize(dtype: DType, src: &[f32]) -> Result<Vec<u8>, QuantizeError> {
+    let mut out = vec![0u8; quantized_size(dtype, src.len())?];
+    quantize_into(dtype, src, &mut out)?;
+    Ok(out)
+}
+
+fn check_lengths(dtype: DType, src: &[f32], dst: &[u8]) {
+    assert!(
+        src.len() % dtype.block_elems() == 0
+            && dst.len() == src.len() / dtype.block_elems() * dtype.block_bytes(),
+        "{dtype} row: {} values need {} bytes, got {}",
+        src.len(),
+        src.len() / dtype.block_elems() * dtype.block_bytes(),
+        dst.len()
+    );
+}
+
+/// f32 → little-endian f32 bytes.
+///
+/// # Panics
+/// If `dst.len() != 4 * src.len()`.
+pub fn quantize_row_f32(src: &[f32], dst: &mut [u8]) {
+    check_lengths(DType::F32, src, dst);
+    for (o, &x) in dst.chunks_exact_mut(4).zip(src) {
+        o.copy_from_slice(&x.to_le_bytes());
+    }
+}
+
+/// f32 → IEEE half (round to nearest even, as `GGML_FP32_TO_FP16`).
+///
+/// # Panics
+/// If `dst.len() != 2 * src.len()`.
+pub fn quantize_row_f16(src: &[f32], dst: &mut [u8]) {
+    check_lengths(DType::F16, src, dst);
+    for (o, &x) in dst.chunks_exact_mut(2).zip(src) {
+        o.copy_from_slice(&f16::from_f32(x).to_le_bytes());
+    }
+}
+
+/// GGML's `ggml_compute_fp32_to_bf16`: round to nearest even; NaN stays a
+/// (quiet) NaN.
+pub fn f32_to_bf16_bits(x: f32) -> u16 {
+    let u = x.to_bits();
+    if (u & 0x7fff_ffff) > 0x7f80_0000 {
+        return ((u >> 16) | 64) as u16;
+    }
+    (u.wrapping_add(0x7fff + ((u >> 16) & 1)) >> 16) as u16
+}
+
+/// f32 → bfloat16 (as `ggml_fp32_to_bf16_row_ref`).
+///
+/// # Panics
+/// If `dst.len() != 2 * src.len()`.
+pub fn quantize_row_bf16(src: &[f32], dst: &mut [u8]) {
+    check_lengths(DType::BF16, src, dst);
+    for (o, &x) in dst.chunks_exact_mut(2).zip(src) {
+        o.copy_from_slice(&f32_to_bf16_bits(x).to_le_bytes());
+    }
+}
+
+/// GGML's `quantize_row_q8_0_ref`: d = amax/127, q = round(x/d).
+///
+/// # Panics
+/// If `src.len()` is not a multiple of 32 or `dst` is not 34 bytes per block.
+pub fn quantize_row_q8_0(src: &[f32], dst: &mut [u8]) {
+    check_lengths(DType::Q8_0, src, dst);
+    for (x, y) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(34)) {
+        let amax = x.iter().fold(0f32, |m, &v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        y[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+        for (q, &v) in y[2..].iter_mut().zip(x) {
+            // roundf: halves away from zero, as f32::round. The value lies
+            // in [-127, 127], so the cast is exact.
+            *q = (v * id).round() as i8 as u8;
+        }
+    }
+}
+
+/// GGML's `quantize_row_q4_0_ref`: `max` is the value of largest magnitude
+/// (with its sign), d = max / −8, q = min(15, (int8)(x/d + 8.5)).
+///
+/// # Panics
+/// If `src.len()` is not a multiple of 32 or `dst` is not 18 bytes per block.
+pub fn quantize_row_q4_0(src: &[f32], dst: &mut [u8]) {
+    check_lengths(DType::Q4_0, src, dst);
+    for (x, y) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(18)) {
+        let (mut amax, mut max) = (0f32, 0f32);
+        for &v in x {
+            if amax < v.abs() {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        let d = max / -8.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        y[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+        for j in 0..QK / 2 {
+            let x0 = x[j] * id;
+            let x1 = x[j + QK / 2] * id;
+            // C's (int8_t) cast truncates toward zero; the values lie in
+            // [0.5, 16.5] here (NaN inputs give 0 in Rust, UB in C).
+            let q0 = ((x0 + 8.5) as i8).min(15) as u8;
+            let q1 = ((x1 + 8.5) as i8).min(15) as u8;
+            y[2 + j] = q0 | (q1 << 4);
+        }
+    }
+}
+
+/// GGML's `quantize_row_q4_1_ref`: d = (max − min)/15, m = min,
+/// q = min(15, (int8)((x − min)/d + 0.5)).
+///
+/// # Panics
+/// If `src.len()` is not a multiple of 32 or `dst` is not 20 bytes per block.
+pub fn quantize_row_q4_1(src: &[f32], dst: &mut [u8]) {
+    check_lengths(DType::Q4_1, src, dst);
+    for (x, y) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(20)) {
+        let (mut min, mut max) = (f32::MAX, -f32::MAX);
+        for &v in x {
+            if v < min {
+                min = v;
+            }
+            if v > max {
+                max = v;
+            }
+        }
+        let d = (max - min) / 15.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        y[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+        y[2..4].copy_from_slice(&f16::from_f32(min).to_le_bytes());
+        for j in 0..QK / 2 {
+            let x0 = (x[j] - min) * id;
+            let x1 = (x[j + QK / 2] - min) * id;
+            let q0 = ((x0 + 0.5) as i8).min(15) as u8;
+            let q1 = ((x1 + 0.5) as i8).min(15) as u8;
+            y[4 + j] = q0 | (q1 << 4);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f16_at(b: &[u8]) -> f32 {
+        f16::from_le_bytes([b[0], b[1]]).to_f32()
+    }
+
+    /// Reference dequantizer (GGML's `dequantize_row_*`).
+    fn dequantize(dtype: DType, src: &[u8], n: usize) -> Vec<f32> {
+        let mut out = vec![0f32; n];
+        match dtype {
+            DType::F32 => {
+                for (o, b) in out.iter_mut().zip(src.chunks_exact(4)) {
+                    *o = f32::from_le_bytes(b.try_into().unwrap());
+                }
+            }
+            DType::F16 => {
+                for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
+                    *o = f16_at(b);
+                }
+            }
+            DType::BF16 => {
+                for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
+                    *o = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
+                }
+            }
+            DType::Q8_0 => {
+                for (o, b) in out.chunks_exact_mut(QK).zip(src.chunks_exact(34)) {
+                    let d = f16_at(b);
+                    for j in 0..QK {
+                        o[j] = d * (b[2 + j] as i8) as f32;
+                    }
+                }
+            }
+            DType::Q4_0 => {
+                for (o, b) in out.chunks_exact_mut(QK).zip(src.chunks_exact(18)) {
+                    let d = f16_at(b);
+                    for j in 0..16 {
+                        o[j] = d * ((b[2 + j] & 15) as i32 - 8) as f32;
+                        o[j + 16] = d * ((b[2 + j] >> 4) as i32 - 8) as f32;
+                    }
+                }
+            }
+            DType::Q4_1 => {
+                for (o, b) in out.chunks_exact_mut(QK).zip(src.chunks_exact(20)) {
+                    let (d, m) = (f16_at(b), f16_at(&b[2..]));
+                    for j in 0..16 {
+                        o[j] = d * (b[4 + j] & 15) as f32 + m;
+                        o[j + 16] = d * (b[4 + j] >> 4) as f32 + m;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Deterministic pseudo-random values with some structure (outliers,
+    /// all-equal and all-zero blocks).
+    fn sample(n: usize) -> Vec<f32> {
+        let mut s = 0x1234_5678_9abc_def0u64;
+        let mut v: Vec<f32> = (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1
+            })
+            .collect();
+        v[5] = 3.0; // outlier in block 0
+        v[40] = -2.5; // negative outlier in block 1
+        for x in &mut v[64..96] {
+            *x = 0.0; // all-zero block 2
+        }
+        for x in &mut v[96..128] {
+            *x = 0.75; // constant block 3
+        }
+        v
+    }
+
+    #[test]
+    fn block_errors_within_half_step() {
+        let x = sample(32 * 40);
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+            let q = quantize(dtype, &x).unwrap();
+            assert_eq!(q.len(), x.len() / 32 * dtype.block_bytes());
+            let y = dequantize(dtype, &q, x.len());
+            for (b, (xb, yb)) in x.chunks(32).zip(y.chunks(32)).enumerate() {
+                let qb = &q[b * dtype.block_bytes()..];
+                let d = f16_at(qb).abs();
+                // f16 rounding of the scale (relative error 2^-11, times a quant
+                // of up to 127) and of Q4_1's min moves each value slightly.
+                let m = if dtype == DType::Q4_1 {
+                    f16_at(&qb[2..]).abs()
+                } else {
+                    0.0
+                };
+                let eps = 128.0 * d * 2f32.powi(-11) + m * 2f32.powi(-10) + 1e-6;
+                for (j, (&a, &r)) in xb.iter().zip(yb).enumerate() {
+                    let err = (a - r).abs();
+                    // Q4_0 maps the extreme value to −8 and clamps the
+                    // opposite extreme at +7: up to one full step there.
+                    let bound = if dtype == DType::Q4_0 && err > d / 2.0 + eps {
+                        let nib = if j < 16 {
+                            qb[2 + j] & 15
+                        } else {
+                            qb[2 + j - 16] >> 4
+                        };
+                        assert_eq!(
+                            nib, 15,
+                            "{dtype} block {b} elem {j}: only a clamped value may exceed d/2"
+                        );
+                        d
+                    } else {
+                        d / 2.0
+                    };
+                    assert!(
+                        err <= bound + eps,
+                        "{dtype} block {b} elem {j}: {a} -> {r}, err {err} > {bound} (d {d})"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn q8_0_hand_block() {
+        let mut x = [0f32; 32];
+        x[0] = 127.0;
+        x[1] = -63.5; // exactly −63.5 → roundf away from zero → −64
+        x[2] = 0.49;
+        x[3] = 1.5;
+        x[31] = -127.0;
+        let q = quantize(DType::Q8_0, &x).unwrap();
+        assert_eq!(q.len(), 34);
+        assert_eq!(&q[..2], &f16::from_f32(1.0).to_le_bytes());
+        assert_eq!(q[2] as i8, 127);
+        assert_eq!(q[3] as i8, -64);
+        assert_eq!(q[4] as i8, 0);
+        assert_eq!(q[5] as i8, 2);
+        assert_eq!(q[33] as i8, -127);
+        assert!(q[6..33].iter().all(|&b| b == 0));
+        // all zero: d = 0 and every quant 0.
+        assert!(
+            quantize(DType::Q8_0, &[0f32; 32])
+                .unwrap()
+                .iter()
+                .all(|&b| b == 0)
+        );
+    }
+
+    #[test]
+    fn q4_0_hand_block() {
+        // max magnitude is +8 → d = −1, id = −1: q = min(15, (int8)(8.5 − x)).
+        let mut x = [0f32; 32];
+        x[0] = 8.0; // 0.5 → 0
+        x[1] = -8.0; // 16.5 → 16 → clamped 15
+        x[2] = 1.0; // 7.5 → 7
+        x[16] = -3.0; // 11.5 → 11
+        x[17] = 0.4; // 8.1 → 8
+        let q = quantize(DType::Q4_0, &x).unwrap();
+        assert_eq!(q.len(), 18);
+        assert_eq!(&q[..2], &f16::from_f32(-1.0).to_le_bytes());
+        // byte j: low nibble element j, high nibble element j + 16
+        assert_eq!(q[2], 11 << 4);
+        assert_eq!(q[3], 15 | (8 << 4));
+        assert_eq!(q[4], 7 | (8 << 4));
+        for &b in &q[5..18] {
+            assert_eq!(b, 8 | (8 << 4)); // zeros → 8
+        }
+        // negative extreme: max = −4 → d = 0.5.
+        let mut x = [0f32; 32];
+        x[0] = -4.0;
+        x[16] = 3.75; // 7.5 + 8.5 = 16 → 15
+        let q = quantize(DType::Q4_0, &x).unwrap();
+        assert_eq!(&q[..2], &f16::from_f32(0.5).to_le_bytes());
+        assert_eq!(q[2], 15 << 4);
+        // all zero: d = 0, id = 0, every nibble 8.
+        let q = quantize(DType::Q4_0, &[0f32; 32]).unwrap();
+        assert_eq!(&q[..2], &[0, 0]);
+        assert!(q[2..].iter().all(|&b| b == 0x88));
+    }
+
+    #[test]
+    fn q4_1_hand_block() {
+        // min −1, max 14 → d = 1, m = −1; q = (int8)(x + 1 + 0.5).
+        let mut x = [0f32; 32];
+        x[0] = -1.0;
+        x[1] = 14.0;
+        x[2] = 2.4; // 3.9 → 3
+        x[16] = 2.6; // 4.1 → 4
+        let q = quantize(DType::Q4_1, &x).unwrap();
+        assert_eq!(q.len(), 20);
+        assert_eq!(&q[..2], &f16::from_f32(1.0).to_le_bytes());
+        assert_eq!(&q[2..4], &f16::from_f32(-1.0).to_le_bytes());
+        assert_eq!(q[4], 4 << 4);
+        assert_eq!(q[5], 15 | (1 << 4)); // zeros → 1
+        assert_eq!(q[6], 3 | (1 << 4));
+        // constant block: d = 0, m = value, nibbles 0.
+        let q = quantize(DType::Q4_1, &[0.75f32; 32]).unwrap();
+        assert_eq!(&q[..2], &[0, 0]);
+        assert_eq!(&q[2..4], &f16::from_f32(0.75).to_le_bytes());
+        assert!(q[4..].iter().all(|&b| b == 0));
+        assert_eq!(dequantize(DType::Q4_1, &q, 32), vec![0.75f32; 32]);
+    }
+
+    #[test]
+    fn float_conversions() {
+        let x = [
+            1.0f32,
+            -2.5,
+            1.0 + 2f32.powi(-11),
+            1.0 + 3.0 * 2f32.powi(-11),
+            65504.0,
+            1e-8,
+        ];
+        let q = quantize(DType::F16, &x).unwrap();
+        let y = dequantize(DType::F16, &q, x.len());
+        // ties to even: 1 + 2^-11 → 1, 1 + 3·2^-11 → 1 + 2^-9
+        assert_eq!(
+            y,
+            vec![
+                1.0,
+                -2.5,
+                1.0,
+                1.0 + 2f32.powi(-9),
+                65504.0,
+                f16::from_f32(1e-8).to_f32()
+            ]
+        );
+
+        assert_eq!(f32_to_bf16_bits(1.0), 0x3f80);
+        assert_eq!(f32_to_bf16_bits(-2.0), 0xc000);
+        // 1 + 2^-8 is a tie between bf16 1.0 and 1 + 2^-7: even wins (1.0).
+        assert_eq!(f32_to_bf16_bits(1.0 + 2f32.powi(-8)), 0x3f80);
+        // 1 + 3·2^-8: tie between 1 + 2^-7 (odd) and 1 + 2^-6: even wins.
+        assert_eq!(f32_to_bf16_bits(1.0 + 3.0 * 2f32.powi(-8)), 0x3f82);
+        assert_eq!(
+            f32_to_bf16_bits(1.0 + 2f32.powi(-8) + 2f32.powi(-20)),
+            0x3f81
+        );
+        let nan = f32_to_bf16_bits(f32::NAN);
+        assert_eq!(nan & 0x7f80, 0x7f80);
+        assert_ne!(nan & 0x7f, 0);
+        assert_eq!(f32_to_bf16_bits(f32::INFINITY), 0x7f80);
+        let x = sample(256);
+        let y = dequantize(DType::BF16, &quantize(DType::BF16, &x).unwrap(), 256);
+        for (a, b) in x.iter().zip(&y) {
+            assert!((a - b).abs() <= a.abs() * 2f32.powi(-8), "{a} -> {b}");
+        }
+        let y = dequantize(DType::F32, &quantize(DType::F32, &x).unwrap(), 256);
+        assert_eq!(x, y);
+    }
+
+    #[test]
+    fn length_errors() {
+        assert!(matches!(
+            quantize(DType::Q4_0, &[0.0; 33]),
+            Err(QuantizeError::Length {
+                n: 33,
+                block: 32,
+                ..
+            })
+        ));
+        let mut out = [0u8; 10];
+        let e = quantize_into(DType::Q8_0, &[0.0; 32], &mut out).unwrap_err();
+        assert!(e.to_string().contains("34 bytes"), "{e}");
+    }
+}

@@ -1,0 +1,156 @@
+//! Single-threaded throughput of the quant kernels (no bench framework).
+//!
+//!     cargo bench -p akunu-cpu --bench quant
+//!     AKUNU_SIMD=avx2 cargo bench -p akunu-cpu --bench quant   # force a level
+//!
+//! GEMV reports GB/s of weight bytes streamed; GEMM reports GFLOP/s
+//! (2 * rows * k * n_x). Each figure is the median of several timed
+//! repeats, each repeat long enough (~20 ms) to swamp timer noise.
+
+use akunu_core::dtype::DType;
+use akunu_cpu::quant::{gemm, gemv, row_bytes, simd_level};
+use std::hint::black_box;
+use std::time::Instant;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn unit(&mut self) -> f32 {
+        ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+fn f16_bytes(v: f32) -> [u8; 2] {
+    half::f16::from_f32(v).to_bits().to_le_bytes()
+}
+
+/// Random, well-formed weights (finite scales) for `rows` x `k`.
+fn weights(rng: &mut Rng, dtype: DType, rows: usize, k: usize) -> Vec<u8> {
+    let n = rows * row_bytes(dtype, k);
+    let mut w = Vec::with_capacity(n);
+    match dtype {
+        DType::F32 => (0..rows * k).for_each(|_| w.extend_from_slice(&rng.unit().to_le_bytes())),
+        DType::F16 => (0..rows * k).for_each(|_| w.extend_from_slice(&f16_bytes(rng.unit()))),
+        DType::BF16 => (0..rows * k).for_each(|_| {
+            w.extend_from_slice(&((rng.unit().to_bits() >> 16) as u16).to_le_bytes())
+        }),
+        DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => {
+            let nq = if dtype == DType::Q8_0 { 32 } else { 16 };
+            for _ in 0..rows * k / 32 {
+                w.extend_from_slice(&f16_bytes(rng.unit() * 0.1));
+                if dtype == DType::Q4_1 {
+                    w.extend_from_slice(&f16_bytes(rng.unit() * 0.1));
+                }
+                (0..nq).for_each(|_| w.push(rng.next() as u8));
+            }
+        }
+    }
+    assert_eq!(w.len(), n);
+    w
+}
+
+/// (median, best) seconds per call of `f`, over `reps` repeats of a batch
+/// sized to last roughly `target` seconds. The best repeat is printed too:
+/// on a shared machine it is the least disturbed estimate.
+fn time_it(mut f: impl FnMut(), target: f64, reps: usize) -> (f64, f64) {
+    // Warm up (page faults, caches) and size the batch.
+    let t = Instant::now();
+    f();
+    let one = t.elapsed().as_secs_f64().max(1e-7);
+    let iters = ((target / one) as usize).clamp(1, 1_000_000);
+    let mut samples: Vec<f64> = (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            for _ in 0..iters {
+                f();
+            }
+            t.elapsed().as_secs_f64() / iters as f64
+        })
+        .collect();
+    samples.sort_by(|a, b| a.total_cmp(b));
+    (samples[reps / 2], samples[0])
+}
+
+fn main() {
+    // `cargo bench` passes "--bench"; an extra free argument filters dtypes.
+    let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    println!(
+        "akunu quant kernels, simd level: {} (single thread)",
+        simd_level()
+    );
+    let dtypes = [
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q8_0,
+        DType::F16,
+        DType::BF16,
+        DType::F32,
+    ];
+    let shapes = [(576, 576), (1536, 576), (576, 1536), (49152, 576)];
+    let mut rng = Rng(0xDEAD_BEEF_1234_5678);
+
+    println!("\nGEMV (rows x k), GB/s of weight bytes, median (best):");
+    print!("{:>6}", "dtype");
+    for (r, k) in shapes {
+        print!(" {:>15}", format!("{r}x{k}"));
+    }
+    println!();
+    for dtype in dtypes {
+        if filter
+            .as_deref()
+            .is_some_and(|f| !dtype.name().eq_ignore_ascii_case(f))
+        {
+            continue;
+        }
+        print!("{:>6}", dtype.name());
+        for (rows, k) in shapes {
+            let w = weights(&mut rng, dtype, rows, k);
+            let x: Vec<f32> = (0..k).map(|_| rng.unit()).collect();
+            let mut y = vec![0f32; rows];
+            let (med, best) = time_it(
+                || gemv(dtype, black_box(&w), k, black_box(&x), black_box(&mut y)),
+                0.02,
+                9,
+            );
+            let gbs = |s: f64| w.len() as f64 / s / 1e9;
+            print!(" {:>15}", format!("{:.2} ({:.2})", gbs(med), gbs(best)));
+        }
+        println!();
+    }
+
+    let (rows, k, n_x) = (576, 576, 64);
+    println!("\nGEMM {rows}x{k}, n_x={n_x}, GFLOP/s, median (best):");
+    for dtype in dtypes {
+        if filter
+            .as_deref()
+            .is_some_and(|f| !dtype.name().eq_ignore_ascii_case(f))
+        {
+            continue;
+        }
+        let w = weights(&mut rng, dtype, rows, k);
+        let x: Vec<f32> = (0..k * n_x).map(|_| rng.unit()).collect();
+        let mut y = vec![0f32; rows * n_x];
+        let (med, best) = time_it(
+            || {
+                gemm(
+                    dtype,
+                    black_box(&w),
+                    k,
+                    rows,
+                    black_box(&x),
+                    n_x,
+                    black_box(&mut y),
+                )
+            },
+            0.05,
+            7,
+        );
+        let gf = |s: f64| 2.0 * (rows * k * n_x) as f64 / s / 1e9;
+        println!("{:>6} {:>8.1} ({:.1})", dtype.name(), gf(med), gf(best));
+    }
+}

@@ -1,0 +1,169 @@
+//! Engine-level properties on a small random-weight model (written by
+//! `akunu_core::synth`, so the tests need no download):
+//! chain decode of N tokens per submission equals N one-token submissions,
+//! multi-turn continuation equals one-shot generation, prefill equals
+//! token-by-token decode, and context limits are errors, not overflows.
+
+use akunu_core::decode::{Engine, EngineError, EngineOptions, GenerateOptions, StopReason};
+use akunu_core::dtype::DType;
+use akunu_core::model::Model;
+use akunu_core::synth::{Shape, SynthSpec, write_synthetic};
+use akunu_cpu::CpuBackend;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
+
+fn tiny_model(dtype: DType) -> Arc<Model> {
+    static MODELS: OnceLock<Mutex<Vec<(DType, Arc<Model>)>>> = OnceLock::new();
+    let cache = MODELS.get_or_init(|| Mutex::new(Vec::new()));
+    let mut c = cache.lock().unwrap();
+    if let Some((_, m)) = c.iter().find(|(d, _)| *d == dtype) {
+        return m.clone();
+    }
+    let path: PathBuf = std::env::temp_dir().join(format!("akunu-engine-test-{}-{}.gguf", std::process::id(), dtype.name()));
+    let spec = SynthSpec { shape: Shape::Tiny, dtype, seed: 7, tokenizer_from: None };
+    write_synthetic(&path, &spec, &mut |_, _| {}).expect("writing the synthetic model");
+    let m = Arc::new(Model::load(&path).expect("loading the synthetic model"));
+    c.push((dtype, m.clone()));
+    m
+}
+
+fn engine(model: &Arc<Model>, chunk: u32, threads: usize) -> Engine {
+    let opts = EngineOptions { ctx: Some(256), chunk, prefill_chunk: 64 };
+    Engine::new(model.clone(), Box::new(CpuBackend::new(threads)), &opts).expect("engine")
+}
+
+/// Generates `n` tokens after `prompt`, recording every step's logits.
+fn run(e: &mut Engine, prompt: &[u32], n: u32) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let logits = Arc::new(Mutex::new(Vec::new()));
+    let sink = logits.clone();
+    e.set_logits_probe(Some(Box::new(move |l: &[f32]| sink.lock().unwrap().push(l.to_vec()))));
+    let mut ids = Vec::new();
+    let st = e.generate(prompt, &GenerateOptions { max_tokens: n, ignore_eos: true }, &mut |id, _| {
+        ids.push(id);
+        true
+    });
+    let st = st.expect("generate");
+    assert_eq!(st.generated_tokens, n);
+    e.set_logits_probe(None);
+    let l = logits.lock().unwrap().clone();
+    (ids, l)
+}
+
+fn prompt(m: &Model) -> Vec<u32> {
+    m.tokenizer.encode("<|im_start|>user\nthe theory of the tide<|im_end|>\n", true, true).unwrap()
+}
+
+#[test]
+fn chain_of_n_equals_n_single_steps() {
+    for dtype in [DType::F32, DType::Q4_1, DType::Q8_0] {
+        let m = tiny_model(dtype);
+        let p = prompt(&m);
+        let (ref_ids, ref_logits) = run(&mut engine(&m, 1, 2), &p, 23);
+        assert_eq!(ref_logits.len(), 23, "one logits vector per generated token");
+        for chunk in [2, 5, 8, 16, 23, 64] {
+            let (ids, logits) = run(&mut engine(&m, chunk, 2), &p, 23);
+            assert_eq!(ids, ref_ids, "{dtype} chunk {chunk}: tokens differ");
+            for (i, (a, b)) in logits.iter().zip(&ref_logits).enumerate() {
+                let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "{dtype} chunk {chunk}: logits of step {i} are not bit-identical");
+            }
+        }
+    }
+}
+
+#[test]
+fn results_do_not_depend_on_thread_count() {
+    let m = tiny_model(DType::Q4_0);
+    let p = prompt(&m);
+    let (a, la) = run(&mut engine(&m, 4, 1), &p, 12);
+    let (b, lb) = run(&mut engine(&m, 4, 3), &p, 12);
+    assert_eq!(a, b);
+    assert_eq!(la, lb);
+}
+
+#[test]
+fn multi_turn_continuation_equals_one_shot() {
+    let m = tiny_model(DType::F16);
+    let p1 = prompt(&m);
+    let p2 = m.tokenizer.encode("<|im_start|>user\nand then?<|im_end|>\n", true, true).unwrap();
+    let mut e = engine(&m, 4, 2);
+    let (g1, _) = run(&mut e, &p1, 9);
+    let (g2, _) = run(&mut e, &p2, 11);
+    assert_eq!(e.position() as usize, p1.len() + 9 + p2.len() + 10, "the last token is pending, not yet in the cache");
+
+    let mut whole = p1.clone();
+    whole.extend(&g1);
+    whole.extend(&p2);
+    let (g2_oneshot, _) = run(&mut engine(&m, 4, 2), &whole, 11);
+    assert_eq!(g2, g2_oneshot);
+    // The history is the concatenation too.
+    let mut hist = whole.clone();
+    hist.extend(&g2);
+    assert_eq!(e.history(), &hist[..]);
+}
+
+#[test]
+fn prefill_matches_token_by_token_decode() {
+    let m = tiny_model(DType::F32);
+    let p = prompt(&m);
+    // Batched prefill of the whole prompt ...
+    let batched = engine(&m, 1, 2).eval_logits(&p).unwrap();
+    // ... against feeding the prompt one token per prefill step.
+    let mut e = engine(&m, 1, 2);
+    let mut last = Vec::new();
+    for &t in &p {
+        last = e.eval_logits(&[t]).unwrap();
+    }
+    let (num, den) = batched.iter().zip(&last).fold((0f64, 0f64), |(n, d), (a, b)| (n + ((a - b) as f64).powi(2), d + (*b as f64).powi(2)));
+    let rel = (num / den).sqrt();
+    assert!(rel < 1e-5, "prefill vs stepwise relative L2 {rel}");
+}
+
+#[test]
+fn max_tokens_zero_evaluates_prompt_only() {
+    let m = tiny_model(DType::F32);
+    let p = prompt(&m);
+    let mut e = engine(&m, 4, 1);
+    let st = e.generate(&p, &GenerateOptions { max_tokens: 0, ignore_eos: false }, &mut |_, _| panic!("no token expected")).unwrap();
+    assert_eq!(st.stop_reason, StopReason::PromptOnly);
+    assert_eq!(st.generated_tokens, 0);
+    assert_eq!(e.position() as usize, p.len());
+}
+
+#[test]
+fn callback_cancels() {
+    let m = tiny_model(DType::F32);
+    let p = prompt(&m);
+    let mut e = engine(&m, 8, 1);
+    let mut n = 0;
+    let st = e
+        .generate(&p, &GenerateOptions { max_tokens: 50, ignore_eos: true }, &mut |_, _| {
+            n += 1;
+            n < 5
+        })
+        .unwrap();
+    assert_eq!(st.stop_reason, StopReason::Cancelled);
+    assert_eq!(st.generated_tokens, 5);
+    assert_eq!(n, 5);
+}
+
+#[test]
+fn context_limits_are_errors_not_overflows() {
+    let m = tiny_model(DType::F32);
+    let opts = EngineOptions { ctx: Some(16), chunk: 8, prefill_chunk: 8 };
+    let mut e = Engine::new(m.clone(), Box::new(CpuBackend::new(1)), &opts).unwrap();
+    let long: Vec<u32> = (0..17).map(|i| 3 + i % 50).collect();
+    match e.generate(&long, &GenerateOptions { max_tokens: 1, ignore_eos: true }, &mut |_, _| true) {
+        Err(EngineError::ContextOverflow { needed: 17, capacity: 16, .. }) => {}
+        other => panic!("expected a context overflow error, got {other:?}"),
+    }
+    // Generation that reaches the end of the cache stops cleanly.
+    let st = e.generate(&long[..10], &GenerateOptions { max_tokens: 100, ignore_eos: true }, &mut |_, _| true).unwrap();
+    assert_eq!(st.stop_reason, StopReason::ContextFull);
+    assert_eq!(st.position, 16);
+    assert_eq!(st.generated_tokens, 7, "10 prompt positions + 6 decode steps fill 16; the 7th token is produced but never fed");
+    // Token ids outside the vocabulary are rejected.
+    e.reset();
+    assert!(matches!(e.eval_logits(&[1_000_000]), Err(EngineError::BadToken { .. })));
+    assert!(matches!(e.eval_logits(&[]), Err(EngineError::EmptyPrompt)));
+}

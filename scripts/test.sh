@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Runs every test akunu has on this machine (no GPU needed):
+#  1. the Rust unit and integration tests (optimized build: numeric kernels);
+#  2. the reference parity check: the default model (fetched on first use)
+#     and F16/Q8_0 files derived from it, against an independent NumPy
+#     forward pass over gguf-dequantized weights (tools/reference.py).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+echo "== cargo test (release profile)"
+cargo test --release --workspace
+
+echo "== reference parity (NumPy) on the default model"
+venv=target/tools-venv
+if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
+fi
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r tools/requirements.txt
+cargo build --release -p akunu
+model=$(./target/release/akunu fetch)
+"$venv/bin/python" tools/parity.py --akunu target/release/akunu --model "$model" --workdir target/parity
