@@ -42,15 +42,17 @@ CASE_SEPARATOR = "\n__ggml_vocab_test__\n"
 # GPT-2 pattern (also llama.cpp's "default" BPE pre-tokenizer)
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 
-# Pre-tokenizer regex sequences by tokenizer.ggml.pre (subset of llama.cpp's table).
+# Pre-tokenizer regex sequences by tokenizer.ggml.pre (the subset of llama.cpp's table
+# that uses the plain GPT-2 pattern; llama.cpp's "default" is different and unsupported).
 PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
-    "default": [_GPT2],
-    "gpt2": [_GPT2],
     "gpt-2": [_GPT2],
     "starcoder": [r"\p{N}", _GPT2],
     "smollm": [r"\p{N}", _GPT2],
     "refact": [r"\p{N}", _GPT2],
     "codeshell": [r"\p{N}", _GPT2],
+    "command-r": [r"\p{N}", _GPT2],
+    "exaone": [r"\p{N}", _GPT2],
+    "minerva-7b": [r"\p{N}", _GPT2],
 }
 
 

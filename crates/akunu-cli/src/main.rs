@@ -3,6 +3,7 @@
 mod bench;
 mod inspect;
 mod load;
+mod synth;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
@@ -34,6 +35,8 @@ enum Cmd {
     Eval(EvalArgs),
     /// Download the default model now (if not cached) and print its path.
     Fetch,
+    /// Write a random-weight llama GGUF in the shape of a real model (tests, benchmarks).
+    Synth(synth::SynthArgs),
 }
 
 #[derive(Args)]
@@ -120,6 +123,7 @@ fn main() {
         Cmd::Bench(a) => bench::run(a),
         Cmd::Eval(a) => eval(a),
         Cmd::Fetch => fetch(),
+        Cmd::Synth(a) => synth::run(a),
     };
     if let Err(e) = r {
         eprintln!("akunu: error: {e:#}");

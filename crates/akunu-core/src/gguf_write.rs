@@ -247,7 +247,7 @@ impl<'a> GgufWriter<'a> {
         if dims.contains(&0) {
             return Err(bad("a dimension is zero".into()));
         }
-        if dims[0] % dtype.block_elems() as u64 != 0 {
+        if !dims[0].is_multiple_of(dtype.block_elems() as u64) {
             return Err(bad(format!(
                 "the row length {} is not a multiple of the {dtype} block size {}",
                 dims[0],

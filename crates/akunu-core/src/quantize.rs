@@ -38,7 +38,7 @@ pub enum QuantizeError {
 /// Bytes that `n` values take in `dtype`, if `n` is a whole number of blocks.
 pub fn quantized_size(dtype: DType, n: usize) -> Result<usize, QuantizeError> {
     let block = dtype.block_elems();
-    if n % block != 0 {
+    if !n.is_multiple_of(block) {
         return Err(QuantizeError::Length { dtype, n, block });
     }
     Ok(n / block * dtype.block_bytes())
@@ -76,7 +76,7 @@ pub fn quantize(dtype: DType, src: &[f32]) -> Result<Vec<u8>, QuantizeError> {
 
 fn check_lengths(dtype: DType, src: &[f32], dst: &[u8]) {
     assert!(
-        src.len() % dtype.block_elems() == 0
+        src.len().is_multiple_of(dtype.block_elems())
             && dst.len() == src.len() / dtype.block_elems() * dtype.block_bytes(),
         "{dtype} row: {} values need {} bytes, got {}",
         src.len(),
@@ -385,9 +385,10 @@ mod tests {
         let q = quantize(DType::Q4_0, &x).unwrap();
         assert_eq!(&q[..2], &f16::from_f32(0.5).to_le_bytes());
         assert_eq!(q[2], 15 << 4);
-        // all zero: d = 0, id = 0, every nibble 8.
+        // all zero: d = 0 / −8 = −0.0 (as in C, the f16 sign bit is set),
+        // id = 0, every nibble 8.
         let q = quantize(DType::Q4_0, &[0f32; 32]).unwrap();
-        assert_eq!(&q[..2], &[0, 0]);
+        assert_eq!(&q[..2], &f16::NEG_ZERO.to_le_bytes());
         assert!(q[2..].iter().all(|&b| b == 0x88));
     }
 

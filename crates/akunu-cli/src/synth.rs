@@ -1,0 +1,80 @@
+//! `akunu synth`: write a random-weight llama GGUF in the shape of a real
+//! model, for tests and benchmarks.
+
+use akunu_core::dtype::DType;
+use akunu_core::synth::{Shape, SynthSpec, parse_dtype, write_synthetic};
+use anyhow::{Context, Result};
+use clap::Args;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(Args, Clone)]
+pub struct SynthArgs {
+    /// Model shape: tiny, smollm2-135m, llama-1b or llama-8b.
+    #[arg(long)]
+    pub shape: Shape,
+    /// Type of the weight matrices: f32, f16, bf16, q8_0, q4_0 or q4_1 (norms stay f32).
+    #[arg(long = "type", value_name = "TYPE", value_parser = parse_dtype)]
+    pub dtype: DType,
+    /// Seed of the random weights (the same seed gives the same file).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// GGUF whose tokenizer to copy (default for the 49152-token shapes: the
+    /// default model, fetched on first use; tiny has a built-in tokenizer).
+    #[arg(long, value_name = "GGUF")]
+    pub tokenizer_from: Option<PathBuf>,
+    /// Output file.
+    #[arg(value_name = "OUT.gguf")]
+    pub out: PathBuf,
+}
+
+pub fn run(a: SynthArgs) -> Result<()> {
+    let tokenizer_from = match a.tokenizer_from {
+        Some(p) => {
+            if !p.exists() {
+                anyhow::bail!("tokenizer source {} does not exist", p.display());
+            }
+            Some(p)
+        }
+        None if a.shape.needs_tokenizer() => Some(
+            akunu_core::fetch::ensure_default_model(&mut |m| eprintln!("akunu: {m}"))
+                .context("fetching the default model to copy its tokenizer")?,
+        ),
+        None => None,
+    };
+    let spec = SynthSpec {
+        shape: a.shape,
+        dtype: a.dtype,
+        seed: a.seed,
+        tokenizer_from,
+    };
+
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "akunu: writing {bar:40} {bytes}/{total_bytes} ({bytes_per_sec}, {eta})",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let start = Instant::now();
+    let r = write_synthetic(&a.out, &spec, &mut |done, total| {
+        if bar.length() != Some(total) {
+            bar.set_length(total);
+        }
+        bar.set_position(done);
+    });
+    bar.finish_and_clear();
+    r.with_context(|| format!("writing synthetic model {}", a.out.display()))?;
+
+    let size = std::fs::metadata(&a.out).map(|m| m.len()).unwrap_or(0);
+    eprintln!(
+        "akunu: wrote {} ({} {}, seed {}): {:.1} MiB in {:.1} s",
+        a.out.display(),
+        spec.shape,
+        spec.dtype,
+        spec.seed,
+        size as f64 / (1u64 << 20) as f64,
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
