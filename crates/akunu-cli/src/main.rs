@@ -189,12 +189,10 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let stats = engine.generate(&prompt, &opts, &mut |id, piece| {
         ids.push(id);
         text.push_str(piece);
-        if !json {
-            if let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
-                // A closed stdout (e.g. `| head`) ends generation cleanly.
-                write_err = Some(e);
-                return false;
-            }
+        if !json && let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
+            // A closed stdout (e.g. `| head`) ends generation cleanly.
+            write_err = Some(e);
+            return false;
         }
         true
     })?;

@@ -73,6 +73,12 @@ pub trait Backend: BufferRead + Send {
     /// `tok = first.tok + s * first.rows`, with `first.rows` rows. After each
     /// step `hook` (if any) may read buffers and stop the replay. Returns the
     /// number of steps run.
+    /// `(total time, runs)` per command index, when the backend was asked to
+    /// profile; `None` otherwise.
+    fn command_times(&self) -> Option<Vec<(std::time::Duration, u64)>> {
+        None
+    }
+
     fn replay(
         &mut self,
         table: &DispatchTable,

@@ -152,7 +152,7 @@ impl Engine {
         if capacity as u64 * kv_bytes_per_pos > 256 << 30 {
             return Err(EngineError::InvalidOption(format!(
                 "ctx {capacity} needs {} GiB of KV cache",
-                capacity as u64 * kv_bytes_per_pos >> 30
+                (capacity as u64 * kv_bytes_per_pos) >> 30
             )));
         }
 
@@ -226,6 +226,11 @@ impl Engine {
 
     pub fn table(&self) -> &DispatchTable {
         &self.table
+    }
+
+    /// Per-command times from a profiling backend (see `Backend::command_times`).
+    pub fn command_times(&self) -> Option<Vec<(std::time::Duration, u64)>> {
+        self.backend.command_times()
     }
 
     pub fn backend_description(&self) -> String {

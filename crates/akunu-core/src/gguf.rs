@@ -542,7 +542,7 @@ mod tests {
         v.extend(32u64.to_le_bytes());
         v.extend(0u32.to_le_bytes());
         v.extend(0u64.to_le_bytes());
-        while v.len() % 32 != 0 {
+        while !v.len().is_multiple_of(32) {
             v.push(0);
         }
         for i in 0..32 {

@@ -46,6 +46,8 @@ impl Drop for Buffer {
 pub struct CpuBackend {
     buffers: Vec<Buffer>,
     pool: ThreadPool,
+    /// Per-command wall time accumulated over replays, when profiling.
+    profile: Option<Vec<(std::time::Duration, u64)>>,
 }
 
 // SAFETY: the raw pointers in `buffers` point to allocations owned by the
@@ -67,7 +69,14 @@ impl CpuBackend {
         CpuBackend {
             buffers: Vec::new(),
             pool: ThreadPool::new(n),
+            profile: None,
         }
+    }
+
+    /// Starts timing every command of every replay (a clock read per
+    /// command: leave it off for speed measurements).
+    pub fn enable_profiling(&mut self) {
+        self.profile = Some(Vec::new());
     }
 
     pub fn n_threads(&self) -> usize {
@@ -193,6 +202,10 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn command_times(&self) -> Option<Vec<(std::time::Duration, u64)>> {
+        self.profile.clone()
+    }
+
     fn replay(
         &mut self,
         table: &DispatchTable,
@@ -239,6 +252,7 @@ impl Backend for CpuBackend {
                         0
                     }
                 });
+                let t0 = self.profile.is_some().then(std::time::Instant::now);
                 kernels::run(&self.pool, &c, &ptrs, &lens, &step).map_err(|why| {
                     BackendError::InvalidCommand {
                         index: i,
@@ -246,11 +260,18 @@ impl Backend for CpuBackend {
                         why,
                     }
                 })?;
-            }
-            if let Some(h) = hook.as_mut() {
-                if !h(s, &*self) {
-                    return Ok(s + 1);
+                if let (Some(t0), Some(prof)) = (t0, self.profile.as_mut()) {
+                    if prof.len() < table.commands.len() {
+                        prof.resize(table.commands.len(), Default::default());
+                    }
+                    prof[i].0 += t0.elapsed();
+                    prof[i].1 += 1;
                 }
+            }
+            if let Some(h) = hook.as_mut()
+                && !h(s, &*self)
+            {
+                return Ok(s + 1);
             }
         }
         Ok(steps)

@@ -135,7 +135,7 @@ fn worker(s: Arc<Shared>, tid: usize, n: usize) {
                 break;
             }
             spins += 1;
-            if spins % 1024 == 0 && start.elapsed() > SPIN {
+            if spins.is_multiple_of(1024) && start.elapsed() > SPIN {
                 let g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
                 s.sleepers.fetch_add(1, Ordering::SeqCst);
                 if s.epoch.load(Ordering::SeqCst) == seen && !s.stop.load(Ordering::SeqCst) {

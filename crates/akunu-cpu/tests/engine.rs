@@ -12,15 +12,27 @@ use akunu_cpu::CpuBackend;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
+/// Synthetic models already written by this test process, by type.
+type ModelCache = Mutex<Vec<(DType, Arc<Model>)>>;
+
 fn tiny_model(dtype: DType) -> Arc<Model> {
-    static MODELS: OnceLock<Mutex<Vec<(DType, Arc<Model>)>>> = OnceLock::new();
+    static MODELS: OnceLock<ModelCache> = OnceLock::new();
     let cache = MODELS.get_or_init(|| Mutex::new(Vec::new()));
     let mut c = cache.lock().unwrap();
     if let Some((_, m)) = c.iter().find(|(d, _)| *d == dtype) {
         return m.clone();
     }
-    let path: PathBuf = std::env::temp_dir().join(format!("akunu-engine-test-{}-{}.gguf", std::process::id(), dtype.name()));
-    let spec = SynthSpec { shape: Shape::Tiny, dtype, seed: 7, tokenizer_from: None };
+    let path: PathBuf = std::env::temp_dir().join(format!(
+        "akunu-engine-test-{}-{}.gguf",
+        std::process::id(),
+        dtype.name()
+    ));
+    let spec = SynthSpec {
+        shape: Shape::Tiny,
+        dtype,
+        seed: 7,
+        tokenizer_from: None,
+    };
     write_synthetic(&path, &spec, &mut |_, _| {}).expect("writing the synthetic model");
     let m = Arc::new(Model::load(&path).expect("loading the synthetic model"));
     c.push((dtype, m.clone()));
@@ -28,7 +40,11 @@ fn tiny_model(dtype: DType) -> Arc<Model> {
 }
 
 fn engine(model: &Arc<Model>, chunk: u32, threads: usize) -> Engine {
-    let opts = EngineOptions { ctx: Some(256), chunk, prefill_chunk: 64 };
+    let opts = EngineOptions {
+        ctx: Some(256),
+        chunk,
+        prefill_chunk: 64,
+    };
     Engine::new(model.clone(), Box::new(CpuBackend::new(threads)), &opts).expect("engine")
 }
 
@@ -36,12 +52,21 @@ fn engine(model: &Arc<Model>, chunk: u32, threads: usize) -> Engine {
 fn run(e: &mut Engine, prompt: &[u32], n: u32) -> (Vec<u32>, Vec<Vec<f32>>) {
     let logits = Arc::new(Mutex::new(Vec::new()));
     let sink = logits.clone();
-    e.set_logits_probe(Some(Box::new(move |l: &[f32]| sink.lock().unwrap().push(l.to_vec()))));
+    e.set_logits_probe(Some(Box::new(move |l: &[f32]| {
+        sink.lock().unwrap().push(l.to_vec())
+    })));
     let mut ids = Vec::new();
-    let st = e.generate(prompt, &GenerateOptions { max_tokens: n, ignore_eos: true }, &mut |id, _| {
-        ids.push(id);
-        true
-    });
+    let st = e.generate(
+        prompt,
+        &GenerateOptions {
+            max_tokens: n,
+            ignore_eos: true,
+        },
+        &mut |id, _| {
+            ids.push(id);
+            true
+        },
+    );
     let st = st.expect("generate");
     assert_eq!(st.generated_tokens, n);
     e.set_logits_probe(None);
@@ -50,7 +75,13 @@ fn run(e: &mut Engine, prompt: &[u32], n: u32) -> (Vec<u32>, Vec<Vec<f32>>) {
 }
 
 fn prompt(m: &Model) -> Vec<u32> {
-    m.tokenizer.encode("<|im_start|>user\nthe theory of the tide<|im_end|>\n", true, true).unwrap()
+    m.tokenizer
+        .encode(
+            "<|im_start|>user\nthe theory of the tide<|im_end|>\n",
+            true,
+            true,
+        )
+        .unwrap()
 }
 
 #[test]
@@ -59,13 +90,20 @@ fn chain_of_n_equals_n_single_steps() {
         let m = tiny_model(dtype);
         let p = prompt(&m);
         let (ref_ids, ref_logits) = run(&mut engine(&m, 1, 2), &p, 23);
-        assert_eq!(ref_logits.len(), 23, "one logits vector per generated token");
+        assert_eq!(
+            ref_logits.len(),
+            23,
+            "one logits vector per generated token"
+        );
         for chunk in [2, 5, 8, 16, 23, 64] {
             let (ids, logits) = run(&mut engine(&m, chunk, 2), &p, 23);
             assert_eq!(ids, ref_ids, "{dtype} chunk {chunk}: tokens differ");
             for (i, (a, b)) in logits.iter().zip(&ref_logits).enumerate() {
                 let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-                assert!(same, "{dtype} chunk {chunk}: logits of step {i} are not bit-identical");
+                assert!(
+                    same,
+                    "{dtype} chunk {chunk}: logits of step {i} are not bit-identical"
+                );
             }
         }
     }
@@ -85,11 +123,18 @@ fn results_do_not_depend_on_thread_count() {
 fn multi_turn_continuation_equals_one_shot() {
     let m = tiny_model(DType::F16);
     let p1 = prompt(&m);
-    let p2 = m.tokenizer.encode("<|im_start|>user\nand then?<|im_end|>\n", true, true).unwrap();
+    let p2 = m
+        .tokenizer
+        .encode("<|im_start|>user\nand then?<|im_end|>\n", true, true)
+        .unwrap();
     let mut e = engine(&m, 4, 2);
     let (g1, _) = run(&mut e, &p1, 9);
     let (g2, _) = run(&mut e, &p2, 11);
-    assert_eq!(e.position() as usize, p1.len() + 9 + p2.len() + 10, "the last token is pending, not yet in the cache");
+    assert_eq!(
+        e.position() as usize,
+        p1.len() + 9 + p2.len() + 10,
+        "the last token is pending, not yet in the cache"
+    );
 
     let mut whole = p1.clone();
     whole.extend(&g1);
@@ -114,7 +159,12 @@ fn prefill_matches_token_by_token_decode() {
     for &t in &p {
         last = e.eval_logits(&[t]).unwrap();
     }
-    let (num, den) = batched.iter().zip(&last).fold((0f64, 0f64), |(n, d), (a, b)| (n + ((a - b) as f64).powi(2), d + (*b as f64).powi(2)));
+    let (num, den) = batched
+        .iter()
+        .zip(&last)
+        .fold((0f64, 0f64), |(n, d), (a, b)| {
+            (n + ((a - b) as f64).powi(2), d + (*b as f64).powi(2))
+        });
     let rel = (num / den).sqrt();
     assert!(rel < 1e-5, "prefill vs stepwise relative L2 {rel}");
 }
@@ -124,7 +174,16 @@ fn max_tokens_zero_evaluates_prompt_only() {
     let m = tiny_model(DType::F32);
     let p = prompt(&m);
     let mut e = engine(&m, 4, 1);
-    let st = e.generate(&p, &GenerateOptions { max_tokens: 0, ignore_eos: false }, &mut |_, _| panic!("no token expected")).unwrap();
+    let st = e
+        .generate(
+            &p,
+            &GenerateOptions {
+                max_tokens: 0,
+                ignore_eos: false,
+            },
+            &mut |_, _| panic!("no token expected"),
+        )
+        .unwrap();
     assert_eq!(st.stop_reason, StopReason::PromptOnly);
     assert_eq!(st.generated_tokens, 0);
     assert_eq!(e.position() as usize, p.len());
@@ -137,10 +196,17 @@ fn callback_cancels() {
     let mut e = engine(&m, 8, 1);
     let mut n = 0;
     let st = e
-        .generate(&p, &GenerateOptions { max_tokens: 50, ignore_eos: true }, &mut |_, _| {
-            n += 1;
-            n < 5
-        })
+        .generate(
+            &p,
+            &GenerateOptions {
+                max_tokens: 50,
+                ignore_eos: true,
+            },
+            &mut |_, _| {
+                n += 1;
+                n < 5
+            },
+        )
         .unwrap();
     assert_eq!(st.stop_reason, StopReason::Cancelled);
     assert_eq!(st.generated_tokens, 5);
@@ -150,20 +216,50 @@ fn callback_cancels() {
 #[test]
 fn context_limits_are_errors_not_overflows() {
     let m = tiny_model(DType::F32);
-    let opts = EngineOptions { ctx: Some(16), chunk: 8, prefill_chunk: 8 };
+    let opts = EngineOptions {
+        ctx: Some(16),
+        chunk: 8,
+        prefill_chunk: 8,
+    };
     let mut e = Engine::new(m.clone(), Box::new(CpuBackend::new(1)), &opts).unwrap();
     let long: Vec<u32> = (0..17).map(|i| 3 + i % 50).collect();
-    match e.generate(&long, &GenerateOptions { max_tokens: 1, ignore_eos: true }, &mut |_, _| true) {
-        Err(EngineError::ContextOverflow { needed: 17, capacity: 16, .. }) => {}
+    match e.generate(
+        &long,
+        &GenerateOptions {
+            max_tokens: 1,
+            ignore_eos: true,
+        },
+        &mut |_, _| true,
+    ) {
+        Err(EngineError::ContextOverflow {
+            needed: 17,
+            capacity: 16,
+            ..
+        }) => {}
         other => panic!("expected a context overflow error, got {other:?}"),
     }
     // Generation that reaches the end of the cache stops cleanly.
-    let st = e.generate(&long[..10], &GenerateOptions { max_tokens: 100, ignore_eos: true }, &mut |_, _| true).unwrap();
+    let st = e
+        .generate(
+            &long[..10],
+            &GenerateOptions {
+                max_tokens: 100,
+                ignore_eos: true,
+            },
+            &mut |_, _| true,
+        )
+        .unwrap();
     assert_eq!(st.stop_reason, StopReason::ContextFull);
     assert_eq!(st.position, 16);
-    assert_eq!(st.generated_tokens, 7, "10 prompt positions + 6 decode steps fill 16; the 7th token is produced but never fed");
+    assert_eq!(
+        st.generated_tokens, 7,
+        "10 prompt positions + 6 decode steps fill 16; the 7th token is produced but never fed"
+    );
     // Token ids outside the vocabulary are rejected.
     e.reset();
-    assert!(matches!(e.eval_logits(&[1_000_000]), Err(EngineError::BadToken { .. })));
+    assert!(matches!(
+        e.eval_logits(&[1_000_000]),
+        Err(EngineError::BadToken { .. })
+    ));
     assert!(matches!(e.eval_logits(&[]), Err(EngineError::EmptyPrompt)));
 }
