@@ -201,3 +201,33 @@ fn tokenizer_stream_never_splits_characters() {
         );
     }
 }
+
+/// The default model's own vocabulary (a vocab-only GGUF made from it by
+/// tools/vocab_only.py) against ids from tools/tokenize_ref.py, an
+/// independent Python BPE, over varied text: prose, code, whitespace runs,
+/// digits, CJK, Arabic, emoji sequences and ChatML special tokens.
+#[test]
+fn tokenizer_default_model_matches_independent_reference() {
+    let tok = load("smollm2");
+    assert_eq!(tok.bos(), Some(1));
+    assert_eq!(tok.eos(), Some(2));
+    assert!(!tok.add_bos());
+    let expected = data_dir()
+        .parent()
+        .unwrap()
+        .join("smollm2_tokenizer_expected.json");
+    let report = akunu_core::tokenizer::check_expected(&tok, &expected, false, true).unwrap();
+    assert!(report.total >= 40, "only {} cases", report.total);
+    for m in &report.mismatches {
+        eprintln!(
+            "case {} {:?}: expected {:?}, got {:?}",
+            m.index, m.text, m.expected, m.got
+        );
+    }
+    assert!(
+        report.passed(),
+        "{} of {} cases differ",
+        report.mismatches.len(),
+        report.total
+    );
+}

@@ -1,0 +1,196 @@
+//! Bad input through the real binary: each case must exit non-zero with a
+//! message naming the problem, and never panic.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+fn akunu() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_akunu"))
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("akunu-cli-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+/// A valid tiny model written by `akunu synth`, shared by the cases.
+fn base_model() -> &'static [u8] {
+    static BYTES: OnceLock<Vec<u8>> = OnceLock::new();
+    BYTES.get_or_init(|| {
+        let p = tmp("base.gguf");
+        let out = akunu()
+            .args(["synth", "--shape", "tiny", "--type", "q4_1", "--seed", "3"])
+            .arg(&p)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "synth failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::fs::read(&p).unwrap()
+    })
+}
+
+fn run_on(bytes: &[u8], name: &str, extra: &[&str]) -> Output {
+    let p = tmp(name);
+    std::fs::write(&p, bytes).unwrap();
+    let mut c = akunu();
+    c.args(["generate", "-n", "4", "-p", "hello", "--model"])
+        .arg(&p)
+        .args(extra);
+    c.output().unwrap()
+}
+
+fn assert_clean_error(out: &Output, needle: &str) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "expected failure, got success; stderr: {err}"
+    );
+    assert!(!err.contains("panicked"), "panicked: {err}");
+    assert!(err.contains("akunu: error:"), "no error line: {err}");
+    assert!(
+        err.to_lowercase().contains(&needle.to_lowercase()),
+        "expected '{needle}' in: {err}"
+    );
+}
+
+/// Byte offset just past the first occurrence of `pat`.
+fn after(bytes: &[u8], pat: &[u8]) -> usize {
+    bytes
+        .windows(pat.len())
+        .position(|w| w == pat)
+        .expect("pattern present")
+        + pat.len()
+}
+
+#[test]
+fn valid_model_generates() {
+    let out = run_on(base_model(), "ok.gguf", &["--ignore-eos"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn truncated_file() {
+    let b = base_model();
+    for (i, cut) in [3usize, 20, 200, 3000].into_iter().enumerate() {
+        let out = run_on(&b[..cut], &format!("trunc{i}.gguf"), &[]);
+        assert_clean_error(&out, "truncated");
+    }
+}
+
+#[test]
+fn wrong_magic() {
+    let mut b = base_model().to_vec();
+    b[..4].copy_from_slice(b"GGML");
+    assert_clean_error(&run_on(&b, "magic.gguf", &[]), "not a GGUF file");
+}
+
+#[test]
+fn unknown_version() {
+    let mut b = base_model().to_vec();
+    b[4..8].copy_from_slice(&7u32.to_le_bytes());
+    assert_clean_error(
+        &run_on(&b, "version.gguf", &[]),
+        "unsupported GGUF version 7",
+    );
+}
+
+#[test]
+fn unsupported_tensor_type() {
+    let mut b = base_model().to_vec();
+    // Tensor info: name, n_dims (u32 = 2), dims (2 x u64), type (u32).
+    let at = after(&b, b"blk.0.attn_q.weight") + 4 + 16;
+    b[at..at + 4].copy_from_slice(&12u32.to_le_bytes()); // Q4_K
+    assert_clean_error(&run_on(&b, "qtype.gguf", &[]), "Q4_K");
+}
+
+#[test]
+fn unsupported_architecture() {
+    let mut b = base_model().to_vec();
+    // general.architecture: key, value type (u32 = 8), length (u64 = 5), "llama".
+    let at = after(&b, b"general.architecture") + 4 + 8;
+    b[at..at + 5].copy_from_slice(b"mamba");
+    assert_clean_error(
+        &run_on(&b, "arch.gguf", &[]),
+        "unsupported architecture 'mamba'",
+    );
+}
+
+#[test]
+fn tensor_data_outside_file() {
+    let mut b = base_model().to_vec();
+    let at = after(&b, b"blk.1.ffn_down.weight") + 4 + 16 + 4;
+    b[at..at + 8].copy_from_slice(&(1u64 << 32).to_le_bytes());
+    assert_clean_error(&run_on(&b, "offset.gguf", &[]), "outside the file");
+}
+
+#[test]
+fn absurd_dimensions() {
+    let mut b = base_model().to_vec();
+    let at = after(&b, b"blk.0.ffn_up.weight") + 4;
+    b[at..at + 8].copy_from_slice(&(1u64 << 50).to_le_bytes());
+    assert_clean_error(&run_on(&b, "dims.gguf", &[]), "absurd dimensions");
+}
+
+#[test]
+fn prompt_longer_than_context() {
+    let p = tmp("ctx.gguf");
+    std::fs::write(&p, base_model()).unwrap();
+    let prompt = tmp("long.txt");
+    std::fs::write(&prompt, "hello world ".repeat(20)).unwrap();
+    let out = akunu()
+        .args(["generate", "-n", "4", "--ctx", "8", "--model"])
+        .arg(&p)
+        .arg("--prompt-file")
+        .arg(&prompt)
+        .output()
+        .unwrap();
+    assert_clean_error(&out, "the context holds 8");
+}
+
+#[test]
+fn missing_model_path() {
+    let out = akunu()
+        .args(["generate", "-p", "hi", "--model", "/nonexistent/model.gguf"])
+        .output()
+        .unwrap();
+    assert_clean_error(&out, "does not exist");
+}
+
+#[test]
+fn invalid_prompt_ids_and_options() {
+    let p = tmp("opts.gguf");
+    std::fs::write(&p, base_model()).unwrap();
+    let out = akunu()
+        .args(["generate", "--prompt-ids", "1,x,3", "--model"])
+        .arg(&p)
+        .output()
+        .unwrap();
+    assert_clean_error(&out, "'x' is not a token id");
+    let out = akunu()
+        .args(["generate", "--prompt-ids", "1,99999999", "--model"])
+        .arg(&p)
+        .output()
+        .unwrap();
+    assert_clean_error(&out, "outside the vocabulary");
+    let out = akunu()
+        .args(["generate", "-p", "hi", "--chunk", "0", "--model"])
+        .arg(&p)
+        .output()
+        .unwrap();
+    assert_clean_error(&out, "chunk must be");
+    let out = akunu()
+        .args(["generate", "-p", "", "--model"])
+        .arg(&p)
+        .output()
+        .unwrap();
+    assert_clean_error(&out, "prompt is empty");
+}
