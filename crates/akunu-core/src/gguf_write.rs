@@ -25,7 +25,7 @@ const MAX_DIMS: usize = 4;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WriteError {
-    #[error("cannot write {}: {source}", .path.display())]
+    #[error("cannot write {}", .path.display())]
     Io { path: PathBuf, source: io::Error },
     #[error(
         "metadata key '{key}': array elements must all have one type, but element {index} is {found} and element 0 is {first}"
@@ -54,7 +54,7 @@ pub enum WriteError {
         want: u64,
         got: u64,
     },
-    #[error("producing the data of tensor '{name}' failed: {source}")]
+    #[error("producing the data of tensor '{name}' failed")]
     Produce { name: String, source: io::Error },
 }
 

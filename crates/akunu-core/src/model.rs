@@ -9,9 +9,9 @@ use std::path::Path;
 pub enum LoadError {
     #[error(transparent)]
     Gguf(#[from] GgufError),
-    #[error("{path}: {source}")]
+    #[error("{path}")]
     Config { path: String, source: ConfigError },
-    #[error("{path}: tokenizer: {source}")]
+    #[error("{path}: tokenizer")]
     Tokenizer {
         path: String,
         source: TokenizerError,

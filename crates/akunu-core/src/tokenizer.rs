@@ -38,7 +38,7 @@ pub enum TokenizerError {
     UnsupportedPre(String),
     #[error("malformed tokenizer metadata '{key}': {msg}")]
     Malformed { key: String, msg: String },
-    #[error("cannot read {}: {source}", .path.display())]
+    #[error("cannot read {}", .path.display())]
     Io {
         path: PathBuf,
         source: std::io::Error,
