@@ -86,6 +86,7 @@ pub fn run(a: InspectArgs) -> Result<()> {
             ctx: Some(64),
             chunk: 1,
             prefill_chunk: 1,
+            activations: "f32".into(),
         },
     )?;
     let t = engine.table();

@@ -29,6 +29,11 @@ pub struct EngineArgs {
     /// Tokens per chain-decode submission.
     #[arg(long, default_value_t = 16)]
     pub chunk: u32,
+    /// CPU decode activations for Q4_0/Q4_1/Q8_0 weights: q8 quantizes each
+    /// input row to 8 bits per block and uses integer dot products (faster,
+    /// as llama.cpp does); f32 keeps every product in f32 (exact).
+    #[arg(long, env = "AKUNU_ACTIVATIONS", default_value = "f32", value_parser = ["f32", "q8"])]
+    pub activations: String,
     /// Prompt tokens per prefill step.
     #[arg(long, default_value_t = 512)]
     pub prefill_chunk: u32,
@@ -90,7 +95,11 @@ fn prefault(model: &Model) {
 
 pub fn engine(model: Arc<Model>, a: &EngineArgs) -> Result<Engine> {
     let backend: Box<dyn akunu_core::backend::Backend> = match a.device.as_str() {
-        "cpu" | "auto" => Box::new(akunu_cpu::CpuBackend::new(a.threads)),
+        "cpu" | "auto" => {
+            let mut be = akunu_cpu::CpuBackend::new(a.threads);
+            be.set_q8_activations(a.activations == "q8");
+            Box::new(be)
+        }
         "cuda" => bail!(
             "this build of akunu has no CUDA backend (the cuda feature arrives with the GPU backend); use --device cpu"
         ),

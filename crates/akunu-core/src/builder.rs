@@ -1,6 +1,6 @@
 //! Builds the dispatch table: one walk over the architecture at load time.
 //!
-//! Per layer the table holds seven commands:
+//! Per layer the table holds eight commands:
 //!
 //! ```text
 //! gemv(QKV, fused) -> rope_kv_write -> attention -> gemv(O) ->

@@ -8,7 +8,7 @@
 //! repeats, each repeat long enough (~20 ms) to swamp timer noise.
 
 use akunu_core::dtype::DType;
-use akunu_cpu::quant::{gemm, gemv, row_bytes, simd_level};
+use akunu_cpu::quant::{Q8Act, gemm, gemv, gemv_q8, row_bytes, simd_level, supports_q8};
 use std::hint::black_box;
 use std::time::Instant;
 
@@ -121,6 +121,43 @@ fn main() {
             print!(" {:>15}", format!("{:.2} ({:.2})", gbs(med), gbs(best)));
         }
         println!();
+    }
+
+    // Same shapes with 8-bit activations (integer dot products). Each call
+    // includes quantizing x, as a decode step would; GB/s of weight bytes.
+    println!("\nGEMV with q8 activations (quantize x + gemv_q8), GB/s, median (best):");
+    for dtype in dtypes {
+        if !supports_q8(dtype)
+            || filter
+                .as_deref()
+                .is_some_and(|f| !dtype.name().eq_ignore_ascii_case(f))
+        {
+            continue;
+        }
+        print!("{:>9}", format!("{} x q8", dtype.name()));
+        for (rows, k) in shapes {
+            let w = weights(&mut rng, dtype, rows, k);
+            let x: Vec<f32> = (0..k).map(|_| rng.unit()).collect();
+            let mut y = vec![0f32; rows];
+            let mut xq = Q8Act::new();
+            let (med, best) = time_it(
+                || {
+                    xq.quantize(black_box(&x));
+                    gemv_q8(dtype, black_box(&w), k, &xq, black_box(&mut y))
+                },
+                0.02,
+                9,
+            );
+            let gbs = |s: f64| w.len() as f64 / s / 1e9;
+            print!(" {:>15}", format!("{:.2} ({:.2})", gbs(med), gbs(best)));
+        }
+        println!();
+    }
+    for k in [576, 1536] {
+        let x: Vec<f32> = (0..k).map(|_| rng.unit()).collect();
+        let mut xq = Q8Act::new();
+        let (med, _) = time_it(|| xq.quantize(black_box(&x)), 0.01, 5);
+        println!("  quantize k={k}: {:.0} ns", med * 1e9);
     }
 
     let (rows, k, n_x) = (576, 576, 64);

@@ -1,6 +1,6 @@
 //! Times every dispatch-table command of CPU decode and prints the time per
 //! kernel kind and per label: `cargo run --release -p akunu-cpu --example
-//! profile -- MODEL.gguf [tokens] [threads]`.
+//! profile -- MODEL.gguf [tokens] [threads] [f32|q8]`.
 
 use akunu_core::decode::{Engine, EngineOptions, GenerateOptions};
 use akunu_core::model::Model;
@@ -10,11 +10,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     let path = args
         .get(1)
-        .ok_or("usage: profile MODEL.gguf [tokens] [threads]")?;
+        .ok_or("usage: profile MODEL.gguf [tokens] [threads] [f32|q8]")?;
     let n: u32 = args.get(2).map(|s| s.parse()).transpose()?.unwrap_or(64);
     let threads: usize = args.get(3).map(|s| s.parse()).transpose()?.unwrap_or(0);
     let model = Arc::new(Model::load(path)?);
     let mut be = akunu_cpu::CpuBackend::new(threads);
+    be.set_q8_activations(args.get(4).is_some_and(|a| a == "q8"));
     be.enable_profiling();
     let opts = EngineOptions {
         ctx: Some(n + 16),

@@ -183,11 +183,36 @@ pub fn extents(c: &DispatchCmd, max_rows: u32) -> Result<Vec<(usize, u64)>, Stri
     })
 }
 
+/// How the kernels compute (chosen per backend, not per table).
+#[derive(Copy, Clone, Debug, Default)]
+pub struct KernelOptions {
+    /// Decode products against Q4_0/Q4_1/Q8_0 weights quantize the input
+    /// row to 8 bits per 32-element block and use integer dot products (as
+    /// llama.cpp does): about 1.7x faster kernels, at a relative error of
+    /// about 5e-3 per product. Off: every product is f32.
+    pub q8_activations: bool,
+}
+
+thread_local! {
+    static XQ: RefCell<quant::Q8Act> = RefCell::new(quant::Q8Act::new());
+    static ROPE_ANGLES: RefCell<RopeAngles> = RefCell::new(RopeAngles::default());
+}
+
+/// RoPE cos/sin of one position, with the parameters they were made for.
+#[derive(Default)]
+struct RopeAngles {
+    key: [u64; 4],
+    pos: u64,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
 /// Runs one (already patched) command. `ptrs[i]`/`lens[i]` are binding
 /// `i`'s address and the bytes available from it; `validate` has checked
 /// the static extents, the per-step ones are checked here.
 pub fn run(
     pool: &ThreadPool,
+    opts: KernelOptions,
     c: &DispatchCmd,
     ptrs: &[*mut u8; 8],
     lens: &[usize; 8],
@@ -222,7 +247,7 @@ pub fn run(
             norm_rows(pool, &prm, rows, Some(p(1)), p(0), p(2), p(3), post);
             Ok(())
         }
-        KernelId::Gemv => gemv(pool, c, ptrs, rows),
+        KernelId::Gemv => gemv(pool, opts, c, ptrs, rows),
         KernelId::RopeKvWrite => {
             let prm: RopeParams = c.params();
             if prm.pos as u64 + rows as u64 > prm.capacity as u64 {
@@ -405,6 +430,7 @@ fn gelu_tanh(x: f32) -> f32 {
 
 fn gemv(
     pool: &ThreadPool,
+    opts: KernelOptions,
     c: &DispatchCmd,
     ptrs: &[*mut u8; 8],
     rows: usize,
@@ -435,9 +461,19 @@ fn gemv(
         for t in 0..n_x {
             let row = &x_all[t * xs..];
             let dst = &mut v[t * k..(t + 1) * k];
+            // Zipped slices (no indexing) so the loops vectorise.
+            let (gate, up) = (&row[..k], &row[k..2 * k.min(row.len() / 2)]);
             match p.input_act {
-                ACT_SWIGLU => (0..k).for_each(|i| dst[i] = silu(row[i]) * row[k + i]),
-                ACT_GEGLU => (0..k).for_each(|i| dst[i] = gelu_tanh(row[i]) * row[k + i]),
+                ACT_SWIGLU => dst
+                    .iter_mut()
+                    .zip(gate)
+                    .zip(up)
+                    .for_each(|((d, &g), &u)| *d = silu(g) * u),
+                ACT_GEGLU => dst
+                    .iter_mut()
+                    .zip(gate)
+                    .zip(up)
+                    .for_each(|((d, &g), &u)| *d = gelu_tanh(g) * u),
                 _ => dst.copy_from_slice(&row[..k]),
             }
         }
@@ -471,43 +507,54 @@ fn gemv(
     let out = Ptr(ptrs[1]);
     let os = p.out_stride as usize;
     let acc = p.accumulate != 0;
-
-    pool.run(&|tid, nt| {
-        let mine = split_range(total, nt, tid, 16);
-        for sg in &segs {
-            let a = mine.start.max(sg.start);
-            let b = mine.end.min(sg.start + sg.n);
-            if a >= b {
-                continue;
-            }
-            let (r0, nr) = (a - sg.start, b - a);
-            // SAFETY: rows r0..r0+nr of this segment's weight lie inside the
-            // binding (validated n * row_bytes); this thread alone writes
-            // output columns a..b of every row (ranges are disjoint per
-            // thread).
-            let w = unsafe { std::slice::from_raw_parts(sg.w.raw().add(r0 * sg.rb), nr * sg.rb) };
-            let bias = sg.bias.map(|bp| unsafe { slice(bp.f32().add(r0), nr) });
-            SCRATCH.with(|cell| {
-                let mut tmp = cell.borrow_mut();
-                tmp.clear();
-                tmp.resize(nr * n_x, 0.0);
-                if n_x == 1 {
-                    quant::gemv(sg.dt, w, k, &x[..k], &mut tmp);
-                } else {
-                    quant::gemm(sg.dt, w, k, nr, x, n_x, &mut tmp);
-                }
-                for t in 0..n_x {
-                    let dst = unsafe { slice_mut(out.f32().add(t * os + a), nr) };
-                    for i in 0..nr {
-                        let mut v = tmp[i * n_x + t];
-                        if let Some(bs) = bias {
-                            v += bs[i];
-                        }
-                        dst[i] = if acc { dst[i] + v } else { v };
-                    }
-                }
-            });
+    let use_q8 = opts.q8_activations && n_x == 1 && segs.iter().all(|sg| quant::supports_q8(sg.dt));
+    // The input row is quantized once, by the calling thread, and read by all.
+    XQ.with(|cell| {
+        let mut xq_cell = cell.borrow_mut();
+        if use_q8 {
+            xq_cell.quantize(&x[..k]);
         }
+        let xq = &*xq_cell;
+        pool.run(&|tid, nt| {
+            let mine = split_range(total, nt, tid, 16);
+            for sg in &segs {
+                let a = mine.start.max(sg.start);
+                let b = mine.end.min(sg.start + sg.n);
+                if a >= b {
+                    continue;
+                }
+                let (r0, nr) = (a - sg.start, b - a);
+                // SAFETY: rows r0..r0+nr of this segment's weight lie inside the
+                // binding (validated n * row_bytes); this thread alone writes
+                // output columns a..b of every row (ranges are disjoint per
+                // thread).
+                let w =
+                    unsafe { std::slice::from_raw_parts(sg.w.raw().add(r0 * sg.rb), nr * sg.rb) };
+                let bias = sg.bias.map(|bp| unsafe { slice(bp.f32().add(r0), nr) });
+                SCRATCH.with(|cell| {
+                    let mut tmp = cell.borrow_mut();
+                    tmp.clear();
+                    tmp.resize(nr * n_x, 0.0);
+                    if use_q8 {
+                        quant::gemv_q8(sg.dt, w, k, xq, &mut tmp);
+                    } else if n_x == 1 {
+                        quant::gemv(sg.dt, w, k, &x[..k], &mut tmp);
+                    } else {
+                        quant::gemm(sg.dt, w, k, nr, x, n_x, &mut tmp);
+                    }
+                    for t in 0..n_x {
+                        let dst = unsafe { slice_mut(out.f32().add(t * os + a), nr) };
+                        for i in 0..nr {
+                            let mut v = tmp[i * n_x + t];
+                            if let Some(bs) = bias {
+                                v += bs[i];
+                            }
+                            dst[i] = if acc { dst[i] + v } else { v };
+                        }
+                    }
+                });
+            }
+        });
     });
     Ok(())
 }
@@ -527,53 +574,66 @@ fn rope_kv_write(
     let (nh, nkv) = (p.n_heads as usize, p.n_kv_heads as usize);
     let cap = p.capacity as usize;
     let stride = p.qkv_stride as usize;
-    // Inverse frequencies in f64: base^(-2i/rope_dim), divided by the
-    // optional per-frequency factors.
-    let inv: Vec<f64> = (0..half)
-        .map(|i| {
-            let f = (p.theta as f64).powf(-2.0 * i as f64 / p.rope_dim as f64);
-            // SAFETY: extents validated rope_dim/2 factors when enabled.
-            match factors {
-                Some(fp) => f / unsafe { *fp.f32().add(i) } as f64,
-                None => f,
-            }
-        })
-        .collect();
+    // Every layer rotates by the same angles at a given position: keep the
+    // last position's cos/sin per thread and reuse them.
+    let key = [
+        p.theta.to_bits() as u64,
+        p.freq_scale.to_bits() as u64,
+        p.rope_dim as u64,
+        factors.map_or(0, |f| f.raw() as u64),
+    ];
     let work = |t: usize| {
-        let pos = (p.pos as usize + t) as f64 * p.freq_scale as f64;
-        let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
-        for i in 0..half {
-            let a = pos * inv[i];
-            cos[i] = a.cos() as f32;
-            sin[i] = a.sin() as f32;
-        }
-        // SAFETY: row t of the QKV buffer (validated for max_rows rows) is
-        // touched only by the thread handling t; cache rows `pos + t` of
-        // every head are likewise written by that thread only, and
-        // `pos + rows <= capacity` was checked by the caller.
-        let row = unsafe { slice_mut(qkv.f32().add(t * stride), (nh + 2 * nkv) * hd) };
-        for h in 0..nh + nkv {
-            let x = &mut row[h * hd..(h + 1) * hd];
-            for i in 0..half {
-                let (a, b) = if p.style == ROPE_NEOX {
-                    (i, i + half)
-                } else {
-                    (2 * i, 2 * i + 1)
-                };
-                let (x0, x1) = (x[a], x[b]);
-                x[a] = x0 * cos[i] - x1 * sin[i];
-                x[b] = x0 * sin[i] + x1 * cos[i];
+        ROPE_ANGLES.with(|cell| {
+            let mut cache = cell.borrow_mut();
+            let at_pos = p.pos as u64 + t as u64;
+            if cache.key != key || cache.pos != at_pos || cache.cos.len() != half {
+                let pos = at_pos as f64 * p.freq_scale as f64;
+                cache.cos.resize(half, 0.0);
+                cache.sin.resize(half, 0.0);
+                for i in 0..half {
+                    // Inverse frequency base^(-2i/rope_dim) in f64, divided by
+                    // the optional per-frequency factor.
+                    let mut inv = (p.theta as f64).powf(-2.0 * i as f64 / p.rope_dim as f64);
+                    if let Some(fp) = factors {
+                        // SAFETY: extents validated rope_dim/2 factors when enabled.
+                        inv /= unsafe { *fp.f32().add(i) } as f64;
+                    }
+                    let a = pos * inv;
+                    cache.cos[i] = a.cos() as f32;
+                    cache.sin[i] = a.sin() as f32;
+                }
+                cache.key = key;
+                cache.pos = at_pos;
             }
-        }
-        let at = p.pos as usize + t;
-        for g in 0..nkv {
-            let ksrc = &row[(nh + g) * hd..(nh + g + 1) * hd];
-            let vsrc = &row[(nh + nkv + g) * hd..(nh + nkv + g + 1) * hd];
-            unsafe {
-                slice_mut(kc.f32().add((g * cap + at) * hd), hd).copy_from_slice(ksrc);
-                slice_mut(vc.f32().add((g * cap + at) * hd), hd).copy_from_slice(vsrc);
+            let (cos, sin) = (&cache.cos, &cache.sin);
+            // SAFETY: row t of the QKV buffer (validated for max_rows rows) is
+            // touched only by the thread handling t; cache rows `pos + t` of
+            // every head are likewise written by that thread only, and
+            // `pos + rows <= capacity` was checked by the caller.
+            let row = unsafe { slice_mut(qkv.f32().add(t * stride), (nh + 2 * nkv) * hd) };
+            for h in 0..nh + nkv {
+                let x = &mut row[h * hd..(h + 1) * hd];
+                for i in 0..half {
+                    let (a, b) = if p.style == ROPE_NEOX {
+                        (i, i + half)
+                    } else {
+                        (2 * i, 2 * i + 1)
+                    };
+                    let (x0, x1) = (x[a], x[b]);
+                    x[a] = x0 * cos[i] - x1 * sin[i];
+                    x[b] = x0 * sin[i] + x1 * cos[i];
+                }
             }
-        }
+            let at = p.pos as usize + t;
+            for g in 0..nkv {
+                let ksrc = &row[(nh + g) * hd..(nh + g + 1) * hd];
+                let vsrc = &row[(nh + nkv + g) * hd..(nh + nkv + g + 1) * hd];
+                unsafe {
+                    slice_mut(kc.f32().add((g * cap + at) * hd), hd).copy_from_slice(ksrc);
+                    slice_mut(vc.f32().add((g * cap + at) * hd), hd).copy_from_slice(vsrc);
+                }
+            }
+        });
     };
     if rows == 1 {
         work(0);
@@ -634,7 +694,7 @@ fn attention(pool: &ThreadPool, p: &AttnParams, rows: usize, qkv: Ptr, kc: Ptr, 
         }
         let mut sum = 0f32;
         for s in scores.iter_mut() {
-            *s = (*s - mx).exp();
+            *s = exp_fast(*s - mx);
             sum += *s;
         }
         let o = unsafe { slice_mut(out.f32().add(t * p.out_stride as usize + h * hd), hd) };

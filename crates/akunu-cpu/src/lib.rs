@@ -46,6 +46,7 @@ impl Drop for Buffer {
 pub struct CpuBackend {
     buffers: Vec<Buffer>,
     pool: ThreadPool,
+    opts: kernels::KernelOptions,
     /// Per-command wall time accumulated over replays, when profiling.
     profile: Option<Vec<(std::time::Duration, u64)>>,
 }
@@ -69,8 +70,15 @@ impl CpuBackend {
         CpuBackend {
             buffers: Vec::new(),
             pool: ThreadPool::new(n),
+            opts: kernels::KernelOptions::default(),
             profile: None,
         }
+    }
+
+    /// Decode products against Q4_0/Q4_1/Q8_0 weights with 8-bit
+    /// activations and integer dot products (see `KernelOptions`).
+    pub fn set_q8_activations(&mut self, on: bool) {
+        self.opts.q8_activations = on;
     }
 
     /// Starts timing every command of every replay (a clock read per
@@ -119,9 +127,14 @@ impl BufferRead for CpuBackend {
 impl Backend for CpuBackend {
     fn describe(&self) -> String {
         format!(
-            "cpu: {} threads, {}",
+            "cpu: {} threads, {}, {} activations",
             self.pool.n_threads(),
-            quant::simd_level()
+            quant::simd_level(),
+            if self.opts.q8_activations {
+                "q8"
+            } else {
+                "f32"
+            }
         )
     }
 
@@ -253,7 +266,7 @@ impl Backend for CpuBackend {
                     }
                 });
                 let t0 = self.profile.is_some().then(std::time::Instant::now);
-                kernels::run(&self.pool, &c, &ptrs, &lens, &step).map_err(|why| {
+                kernels::run(&self.pool, self.opts, &c, &ptrs, &lens, &step).map_err(|why| {
                     BackendError::InvalidCommand {
                         index: i,
                         label: table.label(i).to_string(),

@@ -63,7 +63,9 @@ unsafe fn widen_i8(p: *const u8) -> __m256i {
     _mm256_cvtepi8_epi32(unsafe { _mm_loadl_epi64(p as *const __m128i) })
 }
 
-/// Software prefetch distance (bytes ahead in each weight row stream).
+/// Software prefetch distance (bytes ahead in each weight row stream). The
+/// 4-bit kernels prefetch at least one row group ahead (`R * rb`): with long
+/// rows (k = 1536) a fixed 1 KiB lands in rows the group is already reading.
 const PF_DIST: usize = 1024;
 
 /// Prefetch hint for the cache line holding `p`; never faults, so `p` may
@@ -237,7 +239,7 @@ unsafe fn q4_rows<const R: usize, const Q41: bool>(
             };
             for (r, a) in acc.iter_mut().enumerate() {
                 let p = w.add(r * rb + b * bs);
-                prefetch(p.wrapping_add(PF_DIST));
+                prefetch(p.wrapping_add(PF_DIST.max(R * rb)));
                 let d = bcast_f16(p);
                 // bytes 0..8 -> lanes: low nibbles = elements 0..8,
                 // high nibbles = elements 16..24; bytes 8..16 likewise.

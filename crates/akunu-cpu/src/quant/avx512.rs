@@ -81,7 +81,9 @@ fn nibble_table(q41: bool) -> __m512 {
     }
 }
 
-/// Software prefetch distance (bytes ahead in each weight row stream).
+/// Software prefetch distance (bytes ahead in each weight row stream). The
+/// 4-bit kernels prefetch at least one row group ahead (`R * rb`): with long
+/// rows (k = 1536) a fixed 1 KiB lands in rows the group is already reading.
 const PF_DIST: usize = 1024;
 
 /// Prefetch hint for the cache line holding `p`; never faults, so `p` may
@@ -239,7 +241,7 @@ unsafe fn q4_rows<const R: usize, const Q41: bool>(
             let s = if Q41 { _mm512_add_ps(x0, x1) } else { x0 };
             for (r, a) in acc.iter_mut().enumerate() {
                 let p = w.add(r * rb + b * bs);
-                prefetch(p.wrapping_add(PF_DIST));
+                prefetch(p.wrapping_add(PF_DIST.max(R * rb)));
                 let d = bcast_f16(p);
                 // byte j -> lane j; low nibble = element j, high = j + 16.
                 let bw = widen_u8(p.add(qoff));

@@ -38,6 +38,9 @@ mod avx512;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 
+pub mod q8act;
+pub use q8act::{Q8Act, gemv_q8, supports_q8};
+
 /// Elements per quantization block (Q4_0, Q4_1, Q8_0).
 const QK: usize = 32;
 
