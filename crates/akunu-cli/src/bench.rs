@@ -13,6 +13,9 @@ pub struct BenchArgs {
     model: ModelArgs,
     #[command(flatten)]
     engine: EngineArgs,
+    /// Sampling for the decode test (default greedy).
+    #[command(flatten)]
+    sampling: crate::load::SamplingArgs,
     /// Prompt tokens of the prefill test (0: skip).
     #[arg(short = 'p', long, default_value_t = 512)]
     n_prompt: u32,
@@ -134,6 +137,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let opts = GenerateOptions {
             max_tokens: a.n_gen + 1,
             ignore_eos: true,
+            sampling: a.sampling.config()?,
+            ..Default::default()
         };
         for r in 0..=a.reps {
             engine.reset();
@@ -142,7 +147,12 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 runs.push(st.decode_tok_s);
             }
         }
-        figures.push(figure(format!("tg{}", a.n_gen), runs));
+        let name = if a.sampling.temperature > 0.0 {
+            format!("tg{} sampled", a.n_gen)
+        } else {
+            format!("tg{}", a.n_gen)
+        };
+        figures.push(figure(name, runs));
     }
     let weight_bytes = cfg.weight_bytes_per_token(&model.file);
     let threads = if a.engine.threads == 0 {

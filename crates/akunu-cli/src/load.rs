@@ -112,3 +112,51 @@ pub fn engine(model: Arc<Model>, a: &EngineArgs) -> Result<Engine> {
     };
     Engine::new(model, backend, &opts).context("setting up the engine")
 }
+
+/// Sampling flags (the chapter's parameters and defaults).
+#[derive(Args, Clone)]
+pub struct SamplingArgs {
+    /// Sampling temperature; 0 is greedy (argmax).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Keep only the k most likely tokens (0: no limit).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: u32,
+    /// Nucleus sampling: keep the most likely tokens up to this cumulative probability (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Drop tokens less likely than min-p times the most likely one (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// Repetition penalty over the last --repeat-last-n tokens (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// How many previous tokens the repetition penalty looks at.
+    #[arg(long, default_value_t = 64)]
+    pub repeat_last_n: u32,
+    /// Random seed (default: a fresh one, reported in the statistics).
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    pub fn config(&self) -> Result<akunu_core::sampling::SamplingConfig> {
+        let cfg = akunu_core::sampling::SamplingConfig {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            repeat_last_n: self.repeat_last_n,
+            seed: self.seed.unwrap_or_else(akunu_core::sampling::random_seed),
+        };
+        cfg.validate()?;
+        if cfg.repeat_last_n > akunu_core::builder::RECENT_CAPACITY {
+            bail!(
+                "--repeat-last-n must be at most {}",
+                akunu_core::builder::RECENT_CAPACITY
+            );
+        }
+        Ok(cfg)
+    }
+}

@@ -7,7 +7,7 @@ mod synth;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
-use load::{EngineArgs, ModelArgs};
+use load::{EngineArgs, ModelArgs, SamplingArgs};
 use std::io::Write;
 
 #[derive(Parser)]
@@ -66,6 +66,8 @@ struct GenerateArgs {
     engine: EngineArgs,
     #[command(flatten)]
     prompt: PromptArgs,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Most tokens to generate (0: evaluate the prompt only).
     #[arg(short = 'n', long = "max-tokens", default_value_t = 256)]
     max_tokens: u32,
@@ -180,6 +182,8 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let opts = akunu_core::decode::GenerateOptions {
         max_tokens: a.max_tokens,
         ignore_eos: a.ignore_eos,
+        sampling: a.sampling.config()?,
+        ..Default::default()
     };
     let mut ids = Vec::new();
     let mut text = String::new();
@@ -209,7 +213,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
             let _ = writeln!(out);
         }
         eprintln!(
-            "akunu: prompt {} tokens in {:.1} ms ({:.1} tok/s) | generated {} tokens, decode {:.1} ms ({:.1} tok/s) | stop: {:?} | position {}/{}",
+            "akunu: prompt {} tokens in {:.1} ms ({:.1} tok/s) | generated {} tokens, decode {:.1} ms ({:.1} tok/s) | stop: {:?} | position {}/{}{}",
             stats.prompt_tokens,
             stats.prefill_ms,
             stats.prefill_tok_s,
@@ -218,7 +222,11 @@ fn generate(a: GenerateArgs) -> Result<()> {
             stats.decode_tok_s,
             stats.stop_reason,
             stats.position,
-            engine.capacity()
+            engine.capacity(),
+            stats
+                .seed
+                .map(|s| format!(" | seed {s}"))
+                .unwrap_or_default()
         );
         if stats.stop_reason == akunu_core::decode::StopReason::ContextFull {
             eprintln!(

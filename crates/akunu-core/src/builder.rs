@@ -46,7 +46,16 @@ pub struct Scratch {
     pub gu: BufferId,
     /// Logits of the last row, `n_vocab` wide.
     pub logits: BufferId,
+    /// Recent tokens for the repetition penalty: a `RecentHeader`, then up
+    /// to `RECENT_CAPACITY` ids.
+    pub recent: BufferId,
 }
+
+/// Most previous tokens the repetition penalty can look at.
+pub const RECENT_CAPACITY: u32 = 1024;
+
+/// Bytes of the recent-token buffer.
+pub const RECENT_BYTES: u64 = 8 + RECENT_CAPACITY as u64 * 4;
 
 /// Per-layer K and V caches: `[n_kv_heads][capacity][head_dim]` f32 each.
 #[derive(Clone, Debug)]
@@ -361,4 +370,53 @@ fn gemv1(
         })
         .label(label)
         .emit();
+}
+
+/// The sampled table: the greedy table plus one `GumbelSample` command
+/// right before the argmax, its position patched per step so that a chain
+/// of sampled tokens needs no host round trip. Returns the table and the
+/// index of the sampling command (whose params the engine rewrites when the
+/// sampling configuration changes).
+pub fn build_sampled_table(inp: &BuildInputs) -> Result<(DispatchTable, usize), MissingWeight> {
+    let greedy = build_dispatch_table(inp)?;
+    let cfg = inp.cfg;
+    let mut tail = DispatchTable {
+        max_rows: greedy.max_rows,
+        ..Default::default()
+    };
+    CmdBuilder::new(&mut tail, KernelId::GumbelSample, 1)
+        .buf(inp.scratch.logits, 0)
+        .buf(inp.scratch.recent, 0)
+        .buf(inp.scratch.token_ids, 0)
+        .params(&sample_params(
+            &crate::sampling::SamplingConfig::default(),
+            cfg.n_vocab,
+        ))
+        .patch(PatchType::KvSeqLen, offset_of!(SampleParams, kv_len), 0)
+        .last_row()
+        .label("gumbel_sample")
+        .emit();
+    let at = greedy.len() - 1;
+    let mut t = greedy;
+    t.commands.insert(at, tail.commands[0]);
+    t.labels.insert(at, tail.labels[0].clone());
+    Ok((t, at))
+}
+
+/// The `GumbelSample` params for a sampling configuration.
+pub fn sample_params(s: &crate::sampling::SamplingConfig, n_vocab: u32) -> SampleParams {
+    SampleParams {
+        kv_len: 0,
+        n_vocab,
+        temperature: s.temperature,
+        top_k: s.top_k,
+        top_p: s.top_p,
+        min_p: s.min_p,
+        repeat_penalty: s.repeat_penalty,
+        repeat_last_n: s.repeat_last_n.min(RECENT_CAPACITY),
+        seed_lo: s.seed as u32,
+        seed_hi: (s.seed >> 32) as u32,
+        recent_capacity: RECENT_CAPACITY,
+        _pad: 0,
+    }
 }

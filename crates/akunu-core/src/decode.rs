@@ -3,9 +3,11 @@
 
 use crate::backend::{Backend, BackendError, BufferRead};
 use crate::builder::{
-    BuildInputs, KvBuffers, MissingWeight, Scratch, WeightBuf, build_dispatch_table,
+    BuildInputs, KvBuffers, MissingWeight, RECENT_BYTES, RECENT_CAPACITY, Scratch, WeightBuf,
+    build_dispatch_table, build_sampled_table, sample_params,
 };
 use crate::model::Model;
+use crate::sampling::SamplingConfig;
 use crate::table::{BufferId, DispatchTable, StepInfo};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -38,6 +40,10 @@ pub enum EngineError {
     Backend(#[from] BackendError),
     #[error(transparent)]
     Build(#[from] MissingWeight),
+    #[error("invalid sampling configuration: {0}")]
+    Sampling(#[from] crate::sampling::SamplingError),
+    #[error("{0}")]
+    Unsupported(String),
 }
 
 #[derive(Clone, Debug)]
@@ -67,6 +73,58 @@ pub struct GenerateOptions {
     pub max_tokens: u32,
     /// Keep generating past end-of-generation tokens.
     pub ignore_eos: bool,
+    /// Temperature, top-k, top-p, min-p, repetition penalty and seed;
+    /// temperature 0 (the default) is greedy.
+    pub sampling: SamplingConfig,
+    /// Use n-gram speculative decoding for greedy generation.
+    pub speculative: bool,
+    /// Constrain the output to a grammar.
+    pub constraint: Option<Constraint>,
+    /// Take this path instead of the one `decode_path` picks (tests and
+    /// benchmarks: e.g. temperature 0 through the sampled table).
+    pub force_path: Option<DecodePath>,
+}
+
+/// An output constraint for grammar-constrained decoding.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Constraint {
+    JsonSchema(String),
+    Lark(String),
+    Regex(String),
+    /// Any JSON object.
+    JsonObject,
+}
+
+/// The four decode paths of the decode loop.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DecodePath {
+    /// Chain decode with the argmax on the device.
+    Greedy,
+    /// Chain decode with Gumbel-max sampling on the device.
+    Sampled,
+    /// Greedy with n-gram drafts verified in batches.
+    Speculative,
+    /// A grammar mask per token.
+    Grammar,
+}
+
+impl GenerateOptions {
+    /// The path the decode loop takes: a grammar wins, then sampling
+    /// (temperature > 0), then speculation, else the greedy chain.
+    pub fn decode_path(&self) -> DecodePath {
+        if let Some(p) = self.force_path {
+            p
+        } else if self.constraint.is_some() {
+            DecodePath::Grammar
+        } else if !self.sampling.is_greedy() {
+            DecodePath::Sampled
+        } else if self.speculative {
+            DecodePath::Speculative
+        } else {
+            DecodePath::Greedy
+        }
+    }
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize)]
@@ -98,6 +156,10 @@ pub struct Stats {
     pub stop_reason: StopReason,
     /// Position (tokens in the KV cache) after this call.
     pub position: u32,
+    /// The decode path taken.
+    pub path: DecodePath,
+    /// The sampling seed (sampled path only): rerun with it to reproduce.
+    pub seed: Option<u64>,
 }
 
 /// One model on one backend with its KV cache: the unit that generates.
@@ -105,6 +167,10 @@ pub struct Engine {
     pub model: Arc<Model>,
     backend: Box<dyn Backend>,
     table: DispatchTable,
+    /// The greedy table plus the in-chain sampling command.
+    sampled: DispatchTable,
+    /// Index of the sampling command in `sampled`.
+    sampler_cmd: usize,
     scratch: Scratch,
     capacity: u32,
     chunk: u32,
@@ -184,6 +250,7 @@ impl Engine {
             delta: backend.alloc(rows * cfg.dim as u64 * f, "projection output")?,
             gu: backend.alloc(rows * 2 * cfg.ffn_dim as u64 * f, "gate/up")?,
             logits: backend.alloc(cfg.n_vocab as u64 * f, "logits")?,
+            recent: backend.alloc(RECENT_BYTES, "recent tokens")?,
         };
         let slab = capacity as u64 * cfg.kv_dim() as u64 * f;
         let mut kv = KvBuffers {
@@ -195,18 +262,23 @@ impl Engine {
             kv.k.push(backend.alloc(slab, &format!("K cache layer {l}"))?);
             kv.v.push(backend.alloc(slab, &format!("V cache layer {l}"))?);
         }
-        let table = build_dispatch_table(&BuildInputs {
+        let inputs = BuildInputs {
             cfg: &cfg,
             weights: &weights,
             scratch,
             kv: &kv,
             max_rows: opts.prefill_chunk,
-        })?;
+        };
+        let table = build_dispatch_table(&inputs)?;
+        let (sampled, sampler_cmd) = build_sampled_table(&inputs)?;
         backend.validate(&table)?;
+        backend.validate(&sampled)?;
         Ok(Engine {
             model,
             backend,
             table,
+            sampled,
+            sampler_cmd,
             scratch,
             capacity,
             chunk: opts.chunk,
@@ -275,7 +347,7 @@ impl Engine {
 
     /// Feeds `tokens` (plus the pending generated token, if any) through the
     /// model in prefill steps; returns the argmax after the last one.
-    fn prefill(&mut self, prompt: &[u32]) -> Result<Option<u32>, EngineError> {
+    fn prefill(&mut self, prompt: &[u32], sampled: bool) -> Result<Option<u32>, EngineError> {
         let n_vocab = self.model.config.n_vocab;
         if let Some(&id) = prompt.iter().find(|&&id| id >= n_vocab) {
             return Err(EngineError::BadToken { id, n_vocab });
@@ -294,15 +366,30 @@ impl Engine {
             });
         }
         let mut next = None;
+        // The penalty window of the first sampled token covers the prompt:
+        // the sequence so far is the history (pending token included) and
+        // then the prompt.
+        let w = RECENT_CAPACITY as usize;
+        let mut seq: Vec<u32> = self.history[self.history.len().saturating_sub(w)..].to_vec();
+        let before_prompt = seq.len();
+        seq.extend_from_slice(prompt);
+        let pend = usize::from(self.pending.is_some());
+        let mut fed = 0usize;
         for chunk in feed.chunks(self.prefill_chunk as usize) {
             let bytes: Vec<u8> = chunk.iter().flat_map(|t| t.to_le_bytes()).collect();
             self.backend.write(self.scratch.token_ids, 0, &bytes)?;
+            fed += chunk.len();
             let step = StepInfo {
                 pos: self.pos,
                 tok: 0,
                 rows: chunk.len() as u32,
             };
-            self.backend.replay(&self.table, step, 1, None)?;
+            if sampled {
+                let end = before_prompt + fed - pend;
+                self.write_recent(step.kv_len(), &seq[end.saturating_sub(w)..end])?;
+            }
+            let table = if sampled { &self.sampled } else { &self.table };
+            self.backend.replay(table, step, 1, None)?;
             self.pos += chunk.len() as u32;
             next = Some(
                 self.backend
@@ -320,7 +407,7 @@ impl Engine {
         if prompt.is_empty() && self.pending.is_none() {
             return Err(EngineError::EmptyPrompt);
         }
-        self.prefill(prompt)?;
+        self.prefill(prompt, false)?;
         Ok(self
             .backend
             .read_f32s(self.scratch.logits, 0, self.model.config.n_vocab as usize)?)
@@ -338,11 +425,40 @@ impl Engine {
         if prompt.is_empty() && self.pending.is_none() {
             return Err(EngineError::EmptyPrompt);
         }
+        let path = opts.decode_path();
+        let sampled = match path {
+            DecodePath::Greedy => false,
+            DecodePath::Sampled => true,
+            DecodePath::Speculative => {
+                return Err(EngineError::Unsupported(
+                    "speculative decoding is not available in this build yet".into(),
+                ));
+            }
+            DecodePath::Grammar => {
+                return Err(EngineError::Unsupported(
+                    "grammar-constrained decoding is not available in this build yet".into(),
+                ));
+            }
+        };
+        if sampled {
+            opts.sampling.validate()?;
+            let p = sample_params(&opts.sampling, self.model.config.n_vocab);
+            // The table is plain data: the new configuration is a rewrite of
+            // one command's params (the patch offsets stay where they are).
+            let cmd = &mut self.sampled.commands[self.sampler_cmd];
+            let kv_off = cmd.patch_offset_1 as usize;
+            let bytes = bytemuck::bytes_of(&p);
+            cmd.params[..bytes.len()].copy_from_slice(bytes);
+            debug_assert_eq!(
+                kv_off,
+                std::mem::offset_of!(crate::ops::SampleParams, kv_len)
+            );
+        }
         let model = self.model.clone();
         let tok = &model.tokenizer;
         let t0 = Instant::now();
         let first = self
-            .prefill(prompt)?
+            .prefill(prompt, sampled)?
             .expect("prefill of a non-empty feed yields a token");
         let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
         let n_prompt = prompt.len() as u32;
@@ -356,6 +472,8 @@ impl Engine {
             decode_steps: 0,
             stop_reason: StopReason::PromptOnly,
             position: self.pos,
+            path,
+            seed: sampled.then_some(opts.sampling.seed),
         };
         if opts.max_tokens == 0 {
             return Ok(stats);
@@ -407,6 +525,15 @@ impl Engine {
             let n = self.chunk.min(want).min(room);
             self.backend
                 .write(self.scratch.token_ids, 0, &input.to_le_bytes())?;
+            if sampled {
+                // Step s of this chain produces the token at position
+                // pos + 1 + s; the window so far is the history (which ends
+                // with `input`).
+                let h = &self.history;
+                let from = h.len().saturating_sub(RECENT_CAPACITY as usize);
+                let window = h[from..].to_vec();
+                self.write_recent(self.pos + 1, &window)?;
+            }
             let (conveyor, logits) = (self.scratch.token_ids, self.scratch.logits);
             let (history, pending, probe) = (&mut self.history, &mut self.pending, &mut self.probe);
             let n_vocab = model.config.n_vocab as usize;
@@ -439,7 +566,8 @@ impl Engine {
                 tok: 0,
                 rows: 1,
             };
-            let ran = self.backend.replay(&self.table, step, n, Some(&mut hook))?;
+            let table = if sampled { &self.sampled } else { &self.table };
+            let ran = self.backend.replay(table, step, n, Some(&mut hook))?;
             debug_assert_eq!(ran, stepped);
             self.pos += ran;
             stats.decode_steps += ran;
@@ -451,6 +579,23 @@ impl Engine {
         stats.decode_tok_s = rate(stats.decode_steps, stats.decode_ms);
         stats.position = self.pos;
         Ok(stats)
+    }
+
+    /// Writes the recent-token buffer: header, then the window's ids.
+    fn write_recent(&mut self, chain_start: u32, window: &[u32]) -> Result<(), EngineError> {
+        let hdr = crate::ops::RecentHeader {
+            chain_start,
+            n: window.len() as u32,
+        };
+        let mut bytes = bytemuck::bytes_of(&hdr).to_vec();
+        bytes.extend(window.iter().flat_map(|t| t.to_le_bytes()));
+        self.backend.write(self.scratch.recent, 0, &bytes)?;
+        Ok(())
+    }
+
+    /// The sampled dispatch table (the greedy one plus the sampler).
+    pub fn sampled_table(&self) -> &DispatchTable {
+        &self.sampled
     }
 
     /// Read access for tests and tools (e.g. the logits buffer).

@@ -13,6 +13,7 @@ pub mod gguf_write;
 pub mod model;
 pub mod ops;
 pub mod quantize;
+pub mod sampling;
 pub mod synth;
 pub mod table;
 pub mod tokenizer;

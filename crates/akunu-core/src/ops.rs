@@ -43,6 +43,28 @@ pub enum KernelId {
     /// 1 token ids (u32, patched ARGMAX_OUTPUT). Params: [`ArgmaxParams`].
     /// Grid: 1.
     Argmax = 6,
+    /// In-chain sampling (Gumbel-max): repetition penalty over the recent
+    /// tokens, the candidate set (temperature, top-k, min-p, top-p), then
+    /// each kept logit becomes `ln p + Gumbel(seed, position, token)` and
+    /// every other one -inf, so the following argmax draws a sample.
+    /// Bindings: 0 logits (f32, last row, rewritten), 1 recent tokens
+    /// ([`RecentHeader`] then ids), 2 token conveyor. Params:
+    /// [`SampleParams`] (`kv_len` patched KV_SEQ_LEN: the position of the
+    /// token being produced). Grid: 1.
+    GumbelSample = 7,
+    /// The top `k` logits as (id u32, value f32) pairs, descending (ties by
+    /// id). Bindings: 0 logits, 1 output pairs. Params: [`TopKParams`].
+    TopKSelect = 8,
+    /// Repetition penalty over the recent tokens. Bindings: 0 logits, 1
+    /// recent tokens ([`RecentHeader`] then ids). Params: [`PenaltyParams`].
+    RepetitionPenalty = 9,
+    /// Divides the logits by the temperature. Bindings: 0 logits. Params:
+    /// [`TemperatureParams`].
+    TemperatureScale = 10,
+    /// Logits of tokens whose bit is 0 in the mask become -inf. Bindings: 0
+    /// logits, 1 mask (u32 words, bit `i % 32` of word `i / 32`). Params:
+    /// [`BitmaskParams`].
+    GrammarBitmask = 11,
 }
 
 impl KernelId {
@@ -55,6 +77,11 @@ impl KernelId {
             KernelId::RopeKvWrite => "rope_kv_write",
             KernelId::Attention => "attention",
             KernelId::Argmax => "argmax",
+            KernelId::GumbelSample => "gumbel_sample",
+            KernelId::TopKSelect => "topk_select",
+            KernelId::RepetitionPenalty => "repetition_penalty",
+            KernelId::TemperatureScale => "temperature_scale",
+            KernelId::GrammarBitmask => "grammar_bitmask",
         }
     }
 }
@@ -175,6 +202,70 @@ pub struct ArgmaxParams {
     pub _pad: [u32; 3],
 }
 
+/// Header of the recent-token buffer the host writes before each replay.
+#[derive(Copy, Clone, Debug, Pod, Zeroable)]
+#[repr(C)]
+pub struct RecentHeader {
+    /// `kv_len` of the chain's first step: step `s` of a chain has
+    /// `kv_len = chain_start + s`, and conveyor slots `1..=s` hold the
+    /// tokens it has produced so far (they join the penalty window).
+    pub chain_start: u32,
+    /// Number of ids that follow (the last `repeat_last_n` tokens of the
+    /// sequence, oldest first).
+    pub n: u32,
+}
+
+#[derive(Copy, Clone, Debug, Pod, Zeroable)]
+#[repr(C)]
+pub struct SampleParams {
+    /// Position of the token being produced (patched KV_SEQ_LEN).
+    pub kv_len: u32,
+    pub n_vocab: u32,
+    pub temperature: f32,
+    pub top_k: u32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub repeat_penalty: f32,
+    pub repeat_last_n: u32,
+    pub seed_lo: u32,
+    pub seed_hi: u32,
+    /// Capacity of the recent-token buffer in ids.
+    pub recent_capacity: u32,
+    pub _pad: u32,
+}
+
+#[derive(Copy, Clone, Debug, Pod, Zeroable)]
+#[repr(C)]
+pub struct TopKParams {
+    pub n_vocab: u32,
+    pub k: u32,
+    pub _pad: [u32; 2],
+}
+
+#[derive(Copy, Clone, Debug, Pod, Zeroable)]
+#[repr(C)]
+pub struct PenaltyParams {
+    pub n_vocab: u32,
+    pub penalty: f32,
+    pub recent_capacity: u32,
+    pub _pad: u32,
+}
+
+#[derive(Copy, Clone, Debug, Pod, Zeroable)]
+#[repr(C)]
+pub struct TemperatureParams {
+    pub n_vocab: u32,
+    pub temperature: f32,
+    pub _pad: [u32; 2],
+}
+
+#[derive(Copy, Clone, Debug, Pod, Zeroable)]
+#[repr(C)]
+pub struct BitmaskParams {
+    pub n_vocab: u32,
+    pub _pad: [u32; 3],
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -188,5 +279,7 @@ mod tests {
         assert!(std::mem::size_of::<RopeParams>() <= MAX_PARAM_BYTES);
         assert!(std::mem::size_of::<AttnParams>() <= MAX_PARAM_BYTES);
         assert!(std::mem::size_of::<ArgmaxParams>() <= MAX_PARAM_BYTES);
+        assert!(std::mem::size_of::<SampleParams>() <= MAX_PARAM_BYTES);
+        assert!(std::mem::size_of::<TopKParams>() <= MAX_PARAM_BYTES);
     }
 }

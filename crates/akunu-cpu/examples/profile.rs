@@ -1,6 +1,6 @@
 //! Times every dispatch-table command of CPU decode and prints the time per
 //! kernel kind and per label: `cargo run --release -p akunu-cpu --example
-//! profile -- MODEL.gguf [tokens] [threads] [f32|q8]`.
+//! profile -- MODEL.gguf [tokens] [threads] [f32|q8] [temperature]`.
 
 use akunu_core::decode::{Engine, EngineOptions, GenerateOptions};
 use akunu_core::model::Model;
@@ -10,7 +10,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     let path = args
         .get(1)
-        .ok_or("usage: profile MODEL.gguf [tokens] [threads] [f32|q8]")?;
+        .ok_or("usage: profile MODEL.gguf [tokens] [threads] [f32|q8] [temperature]")?;
     let n: u32 = args.get(2).map(|s| s.parse()).transpose()?.unwrap_or(64);
     let threads: usize = args.get(3).map(|s| s.parse()).transpose()?.unwrap_or(0);
     let model = Arc::new(Model::load(path)?);
@@ -28,6 +28,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         &GenerateOptions {
             max_tokens: n,
             ignore_eos: true,
+            // Optional 5th argument: a temperature, to profile the sampled
+            // table (with top-k 40, top-p 0.95 and a 1.1 penalty when > 0).
+            sampling: match args.get(5).map(|t| t.parse::<f32>()).transpose()? {
+                Some(t) if t > 0.0 => akunu_core::sampling::SamplingConfig {
+                    temperature: t,
+                    top_k: 40,
+                    top_p: 0.95,
+                    repeat_penalty: 1.1,
+                    seed: 1,
+                    ..Default::default()
+                },
+                _ => Default::default(),
+            },
+            ..Default::default()
         },
         &mut |_, _| true,
     )?;
@@ -36,7 +50,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         st.decode_tok_s, st.decode_steps
     );
     let prof = e.command_times().ok_or("no profile")?;
-    let table = e.table();
+    let table = if st.seed.is_some() {
+        e.sampled_table()
+    } else {
+        e.table()
+    };
     let total: f64 = prof.iter().map(|(d, _)| d.as_secs_f64()).sum();
     let mut by_kind: Vec<(String, f64)> = Vec::new();
     for (i, (d, _)) in prof.iter().enumerate() {

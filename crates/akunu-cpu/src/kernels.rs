@@ -180,6 +180,44 @@ pub fn extents(c: &DispatchCmd, max_rows: u32) -> Result<Vec<(usize, u64)>, Stri
             let p: ArgmaxParams = c.params();
             vec![(0, p.n as u64 * F), (1, 4)]
         }
+        KernelId::GumbelSample => {
+            need_buffers(3)?;
+            let p: SampleParams = c.params();
+            vec![
+                (0, p.n_vocab as u64 * F),
+                (1, 8 + p.recent_capacity as u64 * 4),
+                (2, 4),
+            ]
+        }
+        KernelId::TopKSelect => {
+            need_buffers(2)?;
+            let p: TopKParams = c.params();
+            if p.k == 0 || p.k > p.n_vocab {
+                return Err(format!("k {} outside 1..={}", p.k, p.n_vocab));
+            }
+            vec![(0, p.n_vocab as u64 * F), (1, p.k as u64 * 8)]
+        }
+        KernelId::RepetitionPenalty => {
+            need_buffers(2)?;
+            let p: PenaltyParams = c.params();
+            vec![
+                (0, p.n_vocab as u64 * F),
+                (1, 8 + p.recent_capacity as u64 * 4),
+            ]
+        }
+        KernelId::TemperatureScale => {
+            need_buffers(1)?;
+            let p: TemperatureParams = c.params();
+            vec![(0, p.n_vocab as u64 * F)]
+        }
+        KernelId::GrammarBitmask => {
+            need_buffers(2)?;
+            let p: BitmaskParams = c.params();
+            vec![
+                (0, p.n_vocab as u64 * F),
+                (1, (p.n_vocab as u64).div_ceil(32) * 4),
+            ]
+        }
     })
 }
 
@@ -291,7 +329,144 @@ pub fn run(
             unsafe { (ptrs[1] as *mut u32).write(best) };
             Ok(())
         }
+        KernelId::GumbelSample => {
+            let prm: SampleParams = c.params();
+            // SAFETY: extents validated n_vocab logits at binding 0 and the
+            // header plus `recent_capacity` ids at binding 1.
+            let (logits, recent) = unsafe {
+                (
+                    slice_mut(p(0).f32(), prm.n_vocab as usize),
+                    recent_ids(ptrs[1], prm.recent_capacity),
+                )
+            };
+            let hdr: RecentHeader = unsafe { (ptrs[1] as *const RecentHeader).read_unaligned() };
+            // Tokens this chain has produced so far: conveyor slots 1..=s.
+            let s = prm.kv_len.saturating_sub(hdr.chain_start) as usize;
+            if lens[2] < (s + 1) * 4 {
+                return Err(format!("chain step {s} lies beyond the token conveyor"));
+            }
+            // SAFETY: checked just above: the conveyor holds s + 1 ids.
+            let chain = unsafe { std::slice::from_raw_parts((ptrs[2] as *const u32).add(1), s) };
+            let cfg = akunu_core::sampling::SamplingConfig {
+                temperature: prm.temperature,
+                top_k: prm.top_k,
+                top_p: prm.top_p,
+                min_p: prm.min_p,
+                repeat_penalty: prm.repeat_penalty,
+                repeat_last_n: prm.repeat_last_n,
+                seed: prm.seed_lo as u64 | ((prm.seed_hi as u64) << 32),
+            };
+            SAMPLER.with(|cell| {
+                let mut st = cell.borrow_mut();
+                let SamplerState { window, scratch } = &mut *st;
+                window.clear();
+                window.extend_from_slice(recent);
+                window.extend_from_slice(chain);
+                let keep = window.len().min(prm.repeat_last_n as usize);
+                let from = window.len() - keep;
+                akunu_core::sampling::gumbel_transform(
+                    logits,
+                    &window[from..],
+                    &cfg,
+                    prm.kv_len,
+                    scratch,
+                );
+            });
+            Ok(())
+        }
+        KernelId::TopKSelect => {
+            let prm: TopKParams = c.params();
+            // SAFETY: extents validated n_vocab logits and k output pairs.
+            let logits = unsafe { slice(p(0).f32(), prm.n_vocab as usize) };
+            let out =
+                unsafe { std::slice::from_raw_parts_mut(ptrs[1] as *mut [u32; 2], prm.k as usize) };
+            for (o, (id, v)) in out.iter_mut().zip(top_k(logits, prm.k as usize)) {
+                *o = [id, v.to_bits()];
+            }
+            Ok(())
+        }
+        KernelId::RepetitionPenalty => {
+            let prm: PenaltyParams = c.params();
+            // SAFETY: extents validated the logits and the recent buffer.
+            let (logits, recent) = unsafe {
+                (
+                    slice_mut(p(0).f32(), prm.n_vocab as usize),
+                    recent_ids(ptrs[1], prm.recent_capacity),
+                )
+            };
+            akunu_core::sampling::apply_repetition_penalty(logits, recent, prm.penalty);
+            Ok(())
+        }
+        KernelId::TemperatureScale => {
+            let prm: TemperatureParams = c.params();
+            if !(prm.temperature.is_finite() && prm.temperature > 0.0) {
+                return Err(format!(
+                    "temperature {} must be a positive number",
+                    prm.temperature
+                ));
+            }
+            // SAFETY: extents validated n_vocab logits.
+            let logits = unsafe { slice_mut(p(0).f32(), prm.n_vocab as usize) };
+            let inv = 1.0 / prm.temperature;
+            logits.iter_mut().for_each(|l| *l *= inv);
+            Ok(())
+        }
+        KernelId::GrammarBitmask => {
+            let prm: BitmaskParams = c.params();
+            let n = prm.n_vocab as usize;
+            // SAFETY: extents validated n_vocab logits and ceil(n/32) words.
+            let (logits, mask) = unsafe {
+                (
+                    slice_mut(p(0).f32(), n),
+                    std::slice::from_raw_parts(ptrs[1] as *const u32, n.div_ceil(32)),
+                )
+            };
+            for (i, l) in logits.iter_mut().enumerate() {
+                if mask[i / 32] >> (i % 32) & 1 == 0 {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+            Ok(())
+        }
     }
+}
+
+/// The ids of a recent-token buffer ([`RecentHeader`] then ids), clamped
+/// to its capacity.
+///
+/// # Safety
+/// `buf` must hold the header and `capacity` u32 ids, 4-byte aligned.
+unsafe fn recent_ids<'a>(buf: *mut u8, capacity: u32) -> &'a [u32] {
+    unsafe {
+        let hdr = (buf as *const RecentHeader).read_unaligned();
+        std::slice::from_raw_parts((buf as *const u32).add(2), hdr.n.min(capacity) as usize)
+    }
+}
+
+/// The `k` largest values with their ids, descending; ties by lower id.
+pub fn top_k(v: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    let mut all: Vec<(u32, f32)> = v.iter().enumerate().map(|(i, &x)| (i as u32, x)).collect();
+    let k = k.min(all.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    all.select_nth_unstable_by(k - 1, order);
+    all.truncate(k);
+    all.sort_by(order);
+    all
+}
+
+struct SamplerState {
+    window: Vec<u32>,
+    scratch: akunu_core::sampling::Scratch,
+}
+
+thread_local! {
+    static SAMPLER: RefCell<SamplerState> = RefCell::new(SamplerState {
+        window: Vec::new(),
+        scratch: akunu_core::sampling::Scratch::new(),
+    });
 }
 
 /// Index of the largest value; the lowest such index on ties; NaNs ignored.

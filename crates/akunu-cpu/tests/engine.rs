@@ -4,9 +4,12 @@
 //! multi-turn continuation equals one-shot generation, prefill equals
 //! token-by-token decode, and context limits are errors, not overflows.
 
-use akunu_core::decode::{Engine, EngineError, EngineOptions, GenerateOptions, StopReason};
+use akunu_core::decode::{
+    Constraint, DecodePath, Engine, EngineError, EngineOptions, GenerateOptions, StopReason,
+};
 use akunu_core::dtype::DType;
 use akunu_core::model::Model;
+use akunu_core::sampling::SamplingConfig;
 use akunu_core::synth::{Shape, SynthSpec, write_synthetic};
 use akunu_cpu::CpuBackend;
 use std::path::PathBuf;
@@ -61,6 +64,7 @@ fn run(e: &mut Engine, prompt: &[u32], n: u32) -> (Vec<u32>, Vec<Vec<f32>>) {
         &GenerateOptions {
             max_tokens: n,
             ignore_eos: true,
+            ..Default::default()
         },
         &mut |id, _| {
             ids.push(id);
@@ -180,6 +184,7 @@ fn max_tokens_zero_evaluates_prompt_only() {
             &GenerateOptions {
                 max_tokens: 0,
                 ignore_eos: false,
+                ..Default::default()
             },
             &mut |_, _| panic!("no token expected"),
         )
@@ -201,6 +206,7 @@ fn callback_cancels() {
             &GenerateOptions {
                 max_tokens: 50,
                 ignore_eos: true,
+                ..Default::default()
             },
             &mut |_, _| {
                 n += 1;
@@ -228,6 +234,7 @@ fn context_limits_are_errors_not_overflows() {
         &GenerateOptions {
             max_tokens: 1,
             ignore_eos: true,
+            ..Default::default()
         },
         &mut |_, _| true,
     ) {
@@ -245,6 +252,7 @@ fn context_limits_are_errors_not_overflows() {
             &GenerateOptions {
                 max_tokens: 100,
                 ignore_eos: true,
+                ..Default::default()
             },
             &mut |_, _| true,
         )
@@ -262,4 +270,122 @@ fn context_limits_are_errors_not_overflows() {
         Err(EngineError::BadToken { .. })
     ));
     assert!(matches!(e.eval_logits(&[]), Err(EngineError::EmptyPrompt)));
+}
+
+fn sampled_opts(n: u32, seed: u64) -> GenerateOptions {
+    GenerateOptions {
+        max_tokens: n,
+        ignore_eos: true,
+        sampling: SamplingConfig {
+            temperature: 0.9,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.02,
+            repeat_penalty: 1.2,
+            repeat_last_n: 16,
+            seed,
+        },
+        ..Default::default()
+    }
+}
+
+fn run_opts(e: &mut Engine, prompt: &[u32], opts: &GenerateOptions) -> Vec<u32> {
+    let mut ids = Vec::new();
+    let st = e
+        .generate(prompt, opts, &mut |id, _| {
+            ids.push(id);
+            true
+        })
+        .unwrap();
+    assert_eq!(st.generated_tokens, opts.max_tokens);
+    ids
+}
+
+#[test]
+fn sampled_tokens_do_not_depend_on_chunk_size() {
+    let m = tiny_model(DType::Q8_0);
+    let p = prompt(&m);
+    let reference = run_opts(&mut engine(&m, 1, 2), &p, &sampled_opts(30, 42));
+    for chunk in [2, 3, 8, 16, 64] {
+        assert_eq!(
+            run_opts(&mut engine(&m, chunk, 2), &p, &sampled_opts(30, 42)),
+            reference,
+            "chunk {chunk}"
+        );
+    }
+    // Same seed, same tokens; another seed, other tokens.
+    assert_eq!(
+        run_opts(&mut engine(&m, 4, 1), &p, &sampled_opts(30, 42)),
+        reference
+    );
+    assert_ne!(
+        run_opts(&mut engine(&m, 4, 1), &p, &sampled_opts(30, 43)),
+        reference
+    );
+    // A sampled multi-turn continuation equals one-shot sampling over the
+    // concatenated tokens: the noise is keyed by position, not by call.
+    let mut e = engine(&m, 4, 2);
+    let g1 = run_opts(&mut e, &p, &sampled_opts(7, 5));
+    let g2 = run_opts(&mut e, &p, &sampled_opts(9, 5));
+    let mut whole = p.clone();
+    whole.extend(&g1);
+    whole.extend(&p);
+    assert_eq!(
+        run_opts(&mut engine(&m, 4, 2), &whole, &sampled_opts(9, 5)),
+        g2
+    );
+}
+
+#[test]
+fn temperature_zero_through_the_sampled_table_is_greedy() {
+    let m = tiny_model(DType::Q4_1);
+    let p = prompt(&m);
+    let greedy = run_opts(
+        &mut engine(&m, 8, 2),
+        &p,
+        &GenerateOptions {
+            max_tokens: 25,
+            ignore_eos: true,
+            ..Default::default()
+        },
+    );
+    let mut opts = sampled_opts(25, 9);
+    opts.sampling.temperature = 0.0;
+    opts.sampling.repeat_penalty = 1.0;
+    opts.force_path = Some(DecodePath::Sampled);
+    assert_eq!(run_opts(&mut engine(&m, 8, 2), &p, &opts), greedy);
+}
+
+#[test]
+fn decode_path_selection() {
+    let mut o = GenerateOptions::default();
+    assert_eq!(o.decode_path(), DecodePath::Greedy);
+    o.speculative = true;
+    assert_eq!(o.decode_path(), DecodePath::Speculative);
+    o.sampling.temperature = 0.5;
+    assert_eq!(
+        o.decode_path(),
+        DecodePath::Sampled,
+        "sampling wins over speculation"
+    );
+    o.constraint = Some(Constraint::JsonObject);
+    assert_eq!(
+        o.decode_path(),
+        DecodePath::Grammar,
+        "a grammar wins over everything"
+    );
+    // Paths whose issues have not landed are clear errors, not silent fallbacks.
+    let m = tiny_model(DType::F32);
+    let p = prompt(&m);
+    let err = engine(&m, 4, 1)
+        .generate(&p, &o, &mut |_, _| true)
+        .unwrap_err();
+    assert!(err.to_string().contains("grammar"), "{err}");
+    // Invalid sampling values are errors before any work.
+    let mut bad = sampled_opts(4, 1);
+    bad.sampling.top_p = 1.5;
+    let err = engine(&m, 4, 1)
+        .generate(&p, &bad, &mut |_, _| true)
+        .unwrap_err();
+    assert!(err.to_string().contains("top_p"), "{err}");
 }
