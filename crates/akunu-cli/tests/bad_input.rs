@@ -194,3 +194,69 @@ fn invalid_prompt_ids_and_options() {
         .unwrap();
     assert_clean_error(&out, "prompt is empty");
 }
+
+#[test]
+fn invalid_sampling_values() {
+    let p = tmp("sampling.gguf");
+    std::fs::write(&p, base_model()).unwrap();
+    for (flags, needle) in [
+        (&["--temperature=-1"][..], "temperature"),
+        (&["--temperature", "NaN"][..], "temperature"),
+        (&["--temperature", "0.7", "--top-p", "0"][..], "top_p"),
+        (&["--temperature", "0.7", "--top-p", "1.5"][..], "top_p"),
+        (&["--temperature", "0.7", "--min-p", "1"][..], "min_p"),
+        (
+            &["--temperature", "0.7", "--repeat-penalty", "0"][..],
+            "repeat_penalty",
+        ),
+        (
+            &["--temperature", "0.7", "--repeat-last-n", "5000"][..],
+            "repeat-last-n",
+        ),
+    ] {
+        let out = akunu()
+            .args(["generate", "-p", "hi", "-n", "2", "--model"])
+            .arg(&p)
+            .args(flags)
+            .output()
+            .unwrap();
+        assert_clean_error(&out, needle);
+    }
+}
+
+#[test]
+fn sampled_generation_reports_and_reuses_its_seed() {
+    let p = tmp("seed.gguf");
+    std::fs::write(&p, base_model()).unwrap();
+    let run = |seed: &str| {
+        let out = akunu()
+            .args([
+                "generate",
+                "-p",
+                "hello",
+                "-n",
+                "12",
+                "--ignore-eos",
+                "--json",
+                "--temperature",
+                "1.0",
+                "--seed",
+                seed,
+                "--model",
+            ])
+            .arg(&p)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["stats"]["seed"].as_u64(), Some(seed.parse().unwrap()));
+        assert_eq!(v["stats"]["path"], "sampled");
+        v["generated_ids"].clone()
+    };
+    assert_eq!(run("11"), run("11"));
+    assert_ne!(run("11"), run("12"));
+}
