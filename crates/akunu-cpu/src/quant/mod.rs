@@ -361,25 +361,26 @@ fn bf16_at(b: &[u8]) -> f32 {
 mod tests {
     use super::*;
 
-    /// xorshift64* — small deterministic RNG for test data.
-    struct Rng(u64);
+    /// xorshift64* — small deterministic RNG for test data (shared with the
+    /// q8-activation tests).
+    pub(super) struct Rng(pub(super) u64);
     impl Rng {
-        fn next_u64(&mut self) -> u64 {
+        pub(super) fn next_u64(&mut self) -> u64 {
             self.0 ^= self.0 >> 12;
             self.0 ^= self.0 << 25;
             self.0 ^= self.0 >> 27;
             self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
         }
-        fn byte(&mut self) -> u8 {
+        pub(super) fn byte(&mut self) -> u8 {
             (self.next_u64() >> 56) as u8
         }
         /// Uniform in [-1, 1).
-        fn unit(&mut self) -> f32 {
+        pub(super) fn unit(&mut self) -> f32 {
             ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         }
         /// A block scale: usually O(1), sometimes tiny (f16 subnormal
         /// range) or zero; either sign.
-        fn scale(&mut self) -> f32 {
+        pub(super) fn scale(&mut self) -> f32 {
             match self.next_u64() % 8 {
                 0 => self.unit() * 1e-6,
                 1 => self.unit() * 3e-3,
@@ -389,7 +390,7 @@ mod tests {
         }
     }
 
-    fn put_f16(out: &mut Vec<u8>, v: f32) {
+    pub(super) fn put_f16(out: &mut Vec<u8>, v: f32) {
         out.extend_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
     }
 

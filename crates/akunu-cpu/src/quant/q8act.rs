@@ -675,39 +675,9 @@ mod vnni {
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests::{Rng, put_f16};
     use super::super::{gemv_with, supported_levels};
     use super::*;
-
-    /// xorshift64* — small deterministic RNG for test data.
-    struct Rng(u64);
-    impl Rng {
-        fn next_u64(&mut self) -> u64 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-        }
-        fn byte(&mut self) -> u8 {
-            (self.next_u64() >> 56) as u8
-        }
-        /// Uniform in [-1, 1).
-        fn unit(&mut self) -> f32 {
-            ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        }
-        /// A block scale: usually O(1), sometimes tiny or zero; either sign.
-        fn scale(&mut self) -> f32 {
-            match self.next_u64() % 8 {
-                0 => self.unit() * 1e-6,
-                1 => self.unit() * 3e-3,
-                2 => 0.0,
-                _ => self.unit() * 2.0,
-            }
-        }
-    }
-
-    fn put_f16(out: &mut Vec<u8>, v: f32) {
-        out.extend_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
-    }
 
     const DTYPES: [DType; 3] = [DType::Q4_0, DType::Q4_1, DType::Q8_0];
 
