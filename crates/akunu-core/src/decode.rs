@@ -369,10 +369,14 @@ impl Engine {
         // The penalty window of the first sampled token covers the prompt:
         // the sequence so far is the history (pending token included) and
         // then the prompt.
+        // (Built only for the sampled table; greedy prefill needs none.)
         let w = RECENT_CAPACITY as usize;
-        let mut seq: Vec<u32> = self.history[self.history.len().saturating_sub(w)..].to_vec();
-        let before_prompt = seq.len();
-        seq.extend_from_slice(prompt);
+        let mut seq: Vec<u32> = Vec::new();
+        if sampled {
+            seq.extend_from_slice(&self.history[self.history.len().saturating_sub(w)..]);
+            seq.extend_from_slice(prompt);
+        }
+        let before_prompt = seq.len() - if sampled { prompt.len() } else { 0 };
         let pend = usize::from(self.pending.is_some());
         let mut fed = 0usize;
         for chunk in feed.chunks(self.prefill_chunk as usize) {
@@ -444,15 +448,9 @@ impl Engine {
             opts.sampling.validate()?;
             let p = sample_params(&opts.sampling, self.model.config.n_vocab);
             // The table is plain data: the new configuration is a rewrite of
-            // one command's params (the patch offsets stay where they are).
-            let cmd = &mut self.sampled.commands[self.sampler_cmd];
-            let kv_off = cmd.patch_offset_1 as usize;
+            // one command's params (its `kv_len` is patched per step anyway).
             let bytes = bytemuck::bytes_of(&p);
-            cmd.params[..bytes.len()].copy_from_slice(bytes);
-            debug_assert_eq!(
-                kv_off,
-                std::mem::offset_of!(crate::ops::SampleParams, kv_len)
-            );
+            self.sampled.commands[self.sampler_cmd].params[..bytes.len()].copy_from_slice(bytes);
         }
         let model = self.model.clone();
         let tok = &model.tokenizer;

@@ -242,6 +242,9 @@ impl Backend for CpuBackend {
             for (i, cmd) in table.commands.iter().enumerate() {
                 let mut c = *cmd;
                 c.apply_patch(&step);
+                // Pointers and the bytes available from each, in one lookup
+                // per binding.
+                let mut lens = [0usize; akunu_core::table::MAX_BUFFERS];
                 for (slot, b) in c.bindings().iter().enumerate() {
                     let buf = self.buffer(b.buffer)?;
                     // Patched offsets (conveyor slots) are the only ones not
@@ -256,15 +259,8 @@ impl Backend for CpuBackend {
                     }
                     // SAFETY: offset <= len, checked just above.
                     ptrs[slot] = unsafe { buf.ptr.add(b.offset as usize) };
+                    lens[slot] = buf.len - b.offset as usize;
                 }
-                let lens: [usize; 8] = std::array::from_fn(|slot| {
-                    if slot < c.n_buffers as usize {
-                        let b = &c.buffers[slot];
-                        self.buffers[b.buffer as usize].len - b.offset as usize
-                    } else {
-                        0
-                    }
-                });
                 let t0 = self.profile.is_some().then(std::time::Instant::now);
                 kernels::run(&self.pool, self.opts, &c, &ptrs, &lens, &step).map_err(|why| {
                     BackendError::InvalidCommand {
