@@ -162,11 +162,19 @@ pub fn run(a: BenchArgs) -> Result<()> {
     } else {
         a.engine.threads
     };
-    let bw = if a.no_bandwidth {
-        None
+    // Device backends measure their own memory (a device-to-device copy,
+    // bytes read plus written); the CPU's is a multi-threaded read.
+    let (bw, bw_what) = if a.no_bandwidth {
+        (None, String::new())
+    } else if let Some(b) = engine.measure_bandwidth() {
+        (Some(b / 1e9), "device copy, read+write".to_string())
     } else {
-        Some(read_bandwidth(threads))
+        (
+            Some(read_bandwidth(threads)),
+            format!("read, {threads} threads"),
+        )
     };
+    let launches = engine.launches_per_token();
     let floor = bw.map(|b| b * 1e9 / weight_bytes as f64);
     let tg = figures
         .iter()
@@ -178,7 +186,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "file": model.file.path.display().to_string(),
             "backend": backend,
             "weight_bytes_per_token": weight_bytes,
-            "read_bandwidth_gb_s": bw,
+            "bandwidth_gb_s": bw,
+            "bandwidth_method": bw_what,
+            "kernels_per_token": launches,
             "floor_tok_s": floor,
             "share_of_floor": tg.zip(floor).map(|(t, f)| t / f),
             "figures": figures,
@@ -199,12 +209,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 f.runs.len()
             );
         }
+        println!("kernels per token: {launches}");
         if let (Some(bw), Some(floor)) = (bw, floor) {
             println!(
-                "weights read per token {:.1} MB; measured read bandwidth {:.1} GB/s ({} threads); decode floor {:.1} tok/s{}",
+                "weights read per token {:.1} MB; measured bandwidth {:.1} GB/s ({}); decode floor {:.1} tok/s{}",
                 weight_bytes as f64 / 1e6,
                 bw,
-                threads,
+                bw_what,
                 floor,
                 tg.map(|t| format!("; tg reaches {:.0}% of it", 100.0 * t / floor))
                     .unwrap_or_default()

@@ -82,9 +82,10 @@ pub fn run(a: InspectArgs) -> Result<()> {
         model.clone(),
         &EngineArgs {
             device: "cpu".into(),
+            gpu: 0,
             threads: 1,
             ctx: Some(64),
-            chunk: 1,
+            chunk: Some(1),
             prefill_chunk: 1,
             activations: "f32".into(),
         },

@@ -1,6 +1,7 @@
 //! Model and engine set-up shared by the subcommands: the default-model
 //! fetch, loading with a progress bar, and backend selection.
 
+use akunu_core::backend::Backend;
 use akunu_core::decode::{Engine, EngineOptions};
 use akunu_core::model::Model;
 use anyhow::{Context, Result, bail};
@@ -17,18 +18,23 @@ pub struct ModelArgs {
 
 #[derive(Args, Clone)]
 pub struct EngineArgs {
-    /// Device: cpu, or auto (the best available).
-    #[arg(long, default_value = "auto")]
+    /// Device: cuda (an NVIDIA GPU), cpu, or auto (the GPU when a CUDA
+    /// driver and device are present, else the CPU).
+    #[arg(long, env = "AKUNU_DEVICE", default_value = "auto", value_parser = ["auto", "cuda", "cpu"])]
     pub device: String,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub gpu: usize,
     /// CPU threads (0: one per core).
     #[arg(short, long, default_value_t = 0)]
     pub threads: usize,
     /// Context size in tokens (default: the model's, capped to a 1 GiB KV cache).
     #[arg(short, long)]
     pub ctx: Option<u32>,
-    /// Tokens per chain-decode submission.
-    #[arg(long, default_value_t = 16)]
-    pub chunk: u32,
+    /// Tokens per chain-decode submission (default: chosen for the device:
+    /// 16 on the CPU, 32-64 on a GPU).
+    #[arg(long)]
+    pub chunk: Option<u32>,
     /// CPU decode activations for Q4_0/Q4_1/Q8_0 weights: q8 quantizes each
     /// input row to 8 bits per block and uses integer dot products (faster,
     /// as llama.cpp does); f32 keeps every product in f32 (exact).
@@ -94,23 +100,49 @@ fn prefault(model: &Model) {
 }
 
 pub fn engine(model: Arc<Model>, a: &EngineArgs) -> Result<Engine> {
-    let backend: Box<dyn akunu_core::backend::Backend> = match a.device.as_str() {
-        "cpu" | "auto" => {
-            let mut be = akunu_cpu::CpuBackend::new(a.threads);
-            be.set_q8_activations(a.activations == "q8");
-            Box::new(be)
-        }
-        "cuda" => bail!(
-            "this build of akunu has no CUDA backend (the cuda feature arrives with the GPU backend); use --device cpu"
-        ),
-        other => bail!("unknown device '{other}' (expected cpu, cuda or auto)"),
-    };
+    let backend = backend(a)?;
     let opts = EngineOptions {
         ctx: a.ctx,
-        chunk: a.chunk,
+        chunk: a.chunk.unwrap_or_else(|| backend.preferred_chunk()),
         prefill_chunk: a.prefill_chunk,
     };
     Engine::new(model, backend, &opts).context("setting up the engine")
+}
+
+fn cpu_backend(a: &EngineArgs) -> Box<dyn Backend> {
+    let mut be = akunu_cpu::CpuBackend::new(a.threads);
+    be.set_q8_activations(a.activations == "q8");
+    Box::new(be)
+}
+
+/// The backend `--device` asks for. `auto` takes the GPU when a CUDA driver
+/// and device are present and falls back to the CPU with one line saying why.
+pub fn backend(a: &EngineArgs) -> Result<Box<dyn Backend>> {
+    match a.device.as_str() {
+        "cpu" => Ok(cpu_backend(a)),
+        "cuda" => cuda_backend(a),
+        "auto" => match cuda_backend(a) {
+            Ok(b) => Ok(b),
+            Err(e) => {
+                eprintln!("akunu: {e:#}; using the CPU");
+                Ok(cpu_backend(a))
+            }
+        },
+        other => bail!("unknown device '{other}' (expected cpu, cuda or auto)"),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_backend(a: &EngineArgs) -> Result<Box<dyn Backend>> {
+    akunu_cuda::driver_status().map_err(|e| anyhow::anyhow!("no CUDA GPU ({e})"))?;
+    let be = akunu_cuda::CudaBackend::new(a.gpu, &mut |m| eprintln!("akunu: {m}"))
+        .with_context(|| format!("opening CUDA device {}", a.gpu))?;
+    Ok(Box::new(be))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_backend(_a: &EngineArgs) -> Result<Box<dyn Backend>> {
+    bail!("this build of akunu has no CUDA backend (rebuild with --features cuda)")
 }
 
 /// Sampling flags (the chapter's parameters and defaults).

@@ -1,8 +1,9 @@
-//! The `akunu` command line: generate, tokenize, inspect, bench, eval.
+//! The `akunu` command line: generate, tokenize, inspect, bench, profile, eval.
 
 mod bench;
 mod inspect;
 mod load;
+mod profile;
 mod synth;
 
 use anyhow::{Context, Result, bail};
@@ -31,6 +32,8 @@ enum Cmd {
     Inspect(inspect::InspectArgs),
     /// Measure prefill and decode speed (like llama-bench's pp/tg tests).
     Bench(bench::BenchArgs),
+    /// Time every dispatch-table command during decode, per command kind and kernel.
+    Profile(profile::ProfileArgs),
     /// Evaluate a prompt and write the logits of its last position (raw little-endian f32).
     Eval(EvalArgs),
     /// Download the default model now (if not cached) and print its path.
@@ -123,6 +126,7 @@ fn main() {
         Cmd::Tokenize(a) => tokenize(a),
         Cmd::Inspect(a) => inspect::run(a),
         Cmd::Bench(a) => bench::run(a),
+        Cmd::Profile(a) => profile::run(a),
         Cmd::Eval(a) => eval(a),
         Cmd::Fetch => fetch(),
         Cmd::Synth(a) => synth::run(a),

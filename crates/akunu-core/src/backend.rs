@@ -51,6 +51,39 @@ pub trait BufferRead {
 /// ends the replay after that step.
 pub type StepHook<'a> = &'a mut dyn FnMut(u32, &dyn BufferRead) -> bool;
 
+/// A chain of decode steps for [`Backend::decode_chain`].
+#[derive(Clone, Debug)]
+pub struct ChainRequest<'a> {
+    /// The u32 token conveyor the table's embedding reads and its argmax
+    /// writes: step `s` reads slot `first.tok + s` and writes slot
+    /// `first.tok + s + 1`.
+    pub conveyor: BufferId,
+    /// Tokens that end the chain (EOS and friends). A backend may stop
+    /// computing after producing one; the sink sees it either way.
+    pub stop_ids: &'a [u32],
+    /// Steps wanted (the conveyor must hold `first.tok + steps + 1` slots).
+    pub steps: u32,
+    /// Steps per device submission.
+    pub chunk: u32,
+}
+
+/// What a chain did, beyond the tokens the sink saw.
+#[derive(Clone, Debug, Default)]
+pub struct ChainReport {
+    /// Steps whose token reached the sink (the chain's length).
+    pub steps: u32,
+    /// Tokens the device produced after the chain's end (work wasted on a
+    /// stop inside a submission); `None` where the backend cannot tell.
+    pub computed_after_end: Option<u32>,
+    /// Microseconds from each token's production on the device to its
+    /// delivery to the sink, where the backend can measure it.
+    pub delivery_us: Vec<f32>,
+}
+
+/// Receives `(step, token)` for each step of a chain, in order; returning
+/// false ends the chain after that step.
+pub type TokenSink<'a> = &'a mut dyn FnMut(u32, u32) -> bool;
+
 pub trait Backend: BufferRead + Send {
     /// One line saying what runs the model ("cpu: 2 threads, avx512").
     fn describe(&self) -> String;
@@ -86,4 +119,73 @@ pub trait Backend: BufferRead + Send {
         steps: u32,
         hook: Option<StepHook<'_>>,
     ) -> Result<u32, BackendError>;
+
+    /// Chain decode: up to `req.steps` one-row steps of `table` starting at
+    /// `first`, each step's token (conveyor slot `tok + 1`) fed to the next
+    /// step on the device and handed to `sink` as soon as it is known.
+    ///
+    /// The default runs `replay` in chunks of `req.chunk` with a hook that
+    /// reads each token back; device backends override it to keep several
+    /// submissions in flight and stream tokens while they run.
+    fn decode_chain(
+        &mut self,
+        table: &DispatchTable,
+        first: StepInfo,
+        req: &ChainRequest<'_>,
+        sink: TokenSink<'_>,
+    ) -> Result<ChainReport, BackendError> {
+        let mut done = 0u32;
+        let mut going = true;
+        while going && done < req.steps {
+            let n = req.chunk.max(1).min(req.steps - done);
+            let step = StepInfo {
+                pos: first.pos + done,
+                tok: first.tok + done,
+                rows: 1,
+            };
+            let base = done;
+            let mut hook = |s: u32, bufs: &dyn BufferRead| -> bool {
+                let id = match bufs.read_u32(req.conveyor, (step.tok + s + 1) as u64) {
+                    Ok(id) => id,
+                    Err(_) => {
+                        going = false;
+                        return false;
+                    }
+                };
+                going = sink(base + s, id);
+                going
+            };
+            done += self.replay(table, step, n, Some(&mut hook))?;
+        }
+        Ok(ChainReport {
+            steps: done,
+            computed_after_end: Some(0),
+            delivery_us: Vec::new(),
+        })
+    }
+
+    /// Steps per chain submission suited to this device (the chapter's
+    /// `ChipConfig`): what `--chunk` defaults to.
+    fn preferred_chunk(&self) -> u32 {
+        16
+    }
+
+    /// Turns per-command timing on for later replays (see
+    /// [`Backend::command_times`]). Returns false if the backend cannot.
+    fn set_profiling(&mut self, _on: bool) -> bool {
+        false
+    }
+
+    /// Kernel launches one step of `table` makes (some commands take more
+    /// than one kernel on some devices).
+    fn launches_per_step(&self, table: &DispatchTable) -> usize {
+        table.len()
+    }
+
+    /// Device memory bandwidth in bytes per second, measured now (a large
+    /// device-to-device copy, bytes read plus written), where the backend
+    /// can measure it.
+    fn measure_bandwidth(&mut self) -> Option<f64> {
+        None
+    }
 }

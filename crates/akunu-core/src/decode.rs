@@ -1,7 +1,7 @@
 //! The engine and its decode loop: prefill, first token, chain decode, stop
 //! conditions, statistics and multi-turn continuation.
 
-use crate::backend::{Backend, BackendError, BufferRead};
+use crate::backend::{Backend, BackendError, BufferRead, ChainRequest};
 use crate::builder::{
     BuildInputs, KvBuffers, MissingWeight, RECENT_BYTES, RECENT_CAPACITY, Scratch, WeightBuf,
     build_dispatch_table, build_sampled_table, sample_params,
@@ -83,6 +83,10 @@ pub struct GenerateOptions {
     /// Take this path instead of the one `decode_path` picks (tests and
     /// benchmarks: e.g. temperature 0 through the sampled table).
     pub force_path: Option<DecodePath>,
+    /// More token ids that end generation like EOS (not emitted), on top of
+    /// the model's end-of-generation tokens; they apply even with
+    /// `ignore_eos`.
+    pub stop_tokens: Vec<u32>,
 }
 
 /// An output constraint for grammar-constrained decoding.
@@ -160,6 +164,12 @@ pub struct Stats {
     pub path: DecodePath,
     /// The sampling seed (sampled path only): rerun with it to reproduce.
     pub seed: Option<u64>,
+    /// Tokens the device computed past the end of generation (a stop inside
+    /// a chain submission), where the backend reports it.
+    pub computed_after_end: Option<u32>,
+    /// Median and largest time from a token's production on the device to
+    /// its callback, in microseconds, where the backend measures it.
+    pub delivery_us: Option<(f32, f32)>,
 }
 
 /// One model on one backend with its KV cache: the unit that generates.
@@ -183,6 +193,9 @@ pub struct Engine {
     history: Vec<u32>,
     /// Receives the logits behind every generated token (tests, tools).
     probe: Option<LogitsProbe>,
+    /// Decode through `Backend::decode_chain` (true) or step by step with
+    /// a read-back per token (profiling, tests).
+    chain_decode: bool,
 }
 
 /// A callback given the logits from which each generated token was chosen.
@@ -240,7 +253,10 @@ impl Engine {
 
         let rows = opts.prefill_chunk as u64;
         let f = 4u64;
-        let conveyor = (opts.chunk.max(opts.prefill_chunk) as u64 + 1) * 4;
+        // One slot per position a chain can reach, so that a chain never
+        // wraps the conveyor (its sampler reads the chain's earlier tokens
+        // from it), plus the slot the last step writes.
+        let conveyor = (capacity.max(opts.chunk).max(opts.prefill_chunk) as u64 + 1) * 4;
         let scratch = Scratch {
             token_ids: backend.alloc(conveyor, "token ids")?,
             h: backend.alloc(rows * cfg.dim as u64 * f, "residual")?,
@@ -287,6 +303,7 @@ impl Engine {
             pending: None,
             history: Vec::new(),
             probe: None,
+            chain_decode: true,
         })
     }
 
@@ -294,6 +311,29 @@ impl Engine {
     /// generated token. It costs a logits read-back per token.
     pub fn set_logits_probe(&mut self, probe: Option<LogitsProbe>) {
         self.probe = probe;
+    }
+
+    /// Chain decode through the backend (the default), or step by step
+    /// with a read-back after every token (what per-command profiling needs:
+    /// device backends cannot time commands inside a captured chain).
+    pub fn set_chain_decode(&mut self, on: bool) {
+        self.chain_decode = on;
+    }
+
+    /// Turns the backend's per-command timing on or off; false if the
+    /// backend cannot time commands.
+    pub fn set_profiling(&mut self, on: bool) -> bool {
+        self.backend.set_profiling(on)
+    }
+
+    /// Kernel launches per decode step of the greedy table.
+    pub fn launches_per_token(&self) -> usize {
+        self.backend.launches_per_step(&self.table)
+    }
+
+    /// The backend's measured memory bandwidth (bytes/s), if it measures one.
+    pub fn measure_bandwidth(&mut self) -> Option<f64> {
+        self.backend.measure_bandwidth()
     }
 
     pub fn table(&self) -> &DispatchTable {
@@ -472,6 +512,8 @@ impl Engine {
             position: self.pos,
             path,
             seed: sampled.then_some(opts.sampling.seed),
+            computed_after_end: None,
+            delivery_us: None,
         };
         if opts.max_tokens == 0 {
             return Ok(stats);
@@ -484,7 +526,8 @@ impl Engine {
         }
 
         let mut stream = tok.stream();
-        let is_stop = |id: u32| !opts.ignore_eos && tok.is_eog(id);
+        let is_stop =
+            |id: u32| (!opts.ignore_eos && tok.is_eog(id)) || opts.stop_tokens.contains(&id);
         // Emits one generated token; returns whether generation goes on.
         let mut emit = |id: u32,
                         stats: &mut Stats,
@@ -511,6 +554,7 @@ impl Engine {
         };
 
         let mut going = emit(first, &mut stats, &mut self.history, &mut self.pending);
+        let mut delivery: Vec<f32> = Vec::new();
         let t1 = Instant::now();
         while going {
             let Some(input) = self.pending else { break };
@@ -520,7 +564,15 @@ impl Engine {
                 break;
             }
             let want = opts.max_tokens - stats.generated_tokens;
-            let n = self.chunk.min(want).min(room);
+            // The chain path runs everything left in one call (the backend
+            // splits it into chunks and keeps them in flight); the stepwise
+            // path goes a chunk per call.
+            let chained = self.probe.is_none() && self.chain_decode;
+            let n = if chained {
+                want.min(room)
+            } else {
+                self.chunk.min(want).min(room)
+            };
             self.backend
                 .write(self.scratch.token_ids, 0, &input.to_le_bytes())?;
             if sampled {
@@ -533,6 +585,55 @@ impl Engine {
                 self.write_recent(self.pos + 1, &window)?;
             }
             let (conveyor, logits) = (self.scratch.token_ids, self.scratch.logits);
+            let step = StepInfo {
+                pos: self.pos,
+                tok: 0,
+                rows: 1,
+            };
+            let table = if sampled { &self.sampled } else { &self.table };
+            if chained {
+                // The fast path: the backend runs the whole chain, streaming
+                // tokens to `emit` as they are produced.
+                let mut stop_ids = if opts.ignore_eos {
+                    Vec::new()
+                } else {
+                    tok.eog_ids()
+                };
+                stop_ids.extend_from_slice(&opts.stop_tokens);
+                // A backend stops early on these at most; the sink decides.
+                stop_ids.truncate(16);
+                let req = ChainRequest {
+                    conveyor,
+                    stop_ids: &stop_ids,
+                    steps: n,
+                    chunk: self.chunk,
+                };
+                let (history, pending) = (&mut self.history, &mut self.pending);
+                let mut sink = |_s: u32, id: u32| -> bool {
+                    going = emit(id, &mut stats, history, pending);
+                    if !going && stats.stop_reason == StopReason::Eos {
+                        // The EOS token is not part of the sequence.
+                        *pending = None;
+                    }
+                    going
+                };
+                let report = self.backend.decode_chain(table, step, &req, &mut sink)?;
+                self.pos += report.steps;
+                stats.decode_steps += report.steps;
+                if let Some(w) = report.computed_after_end {
+                    *stats.computed_after_end.get_or_insert(0) += w;
+                }
+                delivery.extend_from_slice(&report.delivery_us);
+                if report.steps < n && going {
+                    // The backend ended the chain early without the sink
+                    // asking (a read-back failure): say so rather than loop.
+                    return Err(EngineError::Backend(BackendError::Device(format!(
+                        "chain stopped after {} of {n} steps",
+                        report.steps
+                    ))));
+                }
+                continue;
+            }
             let (history, pending, probe) = (&mut self.history, &mut self.pending, &mut self.probe);
             let n_vocab = model.config.n_vocab as usize;
             let mut stepped = 0u32;
@@ -559,12 +660,6 @@ impl Engine {
                     }
                 }
             };
-            let step = StepInfo {
-                pos: self.pos,
-                tok: 0,
-                rows: 1,
-            };
-            let table = if sampled { &self.sampled } else { &self.table };
             let ran = self.backend.replay(table, step, n, Some(&mut hook))?;
             debug_assert_eq!(ran, stepped);
             self.pos += ran;
@@ -575,6 +670,10 @@ impl Engine {
         drop(stream);
         stats.decode_ms = t1.elapsed().as_secs_f64() * 1e3;
         stats.decode_tok_s = rate(stats.decode_steps, stats.decode_ms);
+        if !delivery.is_empty() {
+            delivery.sort_by(f32::total_cmp);
+            stats.delivery_us = Some((delivery[delivery.len() / 2], delivery[delivery.len() - 1]));
+        }
         stats.position = self.pos;
         Ok(stats)
     }

@@ -5,6 +5,8 @@
 //! documented here. Parameter structs are `repr(C)` plain data of at most 64
 //! bytes; u32 fields that a patch rewrites are named in the docs.
 
+use crate::dtype::DType;
+use crate::table::{DispatchCmd, RowMode};
 use bytemuck::{Pod, Zeroable};
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -94,7 +96,7 @@ pub struct EmbedParams {
     /// `DType` id of the embedding matrix.
     pub dtype: u32,
     /// Number of rows of the matrix (vocabulary size): ids at or beyond it
-    /// are clamped-out errors on debug builds and read row 0 otherwise.
+    /// read the last row (the engine rejects such ids before they get here).
     pub n_vocab: u32,
     /// Multiplier applied to the looked-up row (Gemma: sqrt(dim)); 1.0 else.
     pub scale: f32,
@@ -264,6 +266,183 @@ pub struct TemperatureParams {
 pub struct BitmaskParams {
     pub n_vocab: u32,
     pub _pad: [u32; 3],
+}
+
+fn row_bytes(dt: DType, k: u32) -> Result<u64, String> {
+    dt.bytes_for(k as u64)
+        .ok_or_else(|| format!("rows of {k} elements are not whole {dt} blocks"))
+}
+
+fn dtype(id: u32) -> Result<DType, String> {
+    DType::from_ggml(id).ok_or_else(|| format!("unknown dtype id {id}"))
+}
+
+const F: u64 = 4;
+
+/// The bytes each binding must hold for steps of up to `max_rows` rows:
+/// `(slot, bytes)`. Also checks the parameters' internal consistency.
+/// Every backend's `validate` uses this, so all agree on what a command
+/// reads and writes.
+pub fn extents(c: &DispatchCmd, max_rows: u32) -> Result<Vec<(usize, u64)>, String> {
+    let r = max_rows as u64;
+    let nb = c.n_buffers as usize;
+    let need_buffers = |n: usize| {
+        if nb == n {
+            Ok(())
+        } else {
+            Err(format!("expects {n} bindings, has {nb}"))
+        }
+    };
+    Ok(match c.kernel {
+        KernelId::Embedding => {
+            need_buffers(3)?;
+            let p: EmbedParams = c.params();
+            let dt = dtype(p.dtype)?;
+            if !(p.dim as usize).is_multiple_of(dt.block_elems()) {
+                return Err(format!("dim {} not a multiple of the {dt} block", p.dim));
+            }
+            vec![
+                (0, 4),
+                (1, p.n_vocab as u64 * row_bytes(dt, p.dim)?),
+                (2, r * p.dim as u64 * F),
+            ]
+        }
+        KernelId::RmsNorm => {
+            need_buffers(3)?;
+            let p: NormParams = c.params();
+            let d = p.dim as u64;
+            vec![(0, r * d * F), (1, d * F), (2, r * d * F)]
+        }
+        KernelId::ResidualRmsNorm => {
+            let p: NormParams = c.params();
+            need_buffers(if p.post_norm != 0 { 5 } else { 4 })?;
+            let d = p.dim as u64;
+            let mut v = vec![(0, r * d * F), (1, r * d * F), (2, d * F), (3, r * d * F)];
+            if p.post_norm != 0 {
+                v.push((4, d * F));
+            }
+            v
+        }
+        KernelId::Gemv => {
+            let p: GemvParams = c.params();
+            let ns = p.n_seg as usize;
+            if !(1..=3).contains(&ns) {
+                return Err(format!("n_seg {ns} outside 1..=3"));
+            }
+            need_buffers(2 + ns * (1 + (p.bias != 0) as usize))?;
+            let k = p.k as u64;
+            let width = if p.input_act == ACT_NONE { k } else { 2 * k };
+            if (p.x_stride as u64) < width {
+                return Err(format!("x_stride {} < input width {width}", p.x_stride));
+            }
+            if p.out_stride < p.total_rows() {
+                return Err(format!(
+                    "out_stride {} < {} output rows",
+                    p.out_stride,
+                    p.total_rows()
+                ));
+            }
+            if c.grid != p.total_rows() {
+                return Err(format!("grid {} != {} output rows", c.grid, p.total_rows()));
+            }
+            let out_rows = if c.rows == RowMode::LastRow { 1 } else { r };
+            let mut v = vec![
+                (0, r * p.x_stride as u64 * F),
+                (1, out_rows * p.out_stride as u64 * F),
+            ];
+            for s in 0..ns {
+                let dt = dtype(p.dtype[s])?;
+                if !(p.k as usize).is_multiple_of(dt.block_elems()) {
+                    return Err(format!("k {} not a multiple of the {dt} block", p.k));
+                }
+                v.push((2 + s, p.n[s] as u64 * row_bytes(dt, p.k)?));
+                if p.bias != 0 {
+                    v.push((2 + ns + s, p.n[s] as u64 * F));
+                }
+            }
+            v
+        }
+        KernelId::RopeKvWrite => {
+            let p: RopeParams = c.params();
+            need_buffers(if p.freq_factors != 0 { 4 } else { 3 })?;
+            if p.rope_dim > p.head_dim
+                || !p.rope_dim.is_multiple_of(2)
+                || p.n_kv_heads == 0
+                || !p.n_heads.is_multiple_of(p.n_kv_heads)
+            {
+                return Err("inconsistent head geometry".into());
+            }
+            if p.qkv_stride < (p.n_heads + 2 * p.n_kv_heads) * p.head_dim {
+                return Err("qkv_stride too small".into());
+            }
+            let slab = p.n_kv_heads as u64 * p.capacity as u64 * p.head_dim as u64 * F;
+            let mut v = vec![(0, r * p.qkv_stride as u64 * F), (1, slab), (2, slab)];
+            if p.freq_factors != 0 {
+                v.push((3, p.rope_dim as u64 / 2 * F));
+            }
+            v
+        }
+        KernelId::Attention => {
+            need_buffers(4)?;
+            let p: AttnParams = c.params();
+            if p.n_kv_heads == 0 || !p.n_heads.is_multiple_of(p.n_kv_heads) {
+                return Err("inconsistent head geometry".into());
+            }
+            if p.qkv_stride < p.n_heads * p.head_dim || p.out_stride < p.n_heads * p.head_dim {
+                return Err("row strides too small".into());
+            }
+            let slab = p.n_kv_heads as u64 * p.capacity as u64 * p.head_dim as u64 * F;
+            vec![
+                (0, r * p.qkv_stride as u64 * F),
+                (1, slab),
+                (2, slab),
+                (3, r * p.out_stride as u64 * F),
+            ]
+        }
+        KernelId::Argmax => {
+            need_buffers(2)?;
+            let p: ArgmaxParams = c.params();
+            vec![(0, p.n as u64 * F), (1, 4)]
+        }
+        KernelId::GumbelSample => {
+            need_buffers(3)?;
+            let p: SampleParams = c.params();
+            vec![
+                (0, p.n_vocab as u64 * F),
+                (1, 8 + p.recent_capacity as u64 * 4),
+                (2, 4),
+            ]
+        }
+        KernelId::TopKSelect => {
+            need_buffers(2)?;
+            let p: TopKParams = c.params();
+            if p.k == 0 || p.k > p.n_vocab {
+                return Err(format!("k {} outside 1..={}", p.k, p.n_vocab));
+            }
+            vec![(0, p.n_vocab as u64 * F), (1, p.k as u64 * 8)]
+        }
+        KernelId::RepetitionPenalty => {
+            need_buffers(2)?;
+            let p: PenaltyParams = c.params();
+            vec![
+                (0, p.n_vocab as u64 * F),
+                (1, 8 + p.recent_capacity as u64 * 4),
+            ]
+        }
+        KernelId::TemperatureScale => {
+            need_buffers(1)?;
+            let p: TemperatureParams = c.params();
+            vec![(0, p.n_vocab as u64 * F)]
+        }
+        KernelId::GrammarBitmask => {
+            need_buffers(2)?;
+            let p: BitmaskParams = c.params();
+            vec![
+                (0, p.n_vocab as u64 * F),
+                (1, (p.n_vocab as u64).div_ceil(32) * 4),
+            ]
+        }
+    })
 }
 
 #[cfg(test)]

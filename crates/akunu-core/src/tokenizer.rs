@@ -683,6 +683,13 @@ impl Tokenizer {
         self.eog.contains(&id)
     }
 
+    /// Every end-of-generation id, ascending.
+    pub fn eog_ids(&self) -> Vec<u32> {
+        let mut v: Vec<u32> = self.eog.iter().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
     /// Whether `encode(.., add_special = true, ..)` prepends BOS.
     pub fn add_bos(&self) -> bool {
         self.add_bos

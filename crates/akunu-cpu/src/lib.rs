@@ -202,7 +202,7 @@ impl Backend for CpuBackend {
                         .map(|buf| (buf.len as u64).saturating_sub(b.offset))
                 })
                 .collect::<Result<_, _>>()?;
-            for (slot, need) in kernels::extents(cmd, table.max_rows).map_err(&fail)? {
+            for (slot, need) in akunu_core::ops::extents(cmd, table.max_rows).map_err(&fail)? {
                 if need > lens[slot] {
                     return Err(fail(format!(
                         "binding {slot} ('{}') needs {need} bytes, has {}",
@@ -217,6 +217,11 @@ impl Backend for CpuBackend {
 
     fn command_times(&self) -> Option<Vec<(std::time::Duration, u64)>> {
         self.profile.clone()
+    }
+
+    fn set_profiling(&mut self, on: bool) -> bool {
+        self.profile = on.then(Vec::new);
+        true
     }
 
     fn replay(

@@ -1,0 +1,188 @@
+// akunu CUDA kernels: the ABI shared by every kernel and the Rust launcher
+// (crates/akunu-cuda/src/launch.rs). Compiled by NVRTC with no system
+// headers: everything a kernel needs is defined here.
+//
+// Every table command launches one or more kernels whose arguments are, in
+// order:
+//   1. `Bind b`     the command's eight bindings as device pointers, each
+//                   already advanced by its static byte offset. A binding
+//                   whose offset is patched per step (TOKEN_OFFSET: binding
+//                   0, ARGMAX_OUTPUT: binding 1) is passed at offset 0 and
+//                   the kernel adds the step's conveyor slot itself.
+//   2. `P p`        the command's inline params struct, by value (the
+//                   repr(C) structs of crates/akunu-core/src/ops.rs,
+//                   mirrored below field for field).
+//   3. `StepArg a`  where this step is: see `step_of`.
+//
+// Inside a captured chunk graph the positions are not baked in: `a.ctl`
+// points at the device-resident `Ctl` block, whose `pos0`/`tok0` the chunk
+// graph itself advances, and `a.step` is the step's index inside the chunk.
+// Outside graphs (prefill, profiling) `a.ctl` is null and `a.pos`/`a.tok`
+// are absolute. The host checks at load that every patched field is the one
+// the kernel resolves (e.g. RopeParams.pos for PATCH_POSITION), so kernels
+// apply `a.patch` to their known fields instead of to raw byte offsets.
+//
+// Early exit: once a stop token has been produced inside a chain, `ctl->done`
+// is set and every later kernel of the chunk returns at entry
+// (`AKUNU_PROLOGUE`), so an EOS mid-chunk costs almost nothing.
+
+typedef unsigned int u32;
+typedef int i32;
+typedef unsigned long long u64;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef signed char i8;
+
+#define MAX_STOP 16
+
+// Device-resident control block of a chain (one per backend).
+struct Ctl {
+    u32 pos0;        // position of step 0's first row in the current chunk
+    u32 tok0;        // conveyor slot of step 0's first row
+    u32 rows;        // rows per step (1 in decode)
+    u32 done;        // 1 once a stop token was produced: kernels no-op
+    u32 n_stop;      // number of valid ids in `stop`
+    u32 stop[MAX_STOP];  // token ids that end generation (EOS, EOT...)
+    u32 computed;    // tokens produced by argmax since the chain began
+    u32 limit;       // produce at most this many tokens (then set done)
+    u32 _pad;
+    u32* host_tokens;    // host-mapped: token of conveyor slot t at [t]
+    u64* host_stamps;    // host-mapped: %globaltimer when slot t was written
+};
+
+struct Bind {
+    char* p[8];
+};
+
+// PatchType values (crates/akunu-core/src/table.rs).
+#define PATCH_NONE 0
+#define PATCH_TOKEN_OFFSET 1   // binding 0 is the conveyor: add step.tok
+#define PATCH_POSITION 2       // params.pos = step.pos
+#define PATCH_KV_SEQ_LEN 3     // params.kv_len = step.pos + step.rows
+#define PATCH_POS_AND_KV 4     // both
+#define PATCH_ARGMAX_OUTPUT 5  // binding 1 is the conveyor: write slot step.tok + step.rows
+
+struct StepArg {
+    u32 pos;    // absolute position of the step's first row (ctl == null)
+    u32 tok;    // absolute conveyor slot of the step's first row (ctl == null)
+    u32 rows;   // rows of this step
+    u32 step;   // step index inside the chunk (ctl != null)
+    u32 patch;  // the command's PatchType: which fields the kernel resolves
+    u32 _pad;
+    Ctl* ctl;   // null outside chunk graphs
+};
+
+struct Step {
+    u32 pos;
+    u32 tok;
+    u32 rows;
+};
+
+__device__ __forceinline__ Step step_of(const StepArg& a) {
+    Step s;
+    s.rows = a.rows;
+    if (a.ctl) {
+        s.pos = a.ctl->pos0 + a.step * a.rows;
+        s.tok = a.ctl->tok0 + a.step * a.rows;
+    } else {
+        s.pos = a.pos;
+        s.tok = a.tok;
+    }
+    return s;
+}
+
+// Every kernel starts with this: a chain that has produced a stop token
+// skips the rest of its chunk. Uniform across the grid, so no barrier can
+// be left waiting.
+#define AKUNU_PROLOGUE(a) \
+    do { if ((a).ctl && *(volatile const u32*)&(a).ctl->done) return; } while (0)
+
+// ---- params structs (mirror crates/akunu-core/src/ops.rs) ----
+
+struct EmbedParams { u32 dim; u32 dtype; u32 n_vocab; float scale; };
+struct NormParams { u32 dim; float eps; u32 post_norm; u32 _pad; };
+#define ACT_NONE 0
+#define ACT_SWIGLU 1
+#define ACT_GEGLU 2
+struct GemvParams {
+    u32 k; u32 x_stride; u32 out_stride; u32 n_seg;
+    u32 n[3]; u32 dtype[3];
+    u32 input_act; u32 accumulate; u32 bias;
+};
+#define ROPE_NORM 0
+#define ROPE_NEOX 1
+struct RopeParams {
+    u32 pos; u32 n_heads; u32 n_kv_heads; u32 head_dim; u32 rope_dim;
+    float theta; float freq_scale; u32 style; u32 qkv_stride; u32 capacity;
+    u32 freq_factors; u32 _pad;
+};
+struct AttnParams {
+    u32 pos; u32 kv_len; u32 n_heads; u32 n_kv_heads; u32 head_dim;
+    u32 capacity; float scale; u32 window; u32 qkv_stride; u32 out_stride;
+    float softcap; u32 _pad;
+};
+struct ArgmaxParams { u32 n; u32 _pad[3]; };
+struct RecentHeader { u32 chain_start; u32 n; };
+struct SampleParams {
+    u32 kv_len; u32 n_vocab; float temperature; u32 top_k; float top_p;
+    float min_p; float repeat_penalty; u32 repeat_last_n; u32 seed_lo;
+    u32 seed_hi; u32 recent_capacity; u32 _pad;
+};
+struct TopKParams { u32 n_vocab; u32 k; u32 _pad[2]; };
+struct PenaltyParams { u32 n_vocab; float penalty; u32 recent_capacity; u32 _pad; };
+struct TemperatureParams { u32 n_vocab; float temperature; u32 _pad[2]; };
+struct BitmaskParams { u32 n_vocab; u32 _pad[3]; };
+
+// ---- tensor types: GGML ids and block layouts ----
+
+#define DT_F32 0
+#define DT_F16 1
+#define DT_Q4_0 2
+#define DT_Q4_1 3
+#define DT_Q8_0 8
+#define DT_BF16 30
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ float bf16_to_f32(u16 h) {
+    return __uint_as_float(((u32)h) << 16);
+}
+
+// Unaligned-safe little-endian u16 read (quant blocks are 18/20/34 bytes,
+// so their f16 fields are only 2-byte aligned).
+__device__ __forceinline__ u16 ld_u16(const u8* p) {
+    return *(const u16*)p;
+}
+
+#define NEG_INF (__int_as_float(0xff800000))
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over a block of up to 1024 threads; every thread gets the result.
+// `red` is shared scratch of at least 32 floats; the call contains barriers,
+// so every thread of the block must reach it.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[w] = v;
+    __syncthreads();
+    int nw = (blockDim.x + 31) >> 5;
+    float t = lane < nw ? red[lane] : 0.0f;
+    t = warp_sum(t);
+    return t;
+}

@@ -1,0 +1,947 @@
+// akunu CUDA kernels: the sampling commands (argmax, in-chain Gumbel
+// sampling, top-k, repetition penalty, temperature, grammar mask) and the
+// two control kernels of a captured chain. common.cuh is prepended.
+//
+// Reference semantics: the CPU backend (crates/akunu-cpu/src/kernels.rs) and
+// crates/akunu-core/src/sampling.rs. The Gumbel noise is bit-identical to the
+// CPU's (same hash, same f32 logarithm, no fused multiply-adds); the kept
+// candidate set is the CPU's exactly, with weights from expf instead of the
+// CPU's exp, so a fixed seed draws the CPU's token except at near-ties.
+//
+// Candidate selection without sorting the vocabulary. Every token of the
+// candidate pool S (finite logit, passing min-p) gets a 64-bit rank key
+// (order-mapped logit above, complemented id below): a larger key ranks
+// first, equal logits by lower id, exactly the CPU's order. The CPU keeps the
+// best L tokens of S, L = min(top-k, first prefix whose mass reaches top-p),
+// so the kept set is {key >= T} for one threshold key T. T is found by
+// bucketing S in a shared histogram (count and mass per bucket), picking the
+// bucket where the running count or mass crosses its goal, and narrowing to
+// that bucket until it holds at most SMP_CAP tokens; those are then gathered
+// in shared memory, sorted and walked. Masses are fixed-point integers, so
+// every sum is exact and independent of the order the atomics land in: the
+// result is deterministic.
+
+#define SMP_THREADS 1024   // block of the single-block sampling kernels
+#define SMP_BINS 2048      // histogram buckets per narrowing pass
+#define SMP_BIN_BITS 11    // log2(SMP_BINS)
+#define SMP_CAP 4096       // tokens gathered and sorted in shared memory
+#define SMP_WIN 1024       // penalty-window ids de-duplicated in shared memory
+#define NONE32 0xffffffffu
+#define NONE64 0xffffffffffffffffull
+#define POS_INF (__int_as_float(0x7f800000))
+#define FULL_MASK 0xffffffffu
+
+// ---------------------------------------------------------------------------
+// Shared state of the single-block kernels
+// ---------------------------------------------------------------------------
+
+// A bucket where a running total crosses its goal: the bucket, its token
+// count, and the count and mass of everything ranked before it.
+struct SmpCross {
+    u32 bin;
+    u32 cnt;
+    u32 above_c;
+    u32 _pad;
+    u64 above_m;
+};
+
+struct SmpShared {
+    // The phases use these one after another, never two at once.
+    union {
+        struct {
+            u32 cnt[SMP_BINS];
+            u64 mass[SMP_BINS];
+        } h;
+        u64 cand[SMP_CAP];
+        u32 win[SMP_WIN];
+    } u;
+    u32 rc[32];
+    u64 rm[32];
+    u64 rm2[32];
+    float rf[32];
+    SmpCross xc, xm;   // count / mass crossings of the last histogram
+    u32 ncand;         // tokens gathered into u.cand
+    u32 jc, jm;        // cut indices in the sorted candidates
+    u64 incl_c, incl_m;
+    u64 key;           // broadcast threshold key
+};
+
+// ---------------------------------------------------------------------------
+// Hashing and noise (bit-identical to sampling.rs)
+// ---------------------------------------------------------------------------
+
+__device__ __forceinline__ u32 pcg_hash(u32 x) {
+    u32 state = x * 747796405u + 2891336453u;
+    u32 word = ((state >> ((state >> 28) + 4u)) ^ state) * 277803737u;
+    return (word >> 22) ^ word;
+}
+
+// The (seed, position) part of the per-token hash.
+__device__ __forceinline__ u32 position_base(u32 seed_lo, u32 seed_hi, u32 pos) {
+    u32 s = pcg_hash(seed_lo ^ pcg_hash(seed_hi));
+    return pcg_hash(s ^ pos);
+}
+
+// The CPU's ln_fast, operation for operation in round-to-nearest f32 with
+// no contraction, so it returns the same bits.
+__device__ __forceinline__ float ln_fast(float x) {
+    u32 bits = __float_as_uint(x);
+    int e = (int)((bits >> 23) & 0xffu) - 126;
+    float m = __uint_as_float((bits & 0x007fffffu) | 0x3f000000u);
+    bool small = m < __uint_as_float(0x3f3504f3u);  // f32 1/sqrt(2)
+    e -= small ? 1 : 0;
+    m = small ? __fadd_rn(m, m) : m;
+    float f = __fsub_rn(m, 1.0f);
+    float z = __fmul_rn(f, f);
+    float y = 7.0376836e-2f;
+    y = __fsub_rn(__fmul_rn(y, f), 1.1514611e-1f);
+    y = __fadd_rn(__fmul_rn(y, f), 1.1676999e-1f);
+    y = __fsub_rn(__fmul_rn(y, f), 1.2420141e-1f);
+    y = __fadd_rn(__fmul_rn(y, f), 1.4249323e-1f);
+    y = __fsub_rn(__fmul_rn(y, f), 1.6668058e-1f);
+    y = __fadd_rn(__fmul_rn(y, f), 2.0000715e-1f);
+    y = __fsub_rn(__fmul_rn(y, f), 2.4999994e-1f);
+    y = __fadd_rn(__fmul_rn(y, f), 3.3333331e-1f);
+    y = __fmul_rn(y, __fmul_rn(f, z));
+    float ef = (float)e;
+    y = __fadd_rn(y, __fmul_rn(ef, -2.1219444e-4f));
+    y = __fsub_rn(y, __fmul_rn(0.5f, z));
+    return __fadd_rn(__fadd_rn(f, y), __fmul_rn(ef, 0.6933594f));
+}
+
+// Gumbel noise from a hash: u = (2k + 1) / 2^24 from the top 23 bits.
+__device__ __forceinline__ float gumbel_from_hash(u32 h) {
+    float u = __fmul_rn((float)(2u * (h >> 9) + 1u), __uint_as_float(0x33800000u));
+    return -ln_fast(-ln_fast(u));
+}
+
+// ---------------------------------------------------------------------------
+// Keys
+// ---------------------------------------------------------------------------
+
+// Order-preserving map of f32 bits to u32 (IEEE total order).
+__device__ __forceinline__ u32 ord_bits(u32 b) {
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ u32 unord_bits(u32 o) {
+    return (o & 0x80000000u) ? (o & 0x7fffffffu) : ~o;
+}
+
+// The CPU's rank key, complemented: larger logit first, -0 folded into +0,
+// equal logits by lower id. Larger key = better rank.
+__device__ __forceinline__ u64 rank_key(float l, u32 id) {
+    u32 o = ord_bits(__float_as_uint(__fadd_rn(l, 0.0f)));
+    return ((u64)o << 32) | (u64)(~id);
+}
+__device__ __forceinline__ float rank_logit(u64 key) {
+    return __uint_as_float(unord_bits((u32)(key >> 32)));
+}
+
+// total_cmp order of the TopKSelect command (raw bits: -0 < +0, NaN ranked
+// by its bits), ties by lower id.
+__device__ __forceinline__ u64 total_key(float v, u32 id) {
+    return ((u64)ord_bits(__float_as_uint(v)) << 32) | (u64)(~id);
+}
+
+// Smallest shift with range >> shift < SMP_BINS.
+__device__ __forceinline__ u32 bin_shift(u64 range) {
+    u32 bl = 64u - (u32)__clzll((long long)range);
+    return bl > SMP_BIN_BITS ? bl - SMP_BIN_BITS : 0u;
+}
+
+// Rank-order bucket of a key inside [lo, lo + (SMP_BINS << shift)): bucket 0
+// holds the largest keys.
+__device__ __forceinline__ u32 key_bin(u64 key, u64 lo, u32 shift) {
+    return (SMP_BINS - 1u) - (u32)((key - lo) >> shift);
+}
+
+// Narrows [lo, hi] to the keys of bucket `bin`.
+__device__ __forceinline__ void narrow(u64& lo, u64& hi, u32 shift, u32 bin) {
+    u64 nlo = lo + ((u64)((SMP_BINS - 1u) - bin) << shift);
+    u64 mask = (1ull << shift) - 1ull;
+    hi = (hi - nlo <= mask) ? hi : nlo + mask;
+    lo = nlo;
+}
+
+__device__ __forceinline__ u32 pow2_at_least(u32 n) {
+    return n <= 1u ? 1u : 1u << (32 - __clz(n - 1u));
+}
+
+// ---------------------------------------------------------------------------
+// Block-wide primitives (every thread of the block must call them)
+// ---------------------------------------------------------------------------
+
+// Largest value, lowest index among equal ones; every thread gets it.
+__device__ __forceinline__ void argmax_combine(float& v, u32& i, float ov, u32 oi) {
+    if (ov > v || (ov == v && oi < i)) {
+        v = ov;
+        i = oi;
+    }
+}
+
+__device__ void block_argmax(float& v, u32& i, float* sf, u32* si) {
+    const u32 lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        argmax_combine(v, i, __shfl_xor_sync(FULL_MASK, v, o), __shfl_xor_sync(FULL_MASK, i, o));
+    __syncthreads();
+    if (lane == 0) {
+        sf[w] = v;
+        si[w] = i;
+    }
+    __syncthreads();
+    v = lane < nw ? sf[lane] : NEG_INF;
+    i = lane < nw ? si[lane] : NONE32;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        argmax_combine(v, i, __shfl_xor_sync(FULL_MASK, v, o), __shfl_xor_sync(FULL_MASK, i, o));
+}
+
+__device__ float block_min(float v, float* sf) {
+    const u32 lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fminf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    __syncthreads();
+    if (lane == 0) sf[w] = v;
+    __syncthreads();
+    v = lane < nw ? sf[lane] : POS_INF;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fminf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+__device__ u64 block_sum_u64(u64 v, u64* sm) {
+    const u32 lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    __syncthreads();
+    if (lane == 0) sm[w] = v;
+    __syncthreads();
+    v = lane < nw ? sm[lane] : 0ull;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ void block_minmax_u64(u64& lo, u64& hi, u64* s1, u64* s2) {
+    const u32 lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        u64 a = __shfl_xor_sync(FULL_MASK, lo, o), b = __shfl_xor_sync(FULL_MASK, hi, o);
+        lo = a < lo ? a : lo;
+        hi = b > hi ? b : hi;
+    }
+    __syncthreads();
+    if (lane == 0) {
+        s1[w] = lo;
+        s2[w] = hi;
+    }
+    __syncthreads();
+    lo = lane < nw ? s1[lane] : NONE64;
+    hi = lane < nw ? s2[lane] : 0ull;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        u64 a = __shfl_xor_sync(FULL_MASK, lo, o), b = __shfl_xor_sync(FULL_MASK, hi, o);
+        lo = a < lo ? a : lo;
+        hi = b > hi ? b : hi;
+    }
+}
+
+// Exclusive scan of (count, mass) pairs in thread order; also returns the
+// block totals. Synchronises on entry (the scratch may still be read by an
+// earlier reduction) and on exit (so it may be reused at once).
+__device__ void block_excl_scan(u32& c, u64& m, u32& tot_c, u64& tot_m, u32* sc, u64* sm) {
+    const u32 lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    __syncthreads();
+    u32 ic = c;
+    u64 im = m;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        u32 tc = __shfl_up_sync(FULL_MASK, ic, o);
+        u64 tm = __shfl_up_sync(FULL_MASK, im, o);
+        if (lane >= (u32)o) {
+            ic += tc;
+            im += tm;
+        }
+    }
+    if (lane == 31) {
+        sc[w] = ic;
+        sm[w] = im;
+    }
+    __syncthreads();
+    if (w == 0) {
+        u32 x = lane < nw ? sc[lane] : 0u;
+        u64 y = lane < nw ? sm[lane] : 0ull;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            u32 tx = __shfl_up_sync(FULL_MASK, x, o);
+            u64 ty = __shfl_up_sync(FULL_MASK, y, o);
+            if (lane >= (u32)o) {
+                x += tx;
+                y += ty;
+            }
+        }
+        if (lane < nw) {
+            sc[lane] = x;
+            sm[lane] = y;
+        }
+    }
+    __syncthreads();
+    c = (w ? sc[w - 1] : 0u) + ic - c;
+    m = (w ? sm[w - 1] : 0ull) + im - m;
+    tot_c = sc[nw - 1];
+    tot_m = sm[nw - 1];
+    __syncthreads();
+}
+
+// Bitonic sort of a[0..P), P a power of two, descending (DESC) or
+// ascending. The caller fills `a` and synchronises first; ends synchronised
+// when P >= 2.
+template <typename T, bool DESC>
+__device__ void bitonic(T* a, u32 P) {
+    for (u32 k = 2; k <= P; k <<= 1) {
+        for (u32 j = k >> 1; j > 0; j >>= 1) {
+            for (u32 t = threadIdx.x; t < (P >> 1); t += blockDim.x) {
+                u32 i = 2u * t - (t & (j - 1u));
+                u32 q = i + j;
+                T x = a[i], y = a[q];
+                bool first = (i & k) == 0;
+                bool sw = DESC ? (first ? x < y : x > y) : (first ? x > y : x < y);
+                if (sw) {
+                    a[i] = y;
+                    a[q] = x;
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+// Zeroes the histogram. The caller synchronises before filling it.
+__device__ __forceinline__ void hist_clear(SmpShared& s) {
+    for (u32 b = threadIdx.x; b < SMP_BINS; b += blockDim.x) {
+        s.u.h.cnt[b] = 0u;
+        s.u.h.mass[b] = 0ull;
+    }
+}
+
+// Scans the filled histogram in rank order and records in s.xc / s.xm the
+// bucket where `above + running count` reaches `gc` and where `above +
+// running mass` reaches `gm` (bin NONE32 when the goal is not reached, or
+// is NONE). Returns the histogram totals. Ends synchronised: s.xc / s.xm are
+// readable, and the histogram is no longer read.
+__device__ void find_crossing(SmpShared& s, u32 above_c, u64 above_m, u32 gc, u64 gm,
+                              u32& tot_c, u64& tot_m) {
+    const u32 per = (SMP_BINS + blockDim.x - 1) / blockDim.x;
+    const u32 b0 = threadIdx.x * per;
+    const u32 b1 = min(b0 + per, (u32)SMP_BINS);
+    u32 c = 0;
+    u64 m = 0;
+    for (u32 b = b0; b < b1; ++b) {
+        c += s.u.h.cnt[b];
+        m += s.u.h.mass[b];
+    }
+    if (threadIdx.x == 0) {
+        s.xc.bin = NONE32;
+        s.xm.bin = NONE32;
+    }
+    block_excl_scan(c, m, tot_c, tot_m, s.rc, s.rm);
+    u32 ec = above_c + c;
+    u64 em = above_m + m;
+    for (u32 b = b0; b < b1; ++b) {
+        u32 bc = s.u.h.cnt[b];
+        u64 bm = s.u.h.mass[b];
+        if (gc != NONE32 && ec < gc && ec + bc >= gc) {
+            s.xc.bin = b;
+            s.xc.cnt = bc;
+            s.xc.above_c = ec;
+            s.xc.above_m = em;
+        }
+        if (gm != NONE64 && em < gm && em + bm >= gm) {
+            s.xm.bin = b;
+            s.xm.cnt = bc;
+            s.xm.above_c = ec;
+            s.xm.above_m = em;
+        }
+        ec += bc;
+        em += bm;
+    }
+    __syncthreads();
+}
+
+// The earlier of the two crossings (count and mass goals both cut the
+// ranking; the kept set ends at whichever cut comes first).
+__device__ __forceinline__ SmpCross first_crossing(const SmpShared& s) {
+    SmpCross c = s.xc, m = s.xm;
+    return m.bin < c.bin ? m : c;
+}
+
+// ---------------------------------------------------------------------------
+// Repetition penalty
+// ---------------------------------------------------------------------------
+
+__device__ __forceinline__ void penalise(float* logits, u32 t, float pen) {
+    float l = logits[t];
+    logits[t] = l > 0.0f ? __fdiv_rn(l, pen) : __fmul_rn(l, pen);
+}
+
+// Penalises each distinct id of the window once: entries c0 .. c0 + W of
+// the concatenation rec[0..nr) ++ chain[0..). Ids >= n are ignored. Up to
+// SMP_WIN ids are sorted in shared memory and de-duplicated by neighbour;
+// longer windows (never built by the engine) take a quadratic scan.
+__device__ void penalise_window(float* logits, u32 n, float pen, const u32* rec, u32 nr,
+                                const u32* chain, u32 c0, u32 W, u32* win) {
+    auto at = [&](u32 j) -> u32 {
+        u32 c = c0 + j;
+        return c < nr ? rec[c] : chain[c - nr];
+    };
+    if (W <= SMP_WIN) {
+        const u32 P = pow2_at_least(W);
+        for (u32 j = threadIdx.x; j < P; j += blockDim.x) win[j] = j < W ? at(j) : NONE32;
+        __syncthreads();
+        bitonic<u32, false>(win, P);
+        for (u32 j = threadIdx.x; j < W; j += blockDim.x) {
+            u32 t = win[j];
+            if (t < n && (j == 0 || win[j - 1] != t)) penalise(logits, t, pen);
+        }
+    } else {
+        for (u32 j = threadIdx.x; j < W; j += blockDim.x) {
+            u32 t = at(j);
+            if (t >= n) continue;
+            bool dup = false;
+            for (u32 i = 0; i < j && !dup; ++i) dup = at(i) == t;
+            if (!dup) penalise(logits, t, pen);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// 1. Argmax
+// ---------------------------------------------------------------------------
+
+// Index of the largest of p.n logits, lowest index on ties, NaN ignored, 0
+// when nothing beats -inf (the CPU's argmax). Grid 1, block 1024: one
+// vector per step, reduced in one block. Inside a chain thread 0 also
+// publishes the token and its timestamp to the host and decides whether the
+// chain is done.
+extern "C" __global__ void __launch_bounds__(SMP_THREADS)
+k_argmax(Bind b, ArgmaxParams p, StepArg a) {
+    AKUNU_PROLOGUE(a);
+    Step st = step_of(a);
+    __shared__ float sf[32];
+    __shared__ u32 si[32];
+    const float* x = (const float*)b.p[0];
+    const u32 n = p.n, bd = blockDim.x;
+    float bv = NEG_INF;
+    u32 bi = NONE32;
+    u32 i = threadIdx.x;
+    // Four loads in flight per thread; indices stay ascending per thread, so
+    // the strict `>` keeps the lowest index of equal values.
+    for (; i + 3u * bd < n; i += 4u * bd) {
+        float v0 = x[i], v1 = x[i + bd], v2 = x[i + 2u * bd], v3 = x[i + 3u * bd];
+        if (v0 > bv) { bv = v0; bi = i; }
+        if (v1 > bv) { bv = v1; bi = i + bd; }
+        if (v2 > bv) { bv = v2; bi = i + 2u * bd; }
+        if (v3 > bv) { bv = v3; bi = i + 3u * bd; }
+    }
+    for (; i < n; i += bd) {
+        float v = x[i];
+        if (v > bv) { bv = v; bi = i; }
+    }
+    block_argmax(bv, bi, sf, si);
+    if (threadIdx.x != 0) return;
+    const u32 id = bi == NONE32 ? 0u : bi;
+    const u32 slot = a.patch == PATCH_ARGMAX_OUTPUT ? st.tok + st.rows : 0u;
+    ((u32*)b.p[1])[slot] = id;
+    Ctl* c = a.ctl;
+    if (c) {
+        u64 now;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        // The host polls the token slot, then reads the stamp: stamp first.
+        *(volatile u64*)&c->host_stamps[slot] = now;
+        __threadfence_system();
+        *(volatile u32*)&c->host_tokens[slot] = id;
+        __threadfence_system();
+        const u32 computed = c->computed + 1u;
+        c->computed = computed;
+        bool stop = computed >= c->limit;
+        const u32 ns = min(c->n_stop, (u32)MAX_STOP);
+        for (u32 j = 0; j < ns; ++j) stop |= c->stop[j] == id;
+        if (stop) *(volatile u32*)&c->done = 1u;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// 2. Gumbel sampling
+// ---------------------------------------------------------------------------
+
+// What the filter needs to recompute any token's membership, bucket and
+// weight, identically in every pass.
+struct Filt {
+    float mx;      // largest logit (finite)
+    float inv_t;   // 1 / temperature
+    float min_w;   // min-p weight floor, 0 = off
+    float scale;   // level-0 buckets per unit of scaled distance
+    float fxs;     // 2^fx_bits: weights as fixed-point integers
+};
+
+__device__ __forceinline__ float scaled(float l, const Filt& f) {
+    return __fmul_rn(__fsub_rn(l, f.mx), f.inv_t);
+}
+
+__device__ __forceinline__ u64 fixed_weight(float sc, const Filt& f) {
+    return __float2ull_rn(__fmul_rn(expf(sc), f.fxs));
+}
+
+// In the pool S: finite (the max is finite, so `> -inf` excludes -inf and
+// NaN only) and passing min-p.
+__device__ __forceinline__ bool in_pool(float l, float sc, const Filt& f) {
+    return l > NEG_INF && (f.min_w <= 0.0f || expf(sc) >= f.min_w);
+}
+
+// Level-0 bucket: linear in the scaled distance from the max (as the CPU's
+// KeyBound), so buckets follow the logits' spread rather than their float
+// exponents. Monotone in the logit; bucket 0 holds the max.
+__device__ __forceinline__ u32 level0_bin(float sc, const Filt& f) {
+    float d = __fmul_rn(-sc, f.scale);
+    return d < (float)(SMP_BINS - 1) ? (u32)d : (u32)(SMP_BINS - 1);
+}
+
+// In-chain sampling: repetition penalty over the window, then (unless
+// greedy) either the dense transform `(l - max) / T + G` (no filter) or the
+// filtered one: every kept token becomes `ln p + G`, every other -inf, so a
+// following argmax draws from the filtered distribution. G is the Gumbel
+// noise of (seed, kv_len, token). Grid 1, block 1024: the selection needs
+// block-wide agreement on thresholds, and one block keeps it in shared
+// memory; the vocabulary (L2-resident) is streamed a few times.
+//
+// Passes over the vocabulary for the filtered path: max, histogram, gather
+// of the crossing bucket, write. A crossing bucket of more than SMP_CAP
+// tokens (heavy ties, clustered logits) adds one key-range pass and one
+// histogram pass per narrowing level (1 or 2 in practice, 6 at most).
+extern "C" __global__ void __launch_bounds__(SMP_THREADS, 1)
+k_gumbel_sample(Bind b, SampleParams p, StepArg a) {
+    AKUNU_PROLOGUE(a);
+    Step st = step_of(a);
+    __shared__ SmpShared s;
+    float* logits = (float*)b.p[0];
+    const u32 n = p.n_vocab, bd = blockDim.x, tid = threadIdx.x;
+    const u32 kv_len = a.patch == PATCH_KV_SEQ_LEN ? st.pos + st.rows : p.kv_len;
+    if (n == 0) return;
+
+    // ---- repetition penalty over the last repeat_last_n of recent ++ chain
+    if (p.repeat_penalty != 1.0f) {
+        const u32* rb = (const u32*)b.p[1];
+        const u32 chain_start = rb[0];
+        const u32 nr = min(rb[1], p.recent_capacity);
+        const u32 sch = kv_len > chain_start ? kv_len - chain_start : 0u;
+        const u32 total = nr + sch;
+        const u32 W = min(total, p.repeat_last_n);
+        if (W > 0) {
+            penalise_window(logits, n, p.repeat_penalty, rb + 2, nr, (const u32*)b.p[2] + 1,
+                            total - W, W, s.u.win);
+            __syncthreads();
+        }
+    }
+    if (p.temperature == 0.0f) return;  // greedy: the argmax reads the penalised logits
+
+    const float inv_t = __fdiv_rn(1.0f, p.temperature);
+    const bool inv_ok = inv_t > 0.0f && inv_t < POS_INF;
+    const u32 base = position_base(p.seed_lo, p.seed_hi, kv_len);
+
+    // ---- pass A: max (lowest index), smallest finite logit
+    float mx = NEG_INF, mn = POS_INF;
+    u32 am = NONE32;
+    {
+        u32 i = tid;
+        for (; i + 3u * bd < n; i += 4u * bd) {
+            float v0 = logits[i], v1 = logits[i + bd], v2 = logits[i + 2u * bd],
+                  v3 = logits[i + 3u * bd];
+            if (v0 > mx) { mx = v0; am = i; }
+            if (v1 > mx) { mx = v1; am = i + bd; }
+            if (v2 > mx) { mx = v2; am = i + 2u * bd; }
+            if (v3 > mx) { mx = v3; am = i + 3u * bd; }
+            if (fabsf(v0) < POS_INF) mn = fminf(mn, v0);
+            if (fabsf(v1) < POS_INF) mn = fminf(mn, v1);
+            if (fabsf(v2) < POS_INF) mn = fminf(mn, v2);
+            if (fabsf(v3) < POS_INF) mn = fminf(mn, v3);
+        }
+        for (; i < n; i += bd) {
+            float v = logits[i];
+            if (v > mx) { mx = v; am = i; }
+            if (fabsf(v) < POS_INF) mn = fminf(mn, v);
+        }
+    }
+    block_argmax(mx, am, s.rf, s.rc);
+    mn = block_min(mn, s.rf);
+    const bool mx_finite = fabsf(mx) < POS_INF;
+
+    // ---- no filter: every token a candidate
+    const bool no_filter = p.top_k == 0 && p.top_p >= 1.0f && p.min_p <= 0.0f;
+    if (no_filter && inv_ok && mx_finite) {
+        for (u32 i = tid; i < n; i += bd) {
+            float l = logits[i];
+            float g = gumbel_from_hash(pcg_hash(base ^ i));
+            logits[i] = l > NEG_INF ? __fadd_rn(__fmul_rn(__fsub_rn(l, mx), inv_t), g) : NEG_INF;
+        }
+        return;
+    }
+
+    // ---- a single certain token: 1/T unusable (argmax), all masked (token
+    // 0, which the argmax gives too) or a +inf logit (the first one: again
+    // the argmax)
+    if (!inv_ok || !mx_finite) {
+        const u32 tok = am == NONE32 ? 0u : am;
+        for (u32 i = tid; i < n; i += bd) logits[i] = i == tok ? 0.0f : NEG_INF;
+        return;
+    }
+
+    // ---- filtered path
+    Filt f;
+    f.mx = mx;
+    f.inv_t = inv_t;
+    f.min_w = p.min_p > 0.0f ? fminf(p.min_p, 1.0f) : 0.0f;
+    {
+        // Level-0 range: up to the farthest finite logit, or the min-p
+        // bound (beyond it nothing is in the pool).
+        float span = __fmul_rn(__fsub_rn(mx, mn), inv_t);
+        if (f.min_w > 0.0f) span = fminf(span, (float)(-log((double)f.min_w)) * 1.001f + 1e-4f);
+        float scale = (span > 0.0f && span < POS_INF) ? (float)(SMP_BINS - 1) / span : 0.0f;
+        f.scale = scale < POS_INF ? scale : 0.0f;
+    }
+    // Weights in [0, 1] as integers of fx_bits fractional bits: n of them
+    // sum below 2^62, and each is exact unless below 2^(24 - fx_bits).
+    const u32 fx_bits = 62u - (32u - (u32)__clz((int)n));
+    f.fxs = __uint_as_float((127u + fx_bits) << 23);
+    const bool top_p_on = p.top_p < 1.0f;
+
+    // ---- pass B: level-0 histogram of the pool; softmax mass of every
+    // finite token (top-p measures against it)
+    hist_clear(s);
+    __syncthreads();
+    u64 all_mass = 0;
+    for (u32 i = tid; i < n; i += bd) {
+        float l = logits[i];
+        if (!(l > NEG_INF)) continue;
+        float sc = scaled(l, f);
+        u64 w = fixed_weight(sc, f);
+        all_mass += w;
+        if (in_pool(l, sc, f)) {
+            u32 bin = level0_bin(sc, f);
+            atomicAdd(&s.u.h.cnt[bin], 1u);
+            atomicAdd(&s.u.h.mass[bin], w);
+        }
+    }
+    __syncthreads();
+    all_mass = block_sum_u64(all_mass, s.rm);
+
+    const u32 gc = p.top_k > 0 ? p.top_k : NONE32;
+    u64 gm = NONE64;
+    if (top_p_on) {
+        gm = __double2ull_ru((double)fmaxf(p.top_p, 0.0f) * (double)all_mass);
+        gm = gm > 0 ? gm : 1ull;
+    }
+    u32 pool_c;
+    u64 pool_m;
+    find_crossing(s, 0u, 0ull, gc, gm, pool_c, pool_m);
+    SmpCross x = first_crossing(s);
+
+    u64 thr = 0;           // kept: in the pool and rank key >= thr
+    u64 kept_mass = pool_m;  // fixed-point weight of the kept set
+    if (x.bin != NONE32) {
+        // The cut lies in bucket x.bin; everything ranked before it is kept.
+        u32 above_c = x.above_c;
+        u64 above_m = x.above_m;
+        u64 lo = 0, hi = NONE64;
+        const u32 bin0 = x.bin;
+        bool keyed = false;  // region given by [lo, hi] rather than bin0
+        if (x.cnt > SMP_CAP) {
+            // Too many tokens to sort: narrow by key ranges. First the key
+            // range of the bucket (its members' keys are contiguous in rank
+            // order within the pool, since bucket and pool are monotone).
+            u64 klo = NONE64, khi = 0;
+            for (u32 i = tid; i < n; i += bd) {
+                float l = logits[i];
+                if (!(l > NEG_INF)) continue;
+                float sc = scaled(l, f);
+                if (in_pool(l, sc, f) && level0_bin(sc, f) == bin0) {
+                    u64 k = rank_key(l, i);
+                    klo = k < klo ? k : klo;
+                    khi = k > khi ? k : khi;
+                }
+            }
+            block_minmax_u64(klo, khi, s.rm, s.rm2);
+            lo = klo;
+            hi = khi;
+            keyed = true;
+            // Each level shrinks the range SMP_BINS-fold: at most 6 levels
+            // for 64-bit keys; a bucket of shift 0 holds one token.
+            for (int level = 0; level < 8; ++level) {
+                const u32 shift = bin_shift(hi - lo);
+                __syncthreads();  // the previous crossing has been read
+                hist_clear(s);
+                __syncthreads();
+                for (u32 i = tid; i < n; i += bd) {
+                    float l = logits[i];
+                    if (!(l > NEG_INF)) continue;
+                    u64 k = rank_key(l, i);
+                    if (k < lo || k > hi) continue;
+                    float sc = scaled(l, f);
+                    if (!in_pool(l, sc, f)) continue;
+                    u32 bin = key_bin(k, lo, shift);
+                    atomicAdd(&s.u.h.cnt[bin], 1u);
+                    atomicAdd(&s.u.h.mass[bin], fixed_weight(sc, f));
+                }
+                __syncthreads();
+                u32 tc;
+                u64 tm;
+                find_crossing(s, above_c, above_m, gc, gm, tc, tm);
+                SmpCross y = first_crossing(s);
+                if (y.bin == NONE32) break;  // cannot happen: the region holds the cut
+                narrow(lo, hi, shift, y.bin);
+                above_c = y.above_c;
+                above_m = y.above_m;
+                if (y.cnt <= SMP_CAP) break;
+            }
+        }
+
+        // ---- gather the crossing bucket, sort it, walk it
+        if (tid == 0) s.ncand = 0;
+        __syncthreads();
+        for (u32 i = tid; i < n; i += bd) {
+            float l = logits[i];
+            if (!(l > NEG_INF)) continue;
+            float sc = scaled(l, f);
+            if (!in_pool(l, sc, f)) continue;
+            u64 k = rank_key(l, i);
+            bool member = keyed ? (k >= lo && k <= hi) : level0_bin(sc, f) == bin0;
+            if (member) {
+                u32 at = atomicAdd(&s.ncand, 1u);
+                if (at < SMP_CAP) s.u.cand[at] = k;
+            }
+        }
+        __syncthreads();
+        const u32 m = min(s.ncand, (u32)SMP_CAP);
+        const u32 P = pow2_at_least(m);
+        for (u32 j = m + tid; j < P; j += bd) s.u.cand[j] = 0ull;  // ranks last
+        if (tid == 0) {
+            s.jm = NONE32;
+            s.incl_c = 0;
+            s.incl_m = 0;
+        }
+        __syncthreads();
+        bitonic<u64, true>(s.u.cand, P);
+
+        // Count cut: the gc-th token of the ranking, if it lies here.
+        const u32 jc = (gc != NONE32 && gc > above_c && gc - above_c <= m) ? gc - above_c - 1u
+                                                                         : NONE32;
+        // Mass cut: the first token where above + running mass reaches gm.
+        const u32 per = (m + bd - 1) / bd;
+        const u32 j0 = min(tid * per, m), j1 = min(j0 + per, m);
+        u32 dummy = 0, tc;
+        u64 run = 0, tm;
+        for (u32 j = j0; j < j1; ++j) run += fixed_weight(scaled(rank_logit(s.u.cand[j]), f), f);
+        block_excl_scan(dummy, run, tc, tm, s.rc, s.rm);
+        u64 em = above_m + run;
+        for (u32 j = j0; j < j1; ++j) {
+            u64 w = fixed_weight(scaled(rank_logit(s.u.cand[j]), f), f);
+            if (gm != NONE64 && em < gm && em + w >= gm) {
+                s.jm = j;
+                s.incl_m = em + w;
+            }
+            if (j == jc) s.incl_c = em + w;
+            em += w;
+        }
+        __syncthreads();
+        const u32 jm = s.jm;
+        u32 L;
+        if (jm != NONE32 && (jc == NONE32 || jm < jc)) {
+            L = jm;
+            kept_mass = s.incl_m;
+        } else {
+            // jc exists here: the bucket was chosen for one of the cuts.
+            L = jc == NONE32 ? (m ? m - 1u : 0u) : jc;
+            kept_mass = jc == NONE32 ? above_m + tm : s.incl_c;
+        }
+        thr = s.u.cand[L];
+    }
+
+    // ---- write: kept tokens get ln p + G, the rest -inf
+    const double ln_sum = log(ldexp((double)kept_mass, -(int)fx_bits));
+    for (u32 i = tid; i < n; i += bd) {
+        float l = logits[i];
+        float out = NEG_INF;
+        if (l > NEG_INF) {
+            float sc = scaled(l, f);
+            if (in_pool(l, sc, f) && rank_key(l, i) >= thr) {
+                float ln_p = __double2float_rn((double)sc - ln_sum);
+                out = __fadd_rn(ln_p, gumbel_from_hash(pcg_hash(base ^ i)));
+            }
+        }
+        logits[i] = out;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// 3. Top-k selection
+// ---------------------------------------------------------------------------
+
+// The k largest logits as (id, value bits) pairs, descending in total_cmp
+// order, ties by lower id (the CPU's top_k). Grid 1, block 1024. Output in
+// chunks of up to SMP_CAP: each chunk's threshold key is found by range
+// narrowing on a shared histogram, then the chunk is gathered, sorted in
+// shared memory and written.
+extern "C" __global__ void __launch_bounds__(SMP_THREADS, 1)
+k_topk_select(Bind b, TopKParams p, StepArg a) {
+    AKUNU_PROLOGUE(a);
+    __shared__ SmpShared s;
+    const float* x = (const float*)b.p[0];
+    u32* out = (u32*)b.p[1];
+    const u32 n = p.n_vocab, bd = blockDim.x, tid = threadIdx.x;
+    const u32 k = min(p.k, n);
+    if (k == 0) return;
+
+    u64 lo_all = NONE64, hi_all = 0;
+    for (u32 i = tid; i < n; i += bd) {
+        u64 key = total_key(x[i], i);
+        lo_all = key < lo_all ? key : lo_all;
+        hi_all = key > hi_all ? key : hi_all;
+    }
+    block_minmax_u64(lo_all, hi_all, s.rm, s.rm2);
+
+    u64 top = hi_all;  // best key not yet written
+    for (u32 done = 0; done < k;) {
+        const u32 c = min((u32)SMP_CAP, k - done);
+        // Threshold: the c-th largest key in [lo_all, top].
+        u64 thr = lo_all;
+        if (c < n - done) {
+            u64 lo = lo_all, hi = top;
+            u32 above = 0;
+            for (int level = 0; level < 8; ++level) {
+                const u32 shift = bin_shift(hi - lo);
+                __syncthreads();  // earlier readers of the shared union are done
+                hist_clear(s);
+                __syncthreads();
+                for (u32 i = tid; i < n; i += bd) {
+                    u64 key = total_key(x[i], i);
+                    if (key >= lo && key <= hi) atomicAdd(&s.u.h.cnt[key_bin(key, lo, shift)], 1u);
+                }
+                __syncthreads();
+                u32 tc;
+                u64 tm;
+                find_crossing(s, above, 0ull, c, NONE64, tc, tm);
+                SmpCross y = s.xc;
+                if (y.bin == NONE32) break;  // cannot happen
+                narrow(lo, hi, shift, y.bin);
+                above = y.above_c;
+                if (y.cnt <= SMP_CAP) break;
+            }
+            // Gather the crossing bucket and pick the (c - above)-th key.
+            if (tid == 0) s.ncand = 0;
+            __syncthreads();
+            for (u32 i = tid; i < n; i += bd) {
+                u64 key = total_key(x[i], i);
+                if (key >= lo && key <= hi) {
+                    u32 at = atomicAdd(&s.ncand, 1u);
+                    if (at < SMP_CAP) s.u.cand[at] = key;
+                }
+            }
+            __syncthreads();
+            const u32 m = min(s.ncand, (u32)SMP_CAP);
+            const u32 P = pow2_at_least(m);
+            for (u32 j = m + tid; j < P; j += bd) s.u.cand[j] = 0ull;
+            __syncthreads();
+            bitonic<u64, true>(s.u.cand, P);
+            const u32 r = c - above;  // >= 1 and <= m by the crossing
+            thr = s.u.cand[r >= 1 && r <= m ? r - 1u : 0u];
+            __syncthreads();  // cand is refilled below
+        }
+        // Gather the chunk [thr, top] (c keys), sort, write.
+        if (tid == 0) s.ncand = 0;
+        __syncthreads();
+        for (u32 i = tid; i < n; i += bd) {
+            u64 key = total_key(x[i], i);
+            if (key >= thr && key <= top) {
+                u32 at = atomicAdd(&s.ncand, 1u);
+                if (at < SMP_CAP) s.u.cand[at] = key;
+            }
+        }
+        __syncthreads();
+        const u32 m = min(s.ncand, c);
+        const u32 P = pow2_at_least(m);
+        for (u32 j = m + tid; j < P; j += bd) s.u.cand[j] = 0ull;
+        __syncthreads();
+        bitonic<u64, true>(s.u.cand, P);
+        for (u32 j = tid; j < m; j += bd) {
+            u64 key = s.u.cand[j];
+            out[2u * (done + j)] = ~(u32)key;
+            out[2u * (done + j) + 1u] = unord_bits((u32)(key >> 32));
+        }
+        done += c;
+        top = thr - 1ull;  // the next chunk ranks below this one
+        __syncthreads();  // cand is read above before the next chunk reuses it
+    }
+}
+
+// ---------------------------------------------------------------------------
+// 4. Repetition penalty
+// ---------------------------------------------------------------------------
+
+// The CPU's apply_repetition_penalty over the buffer's ids (header n,
+// clamped to recent_capacity), once per distinct id: positive logits divided
+// by the penalty, others multiplied. Grid 1, block 256: at most 1024 ids,
+// de-duplicated with one shared sort.
+extern "C" __global__ void __launch_bounds__(256)
+k_repetition_penalty(Bind b, PenaltyParams p, StepArg a) {
+    AKUNU_PROLOGUE(a);
+    __shared__ u32 win[SMP_WIN];
+    const u32* rb = (const u32*)b.p[1];
+    const u32 nr = min(rb[1], p.recent_capacity);
+    if (p.penalty == 1.0f || nr == 0) return;
+    penalise_window((float*)b.p[0], p.n_vocab, p.penalty, rb + 2, nr, nullptr, 0u, nr, win);
+}
+
+// ---------------------------------------------------------------------------
+// 5. Temperature, 6. grammar mask
+// ---------------------------------------------------------------------------
+
+// logits *= 1 / temperature (the CPU multiplies by the reciprocal). Grid
+// ceil(n / 256), block 256: one logit per thread.
+extern "C" __global__ void __launch_bounds__(256)
+k_temperature_scale(Bind b, TemperatureParams p, StepArg a) {
+    AKUNU_PROLOGUE(a);
+    const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= p.n_vocab) return;
+    float* l = (float*)b.p[0];
+    l[i] = __fmul_rn(l[i], __fdiv_rn(1.0f, p.temperature));
+}
+
+// Logit i becomes -inf where bit i % 32 of mask word i / 32 is 0. Grid
+// ceil(n / 256), block 256: one logit per thread.
+extern "C" __global__ void __launch_bounds__(256)
+k_grammar_bitmask(Bind b, BitmaskParams p, StepArg a) {
+    AKUNU_PROLOGUE(a);
+    const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= p.n_vocab) return;
+    const u32 word = ((const u32*)b.p[1])[i >> 5];
+    if (((word >> (i & 31u)) & 1u) == 0) ((float*)b.p[0])[i] = NEG_INF;
+}
+
+// ---------------------------------------------------------------------------
+// 7. Chain control
+// ---------------------------------------------------------------------------
+
+// Moves the chain's step 0 past the `steps` steps just replayed. Grid 1,
+// block 1. No prologue: it runs after `done` too, which is harmless.
+extern "C" __global__ void k_chain_advance(Ctl* ctl, u32 steps) {
+    ctl->pos0 += steps * ctl->rows;
+    ctl->tok0 += steps * ctl->rows;
+}
+
+// The GPU's %globaltimer, for the host to calibrate GPU stamps against its
+// own clock. Grid 1, block 1.
+extern "C" __global__ void k_clock_probe(u64* out) {
+    u64 now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    out[0] = now;
+}

@@ -1,0 +1,188 @@
+//! Run-time compilation of the embedded kernel sources with NVRTC, for the
+//! exact architecture of the device, with a disk cache of the machine code.
+//!
+//! The cache key is a SHA-256 over the sources, the compile options, the
+//! target architecture, the NVRTC version and the driver version, so a
+//! changed kernel, toolkit or driver never loads stale code.
+
+use cudarc::nvrtc::sys as nv;
+use sha2::{Digest, Sha256};
+use std::ffi::{CStr, CString};
+use std::path::PathBuf;
+
+/// The kernel sources, in the order they are concatenated.
+pub const SOURCES: [(&str, &str); 3] = [
+    ("common.cuh", include_str!("../kernels/common.cuh")),
+    ("model.cu", include_str!("../kernels/model.cu")),
+    ("sampling.cu", include_str!("../kernels/sampling.cu")),
+];
+
+/// One translation unit: the sources with `#line` markers, so compiler
+/// messages name the original file and line.
+pub fn full_source() -> String {
+    let mut s = String::new();
+    for (name, text) in SOURCES {
+        s.push_str(&format!("#line 1 \"{name}\"\n"));
+        s.push_str(text);
+        s.push('\n');
+    }
+    s
+}
+
+fn options(arch: &str) -> Vec<String> {
+    vec![
+        format!("-arch={arch}"),
+        "-default-device".into(),
+        "-std=c++17".into(),
+        "-lineinfo".into(),
+    ]
+}
+
+fn nvrtc_version() -> Result<(i32, i32), String> {
+    let (mut maj, mut min) = (0, 0);
+    // SAFETY: plain out-parameters; the library was found by the caller.
+    let r = unsafe { nv::nvrtcVersion(&mut maj, &mut min) };
+    if r != nv::nvrtcResult::NVRTC_SUCCESS {
+        return Err(format!("nvrtcVersion failed: {r:?}"));
+    }
+    Ok((maj, min))
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    if let Ok(d) = std::env::var("AKUNU_KERNEL_CACHE") {
+        return Some(PathBuf::from(d));
+    }
+    akunu_core::fetch::cache_dir().ok().map(|d| d.join("cuda"))
+}
+
+/// Machine code (a cubin) for `arch` ("sm_90"), from the disk cache or
+/// freshly compiled. `say` receives one line when compiling.
+pub fn cubin(arch: &str, driver: i32, say: &mut dyn FnMut(&str)) -> Result<Vec<u8>, String> {
+    // SAFETY: probing for the shared library has no preconditions.
+    if !unsafe { nv::is_culib_present() } {
+        return Err(
+            "NVRTC (libnvrtc.so) was not found: install the CUDA toolkit's \
+                    runtime compiler or add its lib64 directory to LD_LIBRARY_PATH"
+                .into(),
+        );
+    }
+    let src = full_source();
+    let (maj, min) = nvrtc_version()?;
+    let opts = options(arch);
+    let mut h = Sha256::new();
+    h.update(src.as_bytes());
+    for o in &opts {
+        h.update(o.as_bytes());
+    }
+    h.update(format!("nvrtc {maj}.{min} driver {driver}").as_bytes());
+    let key: String = h
+        .finalize()
+        .iter()
+        .take(16)
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let path = cache_dir().map(|d| d.join(format!("akunu-{arch}-{key}.cubin")));
+    if let Some(p) = &path
+        && let Ok(bytes) = std::fs::read(p)
+        && !bytes.is_empty()
+    {
+        return Ok(bytes);
+    }
+    say(&format!(
+        "compiling CUDA kernels for {arch} (NVRTC {maj}.{min})..."
+    ));
+    let bin = compile(&src, &opts)?;
+    if let Some(p) = &path {
+        // A cache that cannot be written costs a compile next time, not an
+        // error: write to a temporary name, then rename, so a concurrent
+        // reader never sees half a file.
+        if let Some(dir) = p.parent()
+            && std::fs::create_dir_all(dir).is_ok()
+        {
+            let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+            if std::fs::write(&tmp, &bin).is_ok() {
+                let _ = std::fs::rename(&tmp, p);
+            }
+        }
+    }
+    Ok(bin)
+}
+
+/// Compiles `src` to a cubin; the error carries the compiler's log.
+pub fn compile(src: &str, opts: &[String]) -> Result<Vec<u8>, String> {
+    let csrc = CString::new(src).map_err(|_| "kernel source contains a NUL byte".to_string())?;
+    let name = CString::new("akunu.cu").expect("no NUL");
+    let copts: Vec<CString> = opts
+        .iter()
+        .map(|o| CString::new(o.as_str()).expect("options have no NUL"))
+        .collect();
+    let optr: Vec<*const std::ffi::c_char> = copts.iter().map(|c| c.as_ptr()).collect();
+    let check = |r: nv::nvrtcResult, what: &str| {
+        if r == nv::nvrtcResult::NVRTC_SUCCESS {
+            Ok(())
+        } else {
+            Err(format!("{what} failed: {r:?}"))
+        }
+    };
+    let mut prog: nv::nvrtcProgram = std::ptr::null_mut();
+    // SAFETY: every pointer passed is valid for the duration of its call
+    // (the CStrings above outlive the program); the program is destroyed
+    // on every path below.
+    unsafe {
+        check(
+            nv::nvrtcCreateProgram(
+                &mut prog,
+                csrc.as_ptr(),
+                name.as_ptr(),
+                0,
+                std::ptr::null(),
+                std::ptr::null(),
+            ),
+            "nvrtcCreateProgram",
+        )?;
+        let compiled = nv::nvrtcCompileProgram(prog, optr.len() as i32, optr.as_ptr());
+        let mut log_len = 0usize;
+        nv::nvrtcGetProgramLogSize(prog, &mut log_len);
+        let mut log = vec![0u8; log_len.max(1)];
+        nv::nvrtcGetProgramLog(prog, log.as_mut_ptr() as *mut std::ffi::c_char);
+        let log = CStr::from_bytes_until_nul(&log)
+            .map(|c| c.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let result = if compiled != nv::nvrtcResult::NVRTC_SUCCESS {
+            Err(format!("CUDA kernel compilation failed:\n{log}"))
+        } else {
+            let mut n = 0usize;
+            check(nv::nvrtcGetCUBINSize(prog, &mut n), "nvrtcGetCUBINSize").and_then(|_| {
+                let mut bin = vec![0u8; n];
+                check(
+                    nv::nvrtcGetCUBIN(prog, bin.as_mut_ptr() as *mut std::ffi::c_char),
+                    "nvrtcGetCUBIN",
+                )
+                .map(|_| bin)
+            })
+        };
+        nv::nvrtcDestroyProgram(&mut prog);
+        result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Compiles the embedded kernels when NVRTC is installed (no GPU
+    /// needed); `AKUNU_REQUIRE_NVRTC=1` makes a missing NVRTC a failure.
+    #[test]
+    fn kernels_compile_with_nvrtc() {
+        // SAFETY: probing for the shared library has no preconditions.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            assert!(
+                std::env::var("AKUNU_REQUIRE_NVRTC").is_err(),
+                "AKUNU_REQUIRE_NVRTC is set but libnvrtc was not found"
+            );
+            eprintln!("NVRTC not installed: kernel compilation not checked");
+            return;
+        }
+        let bin = super::compile(&super::full_source(), &super::options("sm_90"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(bin.len() > 1000);
+    }
+}

@@ -1,0 +1,300 @@
+//! Table command -> kernel launches. The argument layout is the ABI in
+//! `kernels/common.cuh`: `(Bind, Params, StepArg[, partials, n_split])`.
+
+use crate::CudaBackend;
+use crate::device::Dptr;
+use akunu_core::ops::*;
+use akunu_core::table::{
+    DispatchCmd, DispatchTable, MAX_BUFFERS, MAX_PARAM_BYTES, PatchType, RowMode, StepInfo,
+};
+use cudarc::driver::sys;
+use std::ffi::c_void;
+use std::mem::offset_of;
+
+/// Most rows the matrix-vector kernel takes (more go to the tiled kernel).
+const GEMV_MAX_ROWS: u32 = 4;
+/// Splits of one head's key range in decode attention (flash-decoding).
+const ATTN_MAX_SPLIT: u32 = 32;
+/// Keys per split below which fewer splits are used.
+const ATTN_KEYS_PER_SPLIT: u32 = 256;
+
+/// `StepArg` of common.cuh.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default)]
+pub struct StepArg {
+    pub pos: u32,
+    pub tok: u32,
+    pub rows: u32,
+    pub step: u32,
+    pub patch: u32,
+    pub _pad: u32,
+    pub ctl: u64,
+}
+
+/// One kernel launch, with its arguments by value.
+#[derive(Copy, Clone)]
+pub struct Launch {
+    pub f: sys::CUfunction,
+    pub grid: (u32, u32, u32),
+    pub block: u32,
+    pub smem: u32,
+    pub bind: [u64; MAX_BUFFERS],
+    pub params: [u8; MAX_PARAM_BYTES],
+    pub step: StepArg,
+    /// Trailing `(float* partials, u32 n_split)` of the attention kernels.
+    pub extra: Option<(u64, u32)>,
+}
+
+impl Launch {
+    /// Enqueues the launch on `stream` (or records it, while capturing).
+    pub fn fire(&self, stream: sys::CUstream) -> Result<(), String> {
+        let mut bind = self.bind;
+        let mut params = self.params;
+        let mut step = self.step;
+        let (mut part, mut n_split) = self.extra.unwrap_or((0, 0));
+        let mut args: [*mut c_void; 5] = [
+            bind.as_mut_ptr() as *mut c_void,
+            params.as_mut_ptr() as *mut c_void,
+            &mut step as *mut StepArg as *mut c_void,
+            &mut part as *mut u64 as *mut c_void,
+            &mut n_split as *mut u32 as *mut c_void,
+        ];
+        let n = if self.extra.is_some() { 5 } else { 3 };
+        // SAFETY: the function comes from our loaded module and its
+        // parameter list is the ABI above: each pointer in `args` points at
+        // a value of the parameter's size (the params struct is at most 64
+        // bytes and `params` holds 64). The driver copies the values before
+        // returning, so the locals may go out of scope afterwards. Device
+        // pointers in `bind` were range-checked by `validate` and `plan`.
+        unsafe {
+            sys::cuLaunchKernel(
+                self.f,
+                self.grid.0,
+                self.grid.1,
+                self.grid.2,
+                self.block,
+                1,
+                1,
+                self.smem,
+                stream,
+                args[..n].as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(|e| e.to_string())
+    }
+}
+
+/// The patch each kernel resolves itself, and where: a table that patches
+/// anything else is rejected at load (the CPU backend patches raw bytes;
+/// kernels here patch named fields, so the two must be the same fields).
+pub fn check_patch(c: &DispatchCmd) -> Result<(), String> {
+    let (o1, o2) = (c.patch_offset_1 as usize, c.patch_offset_2 as usize);
+    let ok = match (c.kernel, c.patch) {
+        (_, PatchType::None) => true,
+        (KernelId::Embedding, PatchType::TokenOffset) => true,
+        (KernelId::Argmax, PatchType::ArgmaxOutput) => true,
+        (KernelId::RopeKvWrite, PatchType::Position) => o1 == offset_of!(RopeParams, pos),
+        (KernelId::Attention, PatchType::KvSeqLen) => o1 == offset_of!(AttnParams, kv_len),
+        (KernelId::Attention, PatchType::PosAndKv) => {
+            o1 == offset_of!(AttnParams, pos) && o2 == offset_of!(AttnParams, kv_len)
+        }
+        (KernelId::GumbelSample, PatchType::KvSeqLen) => o1 == offset_of!(SampleParams, kv_len),
+        _ => false,
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "the CUDA backend cannot apply patch {} at offsets {o1}/{o2} to a {} command",
+            c.patch.name(),
+            c.kernel.name()
+        ))
+    }
+}
+
+fn attn_split(p: &AttnParams) -> u32 {
+    p.capacity
+        .div_ceil(ATTN_KEYS_PER_SPLIT)
+        .clamp(1, ATTN_MAX_SPLIT)
+}
+
+/// Bytes of split-attention partials the table's decode steps need.
+pub fn attn_scratch_bytes(table: &DispatchTable) -> u64 {
+    table
+        .commands
+        .iter()
+        .filter(|c| c.kernel == KernelId::Attention)
+        .map(|c| {
+            let p: AttnParams = c.params();
+            p.n_heads as u64 * attn_split(&p) as u64 * (p.head_dim as u64 + 2) * 4
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// The launches that run command `i` for `step`. `chain` is
+/// `Some((ctl, s))` inside a chunk graph: step `s` of the chunk, positions
+/// read from the control block at `ctl`.
+pub fn plan(
+    be: &CudaBackend,
+    _table: &DispatchTable,
+    _i: usize,
+    c: &DispatchCmd,
+    step: &StepInfo,
+    chain: Option<(Dptr, u32)>,
+) -> Result<Vec<Launch>, String> {
+    let k = be.kernels();
+    let rows = step.rows;
+    let mut bind = [0u64; MAX_BUFFERS];
+    let mut lens = [0u64; MAX_BUFFERS];
+    for (slot, b) in c.bindings().iter().enumerate() {
+        let (ptr, len) = be.dptr(b.buffer)?;
+        // Patched bindings are passed at their base: the kernel adds the
+        // step's slot.
+        let patched = matches!(
+            (c.patch, slot),
+            (PatchType::TokenOffset, 0) | (PatchType::ArgmaxOutput, 1)
+        );
+        let off = if patched { 0 } else { b.offset };
+        if off > len {
+            return Err(format!(
+                "binding {slot} offset {off} beyond its {len} bytes"
+            ));
+        }
+        bind[slot] = ptr + off;
+        lens[slot] = len - off;
+    }
+    // Per-step extents the static validation cannot see: the conveyor
+    // slots a step touches (outside graphs; chains check their whole range
+    // up front).
+    if chain.is_none() {
+        match c.patch {
+            PatchType::TokenOffset if (step.tok as u64 + rows as u64) * 4 > lens[0] => {
+                return Err(format!(
+                    "conveyor slots {}..{} out of range",
+                    step.tok,
+                    step.tok + rows
+                ));
+            }
+            PatchType::ArgmaxOutput if (step.tok as u64 + rows as u64 + 1) * 4 > lens[1] => {
+                return Err(format!("conveyor slot {} out of range", step.tok + rows));
+            }
+            _ => {}
+        }
+    }
+    let (ctl, s) = chain.unwrap_or((0, 0));
+    let arg = StepArg {
+        pos: step.pos,
+        tok: step.tok,
+        rows,
+        step: s,
+        patch: c.patch as u32,
+        _pad: 0,
+        ctl,
+    };
+    let mk = |f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32| Launch {
+        f,
+        grid,
+        block,
+        smem,
+        bind,
+        params: c.params,
+        step: arg,
+        extra: None,
+    };
+    let out = match c.kernel {
+        KernelId::Embedding => vec![mk(k.embedding, (rows, 1, 1), 256, 0)],
+        KernelId::RmsNorm => vec![mk(k.rmsnorm, (rows, 1, 1), 512, 0)],
+        KernelId::ResidualRmsNorm => vec![mk(k.residual_rmsnorm, (rows, 1, 1), 512, 0)],
+        KernelId::Gemv => {
+            let p: GemvParams = c.params();
+            let total = p.total_rows();
+            let mut l = mk(k.gemv, (total.div_ceil(8), 1, 1), 256, 0);
+            let mut r = rows;
+            if c.rows == RowMode::LastRow && rows > 1 {
+                // Only the last input row matters (logits of prefill).
+                l.bind[0] += (rows as u64 - 1) * p.x_stride as u64 * 4;
+                r = 1;
+            }
+            l.step.rows = r;
+            let smem = r as u64 * p.k as u64 * 4;
+            if r <= GEMV_MAX_ROWS && smem <= be.smem_optin() as u64 {
+                l.smem = smem as u32;
+            } else {
+                l.f = k.gemm;
+                l.grid = (total.div_ceil(64), r.div_ceil(64), 1);
+            }
+            vec![l]
+        }
+        KernelId::RopeKvWrite => {
+            let p: RopeParams = c.params();
+            if chain.is_none() {
+                let pos = if c.patch == PatchType::Position {
+                    step.pos
+                } else {
+                    p.pos
+                };
+                if pos as u64 + rows as u64 > p.capacity as u64 {
+                    return Err(format!(
+                        "KV write at positions {pos}..{} beyond the cache ({} positions)",
+                        pos as u64 + rows as u64,
+                        p.capacity
+                    ));
+                }
+            }
+            vec![mk(
+                k.rope_kv_write,
+                (rows, p.n_heads + p.n_kv_heads, 1),
+                64,
+                0,
+            )]
+        }
+        KernelId::Attention => {
+            let p: AttnParams = c.params();
+            if p.head_dim > 256 || p.n_kv_heads == 0 || !p.n_heads.is_multiple_of(p.n_kv_heads) {
+                return Err(format!(
+                    "attention with head_dim {} and {}/{} heads is not supported on CUDA",
+                    p.head_dim, p.n_heads, p.n_kv_heads
+                ));
+            }
+            if rows == 1 {
+                let n_split = attn_split(&p);
+                let part = be
+                    .attn_scratch()
+                    .ok_or("attention partials were not allocated")?;
+                let mut a = mk(k.attn_decode, (p.n_heads, n_split, 1), 128, 0);
+                a.extra = Some((part, n_split));
+                let mut b = mk(k.attn_combine, (p.n_heads, 1, 1), 128, 0);
+                b.extra = Some((part, n_split));
+                vec![a, b]
+            } else {
+                vec![mk(k.attn_prefill, (p.n_heads, rows.div_ceil(8), 1), 256, 0)]
+            }
+        }
+        KernelId::Argmax => vec![mk(k.argmax, (1, 1, 1), 1024, 0)],
+        KernelId::GumbelSample => vec![mk(k.gumbel_sample, (1, 1, 1), 1024, 0)],
+        KernelId::TopKSelect => vec![mk(k.topk_select, (1, 1, 1), 1024, 0)],
+        KernelId::RepetitionPenalty => vec![mk(k.repetition_penalty, (1, 1, 1), 256, 0)],
+        KernelId::TemperatureScale => {
+            let p: TemperatureParams = c.params();
+            vec![mk(
+                k.temperature_scale,
+                (p.n_vocab.div_ceil(256), 1, 1),
+                256,
+                0,
+            )]
+        }
+        KernelId::GrammarBitmask => {
+            let p: BitmaskParams = c.params();
+            vec![mk(
+                k.grammar_bitmask,
+                (p.n_vocab.div_ceil(256), 1, 1),
+                256,
+                0,
+            )]
+        }
+    };
+    Ok(out)
+}

@@ -1,0 +1,623 @@
+//! akunu's CUDA backend: the same dispatch table as the CPU backend, replayed
+//! on an NVIDIA GPU.
+//!
+//! - Kernels are CUDA C++ embedded in the binary (`kernels/`), compiled by
+//!   NVRTC for the device's architecture at start and cached on disk
+//!   ([`compile`]).
+//! - Every table command maps onto one or more kernel launches ([`launch`]);
+//!   prefill and profiling replay the table launch by launch.
+//! - Chain decode ([`chain`]) captures N steps of the table into one CUDA
+//!   graph per chunk size and relaunches it for every chunk: positions come
+//!   from a device-resident control block that the graph itself advances,
+//!   so a relaunch is O(1) host work. Tokens reach the host through mapped
+//!   memory as they are produced, and a stop token makes the rest of the
+//!   chunk's kernels return at entry.
+//!
+//! Nothing here loads the driver until [`CudaBackend::new`]; on a machine
+//! without one, [`driver_status`] says so instead of panicking.
+
+mod chain;
+pub mod compile;
+mod device;
+mod launch;
+
+use akunu_core::backend::{
+    Backend, BackendError, BufferRead, ChainReport, ChainRequest, StepHook, TokenSink,
+};
+use akunu_core::gguf::{GgufFile, TensorInfo};
+use akunu_core::table::{BufferId, DispatchTable, StepInfo};
+use cudarc::driver::sys;
+use device::{Dptr, Event, check};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+pub use device::driver_status;
+
+/// What the backend knows about its GPU (the chapter's `ChipConfig`).
+#[derive(Clone, Debug)]
+pub struct DeviceInfo {
+    pub name: String,
+    pub ordinal: usize,
+    pub cc: (i32, i32),
+    pub sm_count: i32,
+    pub l2_bytes: i32,
+    pub total_mem: usize,
+    pub smem_optin: i32,
+    pub driver: i32,
+}
+
+struct DevBuf {
+    ptr: Dptr,
+    len: u64,
+    what: String,
+    weight: bool,
+}
+
+/// The loaded kernel module and its functions.
+pub(crate) struct Kernels {
+    module: sys::CUmodule,
+    pub embedding: sys::CUfunction,
+    pub rmsnorm: sys::CUfunction,
+    pub residual_rmsnorm: sys::CUfunction,
+    pub gemv: sys::CUfunction,
+    pub gemm: sys::CUfunction,
+    pub rope_kv_write: sys::CUfunction,
+    pub attn_decode: sys::CUfunction,
+    pub attn_combine: sys::CUfunction,
+    pub attn_prefill: sys::CUfunction,
+    pub argmax: sys::CUfunction,
+    pub gumbel_sample: sys::CUfunction,
+    pub topk_select: sys::CUfunction,
+    pub repetition_penalty: sys::CUfunction,
+    pub temperature_scale: sys::CUfunction,
+    pub grammar_bitmask: sys::CUfunction,
+    pub chain_advance: sys::CUfunction,
+    pub clock_probe: sys::CUfunction,
+}
+
+pub struct CudaBackend {
+    pub(crate) ctx: Arc<cudarc::driver::CudaContext>,
+    stream: sys::CUstream,
+    /// A second stream, used only to raise the chain's done flag while the
+    /// main stream still has work queued.
+    side: sys::CUstream,
+    k: Kernels,
+    info: DeviceInfo,
+    buffers: Vec<DevBuf>,
+    /// Per-head partial results of split (flash-decoding) attention.
+    attn_part: Option<(Dptr, u64)>,
+    chain: chain::ChainState,
+    profile: Option<Vec<(std::time::Duration, u64)>>,
+    /// Events between the commands of a profiled step.
+    prof_events: Vec<Event>,
+}
+
+// SAFETY: the raw handles (streams, module, functions, device pointers,
+// mapped host memory) are plain driver handles valid from any thread once
+// the context is current; every entry point binds the context first, and
+// all mutation goes through `&mut self`.
+unsafe impl Send for CudaBackend {}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal`, compiles (or loads cached) kernels. `say`
+    /// receives progress lines (the first compile takes a few seconds).
+    pub fn new(ordinal: usize, say: &mut dyn FnMut(&str)) -> Result<CudaBackend, BackendError> {
+        let driver = driver_status().map_err(BackendError::Device)?;
+        let ctx = cudarc::driver::CudaContext::new(ordinal)
+            .map_err(|e| BackendError::Device(format!("opening CUDA device {ordinal}: {e}")))?;
+        let attr = |a: sys::CUdevice_attribute| {
+            ctx.attribute(a)
+                .map_err(|e| BackendError::Device(format!("reading device attribute: {e}")))
+        };
+        use sys::CUdevice_attribute as A;
+        let info = DeviceInfo {
+            name: ctx.name().unwrap_or_else(|_| "unknown GPU".into()),
+            ordinal,
+            cc: (
+                attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+                attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+            ),
+            sm_count: attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+            l2_bytes: attr(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?,
+            total_mem: ctx.total_mem().unwrap_or(0),
+            smem_optin: attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
+            driver,
+        };
+        let arch = format!("sm_{}{}", info.cc.0, info.cc.1);
+        let cubin = compile::cubin(&arch, driver, say).map_err(BackendError::Device)?;
+        let k = load_kernels(&cubin, info.smem_optin)?;
+        let mk_stream = || -> Result<sys::CUstream, BackendError> {
+            let mut s: sys::CUstream = std::ptr::null_mut();
+            // SAFETY: out-parameter; the context is current (bound by new).
+            check(
+                unsafe {
+                    sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+                },
+                "creating a stream",
+            )?;
+            Ok(s)
+        };
+        let stream = mk_stream()?;
+        let side = mk_stream()?;
+        let chain = chain::ChainState::new()?;
+        Ok(CudaBackend {
+            ctx,
+            stream,
+            side,
+            k,
+            info,
+            buffers: Vec::new(),
+            attn_part: None,
+            chain,
+            profile: None,
+            prof_events: Vec::new(),
+        })
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    fn bind(&self) -> Result<(), BackendError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| BackendError::Device(format!("binding the CUDA context: {e}")))
+    }
+
+    fn sync(&self) -> Result<(), BackendError> {
+        // SAFETY: the stream is live for the backend's lifetime.
+        check(
+            unsafe { sys::cuStreamSynchronize(self.stream) },
+            "running kernels",
+        )
+    }
+
+    fn buffer(&self, id: BufferId) -> Result<&DevBuf, BackendError> {
+        self.buffers
+            .get(id as usize)
+            .ok_or(BackendError::UnknownBuffer(id))
+    }
+
+    fn range_check(&self, id: BufferId, offset: u64, len: u64) -> Result<&DevBuf, BackendError> {
+        let b = self.buffer(id)?;
+        match offset.checked_add(len) {
+            Some(e) if e <= b.len => Ok(b),
+            end => Err(BackendError::OutOfBounds {
+                buffer: id,
+                len: b.len,
+                start: offset,
+                end: end.unwrap_or(u64::MAX),
+            }),
+        }
+    }
+
+    /// Launches one step of `table` outside any graph.
+    fn run_step(&mut self, table: &DispatchTable, step: &StepInfo) -> Result<(), BackendError> {
+        if self.profile.is_some() {
+            return self.profile_step(table, step);
+        }
+        for (i, cmd) in table.commands.iter().enumerate() {
+            let plan = launch::plan(self, table, i, cmd, step, None)
+                .map_err(|why| invalid(table, i, why))?;
+            for l in &plan {
+                l.fire(self.stream)
+                    .map_err(|e| invalid(table, i, format!("launch failed: {e}")))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One step with a timer around every command. The step is captured
+    /// into a graph with an event between consecutive commands, so the GPU
+    /// runs the commands back to back as in decode and the times exclude
+    /// the host's launch overhead.
+    fn profile_step(&mut self, table: &DispatchTable, step: &StepInfo) -> Result<(), BackendError> {
+        while self.prof_events.len() < table.len() + 1 {
+            self.prof_events.push(Event::new()?);
+        }
+        let mut launches = Vec::with_capacity(table.len());
+        for (i, cmd) in table.commands.iter().enumerate() {
+            launches.push(
+                launch::plan(self, table, i, cmd, step, None)
+                    .map_err(|why| invalid(table, i, why))?,
+            );
+        }
+        let stream = self.stream;
+        // SAFETY: capture records the event records and launches below into
+        // a graph; every handle is live; the graph is destroyed after one
+        // synchronised launch.
+        unsafe {
+            check(
+                sys::cuStreamBeginCapture_v2(
+                    stream,
+                    sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                ),
+                "starting a profiling capture",
+            )?;
+            let mut failed = None;
+            for (i, plan) in launches.iter().enumerate() {
+                if let Err(e) = self.prof_events[i].record_in_capture(stream) {
+                    failed = Some(e.to_string());
+                    break;
+                }
+                for l in plan {
+                    if let Err(e) = l.fire(stream) {
+                        failed = Some(e);
+                        break;
+                    }
+                }
+            }
+            if failed.is_none()
+                && let Err(e) = self.prof_events[table.len()].record_in_capture(stream)
+            {
+                failed = Some(e.to_string());
+            }
+            let mut graph: sys::CUgraph = std::ptr::null_mut();
+            let end = sys::cuStreamEndCapture(stream, &mut graph);
+            if let Some(e) = failed {
+                if !graph.is_null() {
+                    sys::cuGraphDestroy(graph);
+                }
+                return Err(BackendError::Device(format!("profiling capture: {e}")));
+            }
+            check(end, "ending a profiling capture")?;
+            let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+            let r = sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0);
+            sys::cuGraphDestroy(graph);
+            check(r, "instantiating a profiling graph")?;
+            let r = sys::cuGraphLaunch(exec, stream);
+            let s = sys::cuStreamSynchronize(stream);
+            sys::cuGraphExecDestroy(exec);
+            check(r, "launching a profiling graph")?;
+            check(s, "running a profiling graph")?;
+        }
+        let prof = self.profile.as_mut().expect("profiling");
+        if prof.len() < table.len() {
+            prof.resize(table.len(), Default::default());
+        }
+        for (i, slot) in prof.iter_mut().enumerate().take(table.len()) {
+            let ms = self.prof_events[i].ms_to(&self.prof_events[i + 1])?;
+            slot.0 += std::time::Duration::from_secs_f64(ms as f64 / 1e3);
+            slot.1 += 1;
+        }
+        Ok(())
+    }
+
+    /// The attention split scratch, grown to at least `bytes`.
+    pub(crate) fn attn_scratch(&self) -> Option<Dptr> {
+        self.attn_part.map(|(p, _)| p)
+    }
+}
+
+fn invalid(table: &DispatchTable, i: usize, why: String) -> BackendError {
+    BackendError::InvalidCommand {
+        index: i,
+        label: table.label(i).to_string(),
+        why,
+    }
+}
+
+fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> {
+    let mut module: sys::CUmodule = std::ptr::null_mut();
+    // SAFETY: `cubin` is a complete cubin image produced by NVRTC for this
+    // device (or read back from our own cache, keyed by its inputs).
+    check(
+        unsafe { sys::cuModuleLoadData(&mut module, cubin.as_ptr() as *const _) },
+        "loading the kernel module (a stale cache? remove ~/.cache/akunu/cuda)",
+    )?;
+    let get = |name: &str| -> Result<sys::CUfunction, BackendError> {
+        let mut f: sys::CUfunction = std::ptr::null_mut();
+        let c = std::ffi::CString::new(name).expect("no NUL");
+        // SAFETY: module is loaded; out-parameter.
+        check(
+            unsafe { sys::cuModuleGetFunction(&mut f, module, c.as_ptr()) },
+            &format!("finding kernel {name}"),
+        )?;
+        Ok(f)
+    };
+    let k = Kernels {
+        module,
+        embedding: get("k_embedding")?,
+        rmsnorm: get("k_rmsnorm")?,
+        residual_rmsnorm: get("k_residual_rmsnorm")?,
+        gemv: get("k_gemv")?,
+        gemm: get("k_gemm")?,
+        rope_kv_write: get("k_rope_kv_write")?,
+        attn_decode: get("k_attn_decode")?,
+        attn_combine: get("k_attn_combine")?,
+        attn_prefill: get("k_attn_prefill")?,
+        argmax: get("k_argmax")?,
+        gumbel_sample: get("k_gumbel_sample")?,
+        topk_select: get("k_topk_select")?,
+        repetition_penalty: get("k_repetition_penalty")?,
+        temperature_scale: get("k_temperature_scale")?,
+        grammar_bitmask: get("k_grammar_bitmask")?,
+        chain_advance: get("k_chain_advance")?,
+        clock_probe: get("k_clock_probe")?,
+    };
+    // The matrix-vector kernel stages its input rows in shared memory:
+    // allow it the device's whole opt-in amount.
+    // SAFETY: valid function handle; the value is the device's own limit.
+    check(
+        unsafe {
+            sys::cuFuncSetAttribute(
+                k.gemv,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem_optin,
+            )
+        },
+        "raising the gemv shared-memory limit",
+    )?;
+    Ok(k)
+}
+
+impl BufferRead for CudaBackend {
+    fn read(&self, buf: BufferId, offset: u64, out: &mut [u8]) -> Result<(), BackendError> {
+        let b = self.range_check(buf, offset, out.len() as u64)?;
+        self.bind()?;
+        self.sync()?;
+        // SAFETY: the range was checked; the stream is idle, so no kernel
+        // writes the source while it is copied.
+        check(
+            unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr() as *mut _, b.ptr + offset, out.len()) },
+            "reading device memory",
+        )
+    }
+}
+
+impl Backend for CudaBackend {
+    fn describe(&self) -> String {
+        let i = &self.info;
+        format!(
+            "cuda: {} (sm_{}{}, {} SMs, {} MB L2, {:.0} GiB), driver {}.{}",
+            i.name,
+            i.cc.0,
+            i.cc.1,
+            i.sm_count,
+            i.l2_bytes >> 20,
+            i.total_mem as f64 / (1u64 << 30) as f64,
+            i.driver / 1000,
+            (i.driver % 1000) / 10
+        )
+    }
+
+    fn weight(&mut self, file: &GgufFile, tensor: &TensorInfo) -> Result<BufferId, BackendError> {
+        self.bind()?;
+        let data = file.tensor_data(tensor);
+        let ptr = device::alloc(data.len() as u64, &tensor.name)?;
+        // SAFETY: `ptr` holds data.len() bytes; the source is a live slice.
+        check(
+            unsafe { sys::cuMemcpyHtoD_v2(ptr, data.as_ptr() as *const _, data.len()) },
+            &format!("uploading {}", tensor.name),
+        )?;
+        let id = self.buffers.len() as BufferId;
+        self.buffers.push(DevBuf {
+            ptr,
+            len: data.len() as u64,
+            what: tensor.name.clone(),
+            weight: true,
+        });
+        Ok(id)
+    }
+
+    fn alloc(&mut self, bytes: u64, what: &str) -> Result<BufferId, BackendError> {
+        self.bind()?;
+        let ptr = device::alloc(bytes, what)?;
+        // SAFETY: `ptr` holds at least `bytes` bytes.
+        check(
+            unsafe { sys::cuMemsetD8_v2(ptr, 0, bytes.max(256) as usize) },
+            "clearing a buffer",
+        )?;
+        let id = self.buffers.len() as BufferId;
+        self.buffers.push(DevBuf {
+            ptr,
+            len: bytes,
+            what: what.to_string(),
+            weight: false,
+        });
+        Ok(id)
+    }
+
+    fn write(&mut self, buf: BufferId, offset: u64, data: &[u8]) -> Result<(), BackendError> {
+        let b = self.range_check(buf, offset, data.len() as u64)?;
+        if b.weight {
+            return Err(BackendError::Device(format!(
+                "buffer '{}' is a read-only weight",
+                b.what
+            )));
+        }
+        let dst = b.ptr + offset;
+        self.bind()?;
+        self.sync()?;
+        // SAFETY: range checked; the stream is idle, so no kernel reads the
+        // destination while it is written.
+        check(
+            unsafe { sys::cuMemcpyHtoD_v2(dst, data.as_ptr() as *const _, data.len()) },
+            "writing device memory",
+        )
+    }
+
+    fn validate(&self, table: &DispatchTable) -> Result<(), BackendError> {
+        for (i, cmd) in table.commands.iter().enumerate() {
+            let fail = |why: String| invalid(table, i, why);
+            let lens: Vec<u64> = cmd
+                .bindings()
+                .iter()
+                .map(|b| {
+                    self.buffer(b.buffer)
+                        .map(|buf| buf.len.saturating_sub(b.offset))
+                })
+                .collect::<Result<_, _>>()?;
+            for (slot, need) in akunu_core::ops::extents(cmd, table.max_rows).map_err(&fail)? {
+                if need > lens[slot] {
+                    return Err(fail(format!(
+                        "binding {slot} ('{}') needs {need} bytes, has {}",
+                        self.buffer(cmd.buffers[slot].buffer)?.what,
+                        lens[slot]
+                    )));
+                }
+            }
+            launch::check_patch(cmd).map_err(&fail)?;
+        }
+        Ok(())
+    }
+
+    fn command_times(&self) -> Option<Vec<(std::time::Duration, u64)>> {
+        self.profile.clone()
+    }
+
+    fn set_profiling(&mut self, on: bool) -> bool {
+        self.profile = on.then(Vec::new);
+        true
+    }
+
+    fn preferred_chunk(&self) -> u32 {
+        // Early exit makes a long chunk cost nothing after a stop, and
+        // streaming makes it cost no latency; graph size (commands x chunk)
+        // is what bounds it. Big GPUs run a token in well under a
+        // millisecond, so give them longer chunks.
+        if self.info.sm_count >= 64 { 64 } else { 32 }
+    }
+
+    fn launches_per_step(&self, table: &DispatchTable) -> usize {
+        table
+            .commands
+            .iter()
+            .map(|c| match c.kernel {
+                // Split attention plus its combine pass.
+                akunu_core::ops::KernelId::Attention => 2,
+                _ => 1,
+            })
+            .sum()
+    }
+
+    fn measure_bandwidth(&mut self) -> Option<f64> {
+        self.bind().ok()?;
+        chain::copy_bandwidth(self.stream).ok()
+    }
+
+    fn replay(
+        &mut self,
+        table: &DispatchTable,
+        first: StepInfo,
+        steps: u32,
+        mut hook: Option<StepHook<'_>>,
+    ) -> Result<u32, BackendError> {
+        if first.rows == 0 || first.rows > table.max_rows {
+            return Err(BackendError::Device(format!(
+                "a step of {} rows (the table allows 1..={})",
+                first.rows, table.max_rows
+            )));
+        }
+        self.bind()?;
+        self.ensure_attn_scratch(table)?;
+        for s in 0..steps {
+            let step = StepInfo {
+                pos: first.pos + s * first.rows,
+                tok: first.tok + s * first.rows,
+                rows: first.rows,
+            };
+            self.run_step(table, &step)?;
+            if let Some(h) = hook.as_mut() {
+                self.sync()?;
+                if !h(s, &*self) {
+                    return Ok(s + 1);
+                }
+            }
+        }
+        self.sync()?;
+        Ok(steps)
+    }
+
+    fn decode_chain(
+        &mut self,
+        table: &DispatchTable,
+        first: StepInfo,
+        req: &ChainRequest<'_>,
+        sink: TokenSink<'_>,
+    ) -> Result<ChainReport, BackendError> {
+        self.bind()?;
+        self.ensure_attn_scratch(table)?;
+        chain::decode_chain(self, table, first, req, sink)
+    }
+}
+
+impl CudaBackend {
+    /// Sizes the split-attention scratch for the table's attention commands.
+    fn ensure_attn_scratch(&mut self, table: &DispatchTable) -> Result<(), BackendError> {
+        let need = launch::attn_scratch_bytes(table);
+        if need == 0 || self.attn_part.is_some_and(|(_, n)| n >= need) {
+            return Ok(());
+        }
+        if let Some((p, _)) = self.attn_part.take() {
+            self.sync()?;
+            // SAFETY: allocated by us, no longer referenced (stream idle;
+            // graphs that bound it are dropped below).
+            unsafe { sys::cuMemFree_v2(p) };
+            self.chain.clear_graphs();
+        }
+        let p = device::alloc(need, "attention partials")?;
+        self.attn_part = Some((p, need));
+        Ok(())
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        let _ = self.bind();
+        // SAFETY: all handles were created by this backend and are released
+        // once; the stream is synchronised first so no work still uses them.
+        unsafe {
+            sys::cuStreamSynchronize(self.stream);
+            sys::cuStreamSynchronize(self.side);
+            self.chain.clear_graphs();
+            for b in &self.buffers {
+                sys::cuMemFree_v2(b.ptr);
+            }
+            if let Some((p, _)) = self.attn_part {
+                sys::cuMemFree_v2(p);
+            }
+            sys::cuModuleUnload(self.k.module);
+            sys::cuStreamDestroy_v2(self.stream);
+            sys::cuStreamDestroy_v2(self.side);
+        }
+    }
+}
+
+/// Device buffers by id, for the launch planner.
+impl CudaBackend {
+    pub(crate) fn dptr(&self, id: BufferId) -> Result<(Dptr, u64), String> {
+        self.buffers
+            .get(id as usize)
+            .map(|b| (b.ptr, b.len))
+            .ok_or_else(|| format!("unknown buffer {id}"))
+    }
+
+    pub(crate) fn kernels(&self) -> &Kernels {
+        &self.k
+    }
+
+    pub(crate) fn smem_optin(&self) -> u32 {
+        self.info.smem_optin.max(0) as u32
+    }
+}
+
+/// Graph cache key: a hash of the table's commands (the sampled table's
+/// parameters change with the sampling configuration).
+pub(crate) fn table_hash(table: &DispatchTable) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for c in &table.commands {
+        (c.kernel as u16).hash(&mut h);
+        (c.patch as u8, c.rows as u8, c.n_buffers).hash(&mut h);
+        (c.patch_offset_1, c.patch_offset_2, c.grid).hash(&mut h);
+        for b in c.bindings() {
+            (b.buffer, b.offset).hash(&mut h);
+        }
+        c.params.hash(&mut h);
+    }
+    h.finish()
+}
+
+#[allow(dead_code)]
+type GraphMap = HashMap<(u64, u32), sys::CUgraphExec>;

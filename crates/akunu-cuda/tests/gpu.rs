@@ -1,0 +1,326 @@
+//! GPU tests: the CUDA backend against the CPU backend (the reference, itself
+//! checked against a NumPy forward pass in CI) on the same model files.
+//!
+//! They need an NVIDIA GPU, so they are `#[ignore]`d in ordinary test runs;
+//! `scripts/gpu.sh` runs them on the GPU machine with `--ignored`. Models are
+//! random-weight GGUFs written here (`akunu_core::synth`); with
+//! `AKUNU_TEST_MODEL=PATH` the real default model is checked too.
+
+use akunu_core::backend::Backend;
+use akunu_core::decode::{Engine, EngineOptions, GenerateOptions};
+use akunu_core::dtype::DType;
+use akunu_core::model::Model;
+use akunu_core::sampling::SamplingConfig;
+use akunu_core::synth::{Shape, SynthSpec, write_synthetic};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+fn cuda() -> Box<dyn Backend> {
+    Box::new(akunu_cuda::CudaBackend::new(0, &mut |m| eprintln!("{m}")).expect("CUDA backend"))
+}
+
+fn cpu() -> Box<dyn Backend> {
+    Box::new(akunu_cpu::CpuBackend::new(0))
+}
+
+/// The default model's vocabulary (a vocab-only GGUF kept in the repo), for
+/// synthetic models of real shapes.
+fn vocab() -> PathBuf {
+    let rel = "crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf";
+    let candidates = [
+        std::env::var("AKUNU_REPO")
+            .map(|r| PathBuf::from(r).join(rel))
+            .unwrap_or_default(),
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../..")
+            .join(rel),
+        PathBuf::from(rel),
+    ];
+    candidates
+        .into_iter()
+        .find(|p| p.exists())
+        .expect("the smollm2 vocab GGUF (set AKUNU_REPO to the repository root)")
+}
+
+fn synth(shape: Shape, dtype: DType) -> Arc<Model> {
+    let path = std::env::temp_dir().join(format!(
+        "akunu-gpu-test-{}-{shape}-{}.gguf",
+        std::process::id(),
+        dtype.name()
+    ));
+    let spec = SynthSpec {
+        shape,
+        dtype,
+        seed: 11,
+        tokenizer_from: (shape != Shape::Tiny).then(vocab),
+    };
+    write_synthetic(&path, &spec, &mut |_, _| {}).expect("writing a synthetic model");
+    let m = Arc::new(Model::load(&path).expect("loading it"));
+    let _ = std::fs::remove_file(&path);
+    m
+}
+
+fn engine(model: &Arc<Model>, be: Box<dyn Backend>, chunk: u32, prefill: u32) -> Engine {
+    let opts = EngineOptions {
+        ctx: Some(512),
+        chunk,
+        prefill_chunk: prefill,
+    };
+    Engine::new(model.clone(), be, &opts).expect("engine")
+}
+
+fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    let (mut num, mut den) = (0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        num += (*x as f64 - *y as f64).powi(2);
+        den += (*y as f64).powi(2);
+    }
+    (num / den.max(1e-30)).sqrt()
+}
+
+fn top2_gap(l: &[f32]) -> f32 {
+    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &v in l {
+        if v > a {
+            b = a;
+            a = v;
+        } else if v > b {
+            b = v;
+        }
+    }
+    a - b
+}
+
+/// Tokens and per-step logits of a generation.
+fn run(e: &mut Engine, prompt: &[u32], opts: &GenerateOptions) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let logits = Arc::new(Mutex::new(Vec::new()));
+    let sink = logits.clone();
+    e.set_logits_probe(Some(Box::new(move |l: &[f32]| {
+        sink.lock().unwrap().push(l.to_vec())
+    })));
+    let mut ids = Vec::new();
+    e.generate(prompt, opts, &mut |id, _| {
+        ids.push(id);
+        true
+    })
+    .expect("generate");
+    e.set_logits_probe(None);
+    let l = logits.lock().unwrap().clone();
+    (ids, l)
+}
+
+fn prompt(n: u32, vocab: u32) -> Vec<u32> {
+    (0..n).map(|i| (i * 7919 + 13) % vocab).collect()
+}
+
+/// Prefill (several chunks, the tiled product and prefill attention) and
+/// decode logits within `tol` of the CPU's, greedy tokens equal except at
+/// near-ties; returns the worst relative L2 error seen.
+fn compare_with_cpu(model: &Arc<Model>, what: &str, tol: f64) -> f64 {
+    let n_vocab = model.config.n_vocab;
+    let p = prompt(40, n_vocab);
+    let mut c = engine(model, cpu(), 16, 16);
+    let mut g = engine(model, cuda(), 16, 16);
+    let lc = c.eval_logits(&p).unwrap();
+    let lg = g.eval_logits(&p).unwrap();
+    let mut worst = rel_l2(&lg, &lc);
+    eprintln!("{what}: prefill logits rel-L2 {worst:.2e}");
+    assert!(worst < tol, "{what}: prefill logits differ by {worst:.2e}");
+    let opts = GenerateOptions {
+        max_tokens: 24,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    // Continue the same sequence with one more prompt token.
+    let more = [p[3]];
+    let (tc, lcs) = run(&mut c, &more, &opts);
+    let (tg, lgs) = run(&mut g, &more, &opts);
+    for (s, (a, b)) in tg.iter().zip(&tc).enumerate() {
+        let e = rel_l2(&lgs[s], &lcs[s]);
+        worst = worst.max(e);
+        assert!(e < tol, "{what}: decode step {s} logits differ by {e:.2e}");
+        if a != b {
+            let gap = top2_gap(&lcs[s]);
+            assert!(
+                gap < 1e-3 * lcs[s].iter().fold(1f32, |m, v| m.max(v.abs())),
+                "{what}: step {s}: GPU chose {a}, CPU {b}, top-2 gap {gap}"
+            );
+            eprintln!("{what}: near-tie at step {s} (gap {gap}); stopping the comparison");
+            break;
+        }
+    }
+    eprintln!(
+        "{what}: worst rel-L2 {worst:.2e} over prefill and {} decode steps",
+        tg.len()
+    );
+    worst
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
+fn logits_match_cpu_for_every_type() {
+    for dt in [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+    ] {
+        let m = synth(Shape::Tiny, dt);
+        compare_with_cpu(&m, &format!("tiny {}", dt.name()), 1e-4);
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
+fn logits_match_cpu_on_real_shapes() {
+    for dt in [DType::Q4_1, DType::F16] {
+        let m = synth(Shape::SmolLm2_135M, dt);
+        compare_with_cpu(&m, &format!("smollm2-135m {}", dt.name()), 1e-4);
+    }
+    if let Ok(p) = std::env::var("AKUNU_TEST_MODEL") {
+        let m = Arc::new(Model::load(std::path::Path::new(&p)).expect("AKUNU_TEST_MODEL"));
+        compare_with_cpu(&m, "default model", 1e-4);
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
+fn chain_equals_single_steps() {
+    let m = synth(Shape::SmolLm2_135M, DType::Q4_1);
+    let p = prompt(20, m.config.n_vocab);
+    let opts = GenerateOptions {
+        max_tokens: 100,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let gen_ids = |e: &mut Engine| {
+        let mut ids = Vec::new();
+        e.generate(&p, &opts, &mut |id, _| {
+            ids.push(id);
+            true
+        })
+        .unwrap();
+        ids
+    };
+    let mut single = engine(&m, cuda(), 1, 64);
+    single.set_chain_decode(false);
+    let want = gen_ids(&mut single);
+    for chunk in [1, 7, 16, 64] {
+        let mut e = engine(&m, cuda(), chunk, 64);
+        assert_eq!(gen_ids(&mut e), want, "chain of {chunk} vs single steps");
+        // A second generation continues the sequence through a fresh chain.
+        e.reset();
+        assert_eq!(gen_ids(&mut e), want, "chain of {chunk}, second run");
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
+fn sampled_tokens_match_cpu() {
+    let m = synth(Shape::SmolLm2_135M, DType::F16);
+    let p = prompt(12, m.config.n_vocab);
+    let configs = [
+        (0.8, 0, 1.0, 0.0, 1.0),
+        (1.0, 40, 1.0, 0.0, 1.0),
+        (0.7, 0, 0.9, 0.0, 1.0),
+        (1.2, 50, 0.95, 0.05, 1.1),
+        (0.9, 0, 1.0, 0.1, 1.3),
+    ];
+    for (i, &(t, k, tp, mp, rp)) in configs.iter().enumerate() {
+        let opts = GenerateOptions {
+            max_tokens: 48,
+            ignore_eos: true,
+            sampling: SamplingConfig {
+                temperature: t,
+                top_k: k,
+                top_p: tp,
+                min_p: mp,
+                repeat_penalty: rp,
+                repeat_last_n: 64,
+                seed: 1234 + i as u64,
+            },
+            ..Default::default()
+        };
+        let mut c = engine(&m, cpu(), 16, 64);
+        let mut g = engine(&m, cuda(), 16, 64);
+        let (tc, _) = run(&mut c, &p, &opts);
+        // The chain path (no probe) must agree with the probed path too.
+        let mut ids = Vec::new();
+        g.generate(&p, &opts, &mut |id, _| {
+            ids.push(id);
+            true
+        })
+        .unwrap();
+        assert_eq!(ids, tc, "config {i}: GPU chain vs CPU sampled tokens");
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
+fn stop_token_ends_the_chain_on_the_device() {
+    let m = synth(Shape::SmolLm2_135M, DType::Q4_1);
+    let p = prompt(8, m.config.n_vocab);
+    let free = GenerateOptions {
+        max_tokens: 60,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut e = engine(&m, cuda(), 64, 64);
+    let mut ids = Vec::new();
+    e.generate(&p, &free, &mut |id, _| {
+        ids.push(id);
+        true
+    })
+    .unwrap();
+    // Stop on the token generated at step 20 (its first occurrence).
+    let stop = ids[20];
+    let first = ids.iter().position(|&t| t == stop).unwrap();
+    e.reset();
+    let opts = GenerateOptions {
+        stop_tokens: vec![stop],
+        ..free
+    };
+    let mut got = Vec::new();
+    let st = e
+        .generate(&p, &opts, &mut |id, _| {
+            got.push(id);
+            true
+        })
+        .unwrap();
+    assert_eq!(got, ids[..first]);
+    assert_eq!(st.stop_reason, akunu_core::decode::StopReason::Eos);
+    eprintln!(
+        "stop at step {first} of a 64-step chunk: computed after the end {:?}, delivery {:?} us",
+        st.computed_after_end, st.delivery_us
+    );
+    assert_eq!(st.computed_after_end, Some(0));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
+fn tokens_stream_before_their_chunk_ends() {
+    let m = synth(Shape::SmolLm2_135M, DType::Q4_1);
+    let mut e = engine(&m, cuda(), 64, 64);
+    let opts = GenerateOptions {
+        max_tokens: 257,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let p = prompt(8, m.config.n_vocab);
+    e.generate(&p, &opts, &mut |_, _| true).unwrap();
+    let st = e.generate(&p, &opts, &mut |_, _| true).unwrap();
+    let per_token_us = st.decode_ms * 1e3 / st.decode_steps as f64;
+    let (median, max) = st.delivery_us.expect("the CUDA chain measures delivery");
+    eprintln!(
+        "decode {:.0} tok/s ({per_token_us:.1} us/token); delivery median {median:.1} us, max {max:.1} us; a 64-token chunk takes {:.0} us",
+        st.decode_tok_s,
+        64.0 * per_token_us
+    );
+    // Batch delivery at chunk end would make the median about half a chunk.
+    assert!(
+        (median as f64) < 8.0 * per_token_us,
+        "tokens are delivered {median} us after production"
+    );
+}

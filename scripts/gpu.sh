@@ -1,0 +1,223 @@
+#!/usr/bin/env bash
+# GPU tests and benchmarks for the CUDA backend, in two halves:
+#
+#   scripts/gpu.sh build          (here, where Rust is) builds the release
+#                                 binary and the GPU test binary with the
+#                                 cuda feature and packs them into .gpu/
+#                                 (git-ignored) for the device tool to carry.
+#   scripts/gpu.sh split-model    (here) splits the default model into
+#                                 .gpu-part{1,2,3}/: one call carries at most
+#                                 64 MiB with the working tree, the model is
+#                                 94 MiB, so three calls carry a third each
+#                                 (the GPU machine keeps files while warm).
+#   scripts/gpu.sh run WHAT...    (on the GPU machine, from the repository
+#                                 root, with .gpu carried) runs, in order,
+#                                 each WHAT of: tests, sanitize, bench, profile, trace,
+#                                 model-part1, model-part2, model-part3,
+#                                 model. Logs go to $OUT (or ./gpu-out),
+#                                 a summary to stdout.
+#
+# The binaries need no CUDA at build time (cudarc loads the driver and NVRTC
+# at run time); on the GPU machine the toolkit's lib64 is put on
+# LD_LIBRARY_PATH so that NVRTC is found.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+PACK=.gpu
+
+build() {
+    cargo build --release -p akunu
+    local tests tmp
+    tests=$(cargo test --release -p akunu-cuda --test gpu --no-run --message-format=json 2>/dev/null |
+        python3 -c 'import sys, json
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
+        print(m["executable"])')
+    mkdir -p "$PACK"
+    tmp=$(mktemp -d)
+    cp target/release/akunu "$tmp/akunu"
+    cp "$tests" "$tmp/gpu-tests"
+    strip "$tmp/akunu" "$tmp/gpu-tests" 2>/dev/null || true
+    tar -C "$tmp" -cJf "$PACK/bin.tar.xz" akunu gpu-tests
+    rm -rf "$tmp"
+    { git rev-parse --short HEAD; git status --porcelain | grep -q . && echo "(+ uncommitted changes)"; } \
+        >"$PACK/commit" || true
+    ls -la "$PACK"
+}
+
+split_model() {
+    local m size part i
+    m=$(target/release/akunu fetch)
+    size=$(stat -c %s "$m")
+    part=$(((size + 2) / 3))
+    for i in 1 2 3; do
+        mkdir -p .gpu-part$i
+        dd if="$m" of=.gpu-part$i/model.part$i bs=1M iflag=skip_bytes,count_bytes \
+            skip=$(((i - 1) * part)) count="$part" status=none
+        sha256sum "$m" | cut -d' ' -f1 >.gpu-part$i/model.sha256
+    done
+    ls -la .gpu-part1 .gpu-part2 .gpu-part3
+}
+
+# ---- on the GPU machine ----
+
+OUTDIR=${OUT:-$ROOT/gpu-out}
+STORE=/root/akunu-gpu # survives between calls while the machine stays warm
+BIN=$STORE/bin
+MODEL=$STORE/SmolLM2-135M-Instruct.Q4_1.gguf
+
+setup() {
+    mkdir -p "$OUTDIR" "$BIN"
+    if [ -f "$PACK/bin.tar.xz" ]; then
+        tar -C "$BIN" -xJf "$PACK/bin.tar.xz"
+        cp "$PACK/commit" "$BIN/commit" 2>/dev/null || true
+    fi
+    local nvrtc
+    nvrtc=$(ls /usr/local/cuda/lib64/libnvrtc.so* /usr/local/cuda*/lib64/libnvrtc.so* 2>/dev/null | head -1 || true)
+    if [ -n "$nvrtc" ]; then
+        export LD_LIBRARY_PATH="$(dirname "$nvrtc")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    fi
+    export AKUNU_REPO=$ROOT AKUNU_CACHE=$STORE/cache
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader |
+        tee "$OUTDIR/gpu.txt"
+    echo "binaries from commit $(cat "$BIN/commit" 2>/dev/null | tr '\n' ' ')" | tee -a "$OUTDIR/gpu.txt"
+}
+
+tests() {
+    echo "== GPU tests"
+    "$BIN/gpu-tests" --ignored --test-threads=1 --nocapture 2>&1 | tee "$OUTDIR/tests.log" |
+        grep -E "^test |rel-L2|near-tie|delivery|stop at|result|panicked|compiling" || true
+}
+
+sanitize() {
+    echo "== compute-sanitizer (memcheck, racecheck) on short generations"
+    local m=$STORE/tiny-q4_1.gguf tool
+    "$BIN/akunu" synth --shape tiny --type q4_1 "$m" >/dev/null 2>&1
+    for tool in memcheck racecheck; do
+        if compute-sanitizer --tool "$tool" --error-exitcode 3 \
+            "$BIN/akunu" generate -m "$m" --device cuda --prompt-ids 1,2,3,4,5,6,7,8,9,10 \
+            -n 40 --ignore-eos --chunk 8 --prefill-chunk 4 >"$OUTDIR/sanitize-$tool.log" 2>&1; then
+            echo "$tool: $(grep -h 'ERROR SUMMARY' "$OUTDIR/sanitize-$tool.log" | tail -1)"
+        else
+            echo "$tool: FAILED"
+            tail -30 "$OUTDIR/sanitize-$tool.log"
+        fi
+    done
+    if compute-sanitizer --tool memcheck --error-exitcode 3 \
+        "$BIN/akunu" generate -m "$m" --device cuda --prompt-ids 1,2,3,4,5 -n 20 --ignore-eos \
+        --temperature 0.9 --top-k 20 --top-p 0.9 --repeat-penalty 1.1 --seed 3 \
+        >"$OUTDIR/sanitize-sampled.log" 2>&1; then
+        echo "memcheck, sampled: $(grep -h 'ERROR SUMMARY' "$OUTDIR/sanitize-sampled.log" | tail -1)"
+    else
+        echo "memcheck, sampled: FAILED"
+        tail -30 "$OUTDIR/sanitize-sampled.log"
+    fi
+}
+
+bench_one() { # NAME FILE [extra args]
+    local name=$1 file=$2
+    shift 2
+    "$BIN/akunu" bench -m "$file" --device cuda -p 512 -n 128 -r 5 "$@" 2>&1 |
+        tee "$OUTDIR/bench-$name.log" | grep -E "^\||kernels|floor|error" || true
+}
+
+bench() {
+    echo "== benchmarks (synthetic shapes)"
+    local spec shape type f
+    for spec in ${BENCH_SHAPES:-smollm2-135m:q4_1 llama-1b:f16 llama-8b:q4_0 llama-8b:f16}; do
+        shape=${spec%%:*}
+        type=${spec##*:}
+        f=$STORE/$shape-$type.gguf
+        [ -f "$f" ] || "$BIN/akunu" synth --shape "$shape" --type "$type" \
+            --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$f" 2>&1 | tail -1
+        bench_one "$shape-$type" "$f"
+        if [ "$shape" = llama-8b ]; then rm -f "$f"; fi # disk: big files only while used
+    done
+}
+
+profile() {
+    echo "== profile (synthetic smollm2-135m q4_1)"
+    local f=$STORE/smollm2-135m-q4_1.gguf
+    [ -f "$f" ] || "$BIN/akunu" synth --shape smollm2-135m --type q4_1 \
+        --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$f" 2>&1 | tail -1
+    "$BIN/akunu" profile -m "$f" --device cuda -n 32 2>&1 | tee "$OUTDIR/profile-smollm2.log" | head -40
+}
+
+trace() {
+    echo "== chain trace (synthetic smollm2-135m q4_1) with SM clocks"
+    local f=$STORE/smollm2-135m-q4_1.gguf
+    nvidia-smi dmon -s pc -d 1 >"$OUTDIR/dmon.log" 2>&1 &
+    local dmon=$!
+    AKUNU_CUDA_TRACE=1 "$BIN/akunu" generate -m "$f" --device cuda --prompt-ids 1,2,3,4 -n 300 \
+        --ignore-eos --chunk 64 2>&1 >/dev/null | tee "$OUTDIR/trace.log" | cut -c1-400
+    kill "$dmon" 2>/dev/null || true
+    tail -5 "$OUTDIR/dmon.log"
+}
+
+model_part() { # N
+    cp ".gpu-part$1/model.part$1" "$STORE/model.part$1"
+    cp ".gpu-part$1/model.sha256" "$STORE/model.sha256"
+    echo "stored model part $1"
+}
+
+model() {
+    if [ ! -f "$MODEL" ]; then
+        if [ -f "$STORE/model.part1" ] && [ -f "$STORE/model.part2" ] && [ -f "$STORE/model.part3" ]; then
+            cat "$STORE/model.part1" "$STORE/model.part2" "$STORE/model.part3" >"$MODEL"
+        else
+            echo "default model: parts missing (the machine was replaced between calls?)"
+            return 0
+        fi
+    fi
+    if [ "$(sha256sum "$MODEL" | cut -d' ' -f1)" != "$(cat "$STORE/model.sha256")" ]; then
+        echo "default model: sha256 mismatch"
+        rm -f "$MODEL"
+        return 0
+    fi
+    echo "== default model"
+    AKUNU_TEST_MODEL=$MODEL "$BIN/gpu-tests" --ignored --test-threads=1 --nocapture logits_match_cpu_on_real_shapes 2>&1 |
+        tee "$OUTDIR/tests-model.log" | grep -E "^test |rel-L2|result|panicked" || true
+    bench_one default "$MODEL"
+    bench_one default-sampled "$MODEL" --temperature 0.8 --top-k 40 --top-p 0.95 --seed 1
+    if "$BIN/akunu" generate -m "$MODEL" --device cuda --chat -p "Write a haiku about the sea." -n 64 --json \
+        >"$OUTDIR/generate.json" 2>"$OUTDIR/generate.err"; then
+        python3 -c '
+import json, sys
+d = json.load(open(sys.argv[1]))
+print("generate:", repr(d["text"][:200]))
+s = d["stats"]
+print("stats:", {k: s.get(k) for k in ("generated_tokens", "decode_tok_s", "stop_reason", "computed_after_end", "delivery_us")})' "$OUTDIR/generate.json"
+    else
+        tail -5 "$OUTDIR/generate.err"
+    fi
+    "$BIN/akunu" profile -m "$MODEL" --device cuda -n 64 2>&1 | tee "$OUTDIR/profile-default.log" | head -30
+}
+
+case "${1:-}" in
+build) build ;;
+split-model) split_model ;;
+run)
+    shift
+    setup
+    for what in "$@"; do
+        case $what in
+        tests) tests ;;
+        sanitize) sanitize ;;
+        bench) bench ;;
+        profile) profile ;;
+        trace) trace ;;
+        model-part[123]) model_part "${what#model-part}" ;;
+        model) model ;;
+        *)
+            echo "unknown step $what" >&2
+            exit 2
+            ;;
+        esac
+    done
+    ;;
+*)
+    sed -n '2,22p' "$0"
+    exit 2
+    ;;
+esac
