@@ -16,7 +16,7 @@ if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
 fi
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r tools/requirements.txt
-nvrtc_dir=$(ls -d "$venv"/lib/python3*/site-packages/nvidia/cu13/lib | head -1)
+nvrtc_dir=$(cd "$(ls -d "$venv"/lib/python3*/site-packages/nvidia/cu13/lib | head -1)" && pwd)
 export LD_LIBRARY_PATH="$nvrtc_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export AKUNU_REQUIRE_NVRTC=1
 
