@@ -147,6 +147,8 @@ profile() {
 trace() {
     echo "== chain trace (synthetic smollm2-135m q4_1) with SM clocks"
     local f=$STORE/smollm2-135m-q4_1.gguf
+    [ -f "$f" ] || "$BIN/akunu" synth --shape smollm2-135m --type q4_1 \
+        --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$f" 2>&1 | tail -1
     nvidia-smi dmon -s pc -d 1 >"$OUTDIR/dmon.log" 2>&1 &
     local dmon=$!
     AKUNU_CUDA_TRACE=1 "$BIN/akunu" generate -m "$f" --device cuda --prompt-ids 1,2,3,4 -n 300 \
