@@ -27,19 +27,19 @@ PACK=.gpu
 
 build() {
     cargo build --release -p akunu
-    local tests tmp
-    tests=$(cargo test --release -p akunu-cuda --test gpu --no-run --message-format=json 2>/dev/null |
-        python3 -c 'import sys, json
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
-        print(m["executable"])')
-    mkdir -p "$PACK"
+    local tmp
     tmp=$(mktemp -d)
     cp target/release/akunu "$tmp/akunu"
-    cp "$tests" "$tmp/gpu-tests"
-    strip "$tmp/akunu" "$tmp/gpu-tests" 2>/dev/null || true
-    tar -C "$tmp" -cJf "$PACK/bin.tar.xz" akunu gpu-tests
+    # The GPU test binaries: tests/gpu.rs and tests/gpu_sampling_kernels.rs.
+    cargo test --release -p akunu-cuda --tests --no-run --message-format=json 2>/dev/null |
+        python3 -c 'import sys, json, shutil
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"].startswith("gpu"):
+        shutil.copy(m["executable"], sys.argv[1] + "/" + m["target"]["name"].replace("_", "-") + "-tests")' "$tmp"
+    mkdir -p "$PACK"
+    strip "$tmp"/* 2>/dev/null || true
+    tar -C "$tmp" -cJf "$PACK/bin.tar.xz" .
     rm -rf "$tmp"
     { git rev-parse --short HEAD; git status --porcelain | grep -q . && echo "(+ uncommitted changes)"; } \
         >"$PACK/commit" || true
@@ -86,7 +86,8 @@ setup() {
 
 tests() {
     echo "== GPU tests"
-    "$BIN/gpu-tests" --ignored --test-threads=1 --nocapture 2>&1 | tee "$OUTDIR/tests.log" |
+    { "$BIN/gpu-tests" --ignored --test-threads=1 --nocapture 2>&1
+      "$BIN/gpu-sampling-kernels-tests" --ignored --test-threads=1 2>&1; } | tee "$OUTDIR/tests.log" |
         grep -E "^test |rel-L2|near-tie|delivery|stop at|result|panicked|compiling" || true
 }
 
