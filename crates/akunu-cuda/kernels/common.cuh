@@ -94,8 +94,27 @@ __device__ __forceinline__ Step step_of(const StepArg& a) {
 // Every kernel starts with this: a chain that has produced a stop token
 // skips the rest of its chunk. Uniform across the grid, so no barrier can
 // be left waiting.
-#define AKUNU_PROLOGUE(a) \
-    do { if ((a).ctl && *(volatile const u32*)&(a).ctl->done) return; } while (0)
+//
+// On Hopper the launcher may start each kernel early (programmatic dependent
+// launch): `griddepcontrol.wait` then blocks until the previous kernel has
+// finished and its writes are visible, so the launch latency of this kernel
+// hides under the previous one's tail. `launch_dependents` lets the next
+// kernel do the same. Both are no-ops for a kernel launched the ordinary way.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define AKUNU_GRID_DEPS()                                   \
+    do {                                                    \
+        asm volatile("griddepcontrol.wait;" ::: "memory");  \
+        asm volatile("griddepcontrol.launch_dependents;");  \
+    } while (0)
+#else
+#define AKUNU_GRID_DEPS() do { } while (0)
+#endif
+
+#define AKUNU_PROLOGUE(a)                                                   \
+    do {                                                                    \
+        AKUNU_GRID_DEPS();                                                  \
+        if ((a).ctl && *(volatile const u32*)&(a).ctl->done) return;        \
+    } while (0)
 
 // ---- params structs (mirror crates/akunu-core/src/ops.rs) ----
 

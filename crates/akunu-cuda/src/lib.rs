@@ -90,6 +90,8 @@ pub struct CudaBackend {
     profile: Option<Vec<(std::time::Duration, u64)>>,
     /// Events between the commands of a profiled step.
     prof_events: Vec<Event>,
+    /// Programmatic dependent launch (see `pdl()`).
+    pdl: bool,
 }
 
 // SAFETY: the raw handles (streams, module, functions, device pointers,
@@ -140,6 +142,7 @@ impl CudaBackend {
         let stream = mk_stream()?;
         let side = mk_stream()?;
         let chain = chain::ChainState::new()?;
+        let pdl = info.cc.0 >= 9 && std::env::var("AKUNU_CUDA_PDL").map_or(true, |v| v != "0");
         Ok(CudaBackend {
             ctx,
             stream,
@@ -151,6 +154,7 @@ impl CudaBackend {
             chain,
             profile: None,
             prof_events: Vec::new(),
+            pdl,
         })
     }
 
@@ -369,7 +373,7 @@ impl Backend for CudaBackend {
     fn describe(&self) -> String {
         let i = &self.info;
         format!(
-            "cuda: {} (sm_{}{}, {} SMs, {} MB L2, {:.0} GiB), driver {}.{}",
+            "cuda: {} (sm_{}{}, {} SMs, {} MB L2, {:.0} GiB), driver {}.{}{}",
             i.name,
             i.cc.0,
             i.cc.1,
@@ -377,7 +381,8 @@ impl Backend for CudaBackend {
             i.l2_bytes >> 20,
             i.total_mem as f64 / (1u64 << 30) as f64,
             i.driver / 1000,
-            (i.driver % 1000) / 10
+            (i.driver % 1000) / 10,
+            if self.pdl { "" } else { ", no PDL" }
         )
     }
 
@@ -595,6 +600,13 @@ impl CudaBackend {
 
     pub(crate) fn kernels(&self) -> &Kernels {
         &self.k
+    }
+
+    /// Whether kernels launch with programmatic dependent launch: on by
+    /// default from compute capability 9.0 (Hopper);
+    /// `AKUNU_CUDA_PDL=0` turns it off (for comparisons).
+    pub(crate) fn pdl(&self) -> bool {
+        self.pdl
     }
 
     pub(crate) fn smem_optin(&self) -> u32 {
