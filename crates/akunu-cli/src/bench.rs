@@ -31,6 +31,17 @@ pub struct BenchArgs {
     /// Skip the memory-bandwidth measurement.
     #[arg(long)]
     no_bandwidth: bool,
+    /// With --speculative, the decode test runs plain and speculative decode
+    /// alternately (same prompt, same settings) and reports both.
+    #[command(flatten)]
+    spec: crate::load::SpecArgs,
+    /// Prompt of the decode test, read from a file (default: the BOS
+    /// token alone), e.g. an input-grounded task for speculative decode.
+    #[arg(long, value_name = "FILE")]
+    prompt_file: Option<std::path::PathBuf>,
+    /// Wrap the --prompt-file text as one ChatML user turn.
+    #[arg(long)]
+    chat: bool,
 }
 
 #[derive(serde::Serialize)]
@@ -101,7 +112,25 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     let model = load::model(&a.model)?;
     let cfg = model.config.clone();
-    let ctx = a.engine.ctx.unwrap_or((a.n_prompt + a.n_gen + 8).max(64));
+    let start: Vec<u32> = match &a.prompt_file {
+        Some(f) => {
+            let mut text = std::fs::read_to_string(f)
+                .map_err(|e| anyhow::anyhow!("reading prompt file {}: {e}", f.display()))?;
+            if a.chat {
+                text = format!("<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n");
+            }
+            model.tokenizer.encode(&text, true, true)?
+        }
+        None => vec![model.tokenizer.bos().unwrap_or(1)],
+    };
+    if start.is_empty() {
+        anyhow::bail!("the prompt file gives no tokens");
+    }
+    let ctx = a.engine.ctx.unwrap_or(
+        (a.n_prompt.max(start.len() as u32) + a.n_gen + 8)
+            .max(64)
+            .max(start.len() as u32 + a.n_gen + 8),
+    );
     let mut engine = load::engine(
         model.clone(),
         &EngineArgs {
@@ -131,28 +160,73 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
         figures.push(figure(format!("pp{}", a.n_prompt), runs));
     }
+    let mut spec_summary = None;
     if a.n_gen > 0 {
-        let mut runs = Vec::new();
-        let start = [model.tokenizer.bos().unwrap_or(1)];
         let opts = GenerateOptions {
             max_tokens: a.n_gen + 1,
             ignore_eos: true,
             sampling: a.sampling.config()?,
+            spec: a.spec.options()?,
             ..Default::default()
         };
+        // Plain decode, and with --speculative speculative decode in
+        // alternation with it (this machine's speed drifts: alternating
+        // keeps the comparison fair).
+        let modes: &[bool] = if a.spec.speculative {
+            &[false, true]
+        } else {
+            &[false]
+        };
+        let mut runs = vec![Vec::new(); modes.len()];
+        let mut spec_runs = Vec::new();
+        let mut outputs: Vec<Vec<u32>> = vec![Vec::new(); modes.len()];
         for r in 0..=a.reps {
-            engine.reset();
-            let st = engine.generate(&start, &opts, &mut |_, _| true)?;
-            if r > 0 {
-                runs.push(st.decode_tok_s);
+            for (i, &speculative) in modes.iter().enumerate() {
+                engine.reset();
+                let o = GenerateOptions {
+                    speculative,
+                    ..opts.clone()
+                };
+                let mut ids = Vec::new();
+                let st = engine.generate(&start, &o, &mut |id, _| {
+                    ids.push(id);
+                    true
+                })?;
+                if r > 0 {
+                    runs[i].push(st.decode_tok_s);
+                    if let Some(s) = st.speculative {
+                        spec_runs.push(s);
+                    }
+                } else {
+                    outputs[i] = ids;
+                }
             }
         }
-        let name = if a.sampling.temperature > 0.0 {
+        let base = if a.sampling.temperature > 0.0 {
             format!("tg{} sampled", a.n_gen)
         } else {
             format!("tg{}", a.n_gen)
         };
-        figures.push(figure(name, runs));
+        let mut rs = runs.into_iter();
+        figures.push(figure(base.clone(), rs.next().unwrap_or_default()));
+        if let Some(sr) = rs.next() {
+            figures.push(figure(format!("{base} speculative"), sr));
+            let (p, s) = (
+                figures[figures.len() - 2].median_tok_s,
+                figures[figures.len() - 1].median_tok_s,
+            );
+            let n = spec_runs.len().max(1) as f64;
+            spec_summary = Some(serde_json::json!({
+                "speedup": s / p,
+                "same_tokens": outputs[0] == outputs[1],
+                "acceptance_rate": spec_runs.iter().map(|x| x.acceptance_rate).sum::<f64>() / n,
+                "tokens_per_pass": spec_runs.iter().map(|x| x.tokens_per_pass).sum::<f64>() / n,
+                "drafted": spec_runs.first().map(|x| x.drafted),
+                "accepted": spec_runs.first().map(|x| x.accepted),
+                "plain_steps": spec_runs.first().map(|x| x.plain_steps),
+                "prompt_tokens": start.len(),
+            }));
+        }
     }
     let weight_bytes = cfg.weight_bytes_per_token(&model.file);
     let threads = if a.engine.threads == 0 {
@@ -192,6 +266,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "floor_tok_s": floor,
             "share_of_floor": tg.zip(floor).map(|(t, f)| t / f),
             "figures": figures,
+            "speculative": spec_summary,
         });
         println!("{obj}");
     } else {
@@ -210,6 +285,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
             );
         }
         println!("kernels per token: {launches}");
+        if let Some(sp) = &spec_summary {
+            println!("speculative: {sp}");
+        }
         if let (Some(bw), Some(floor)) = (bw, floor) {
             println!(
                 "weights read per token {:.1} MB; measured bandwidth {:.1} GB/s ({}); decode floor {:.1} tok/s{}",

@@ -192,3 +192,33 @@ impl SamplingArgs {
         Ok(cfg)
     }
 }
+
+/// Speculative decoding flags.
+#[derive(Args, Clone)]
+pub struct SpecArgs {
+    /// N-gram speculative decoding: drafts from earlier text (prompt and
+    /// output) verified in one pass; the output is unchanged.
+    #[arg(long)]
+    pub speculative: bool,
+    /// Shortest n-gram the draft predictor matches.
+    #[arg(long, default_value_t = akunu_core::speculative::SpecOptions::default().ngram_min)]
+    pub spec_ngram_min: u32,
+    /// Longest n-gram the draft predictor matches (tried first).
+    #[arg(long, default_value_t = akunu_core::speculative::SpecOptions::default().ngram_max)]
+    pub spec_ngram_max: u32,
+    /// Most drafted tokens per verification pass.
+    #[arg(long, default_value_t = akunu_core::speculative::SpecOptions::default().draft)]
+    pub spec_draft: u32,
+}
+
+impl SpecArgs {
+    pub fn options(&self) -> Result<akunu_core::speculative::SpecOptions> {
+        let o = akunu_core::speculative::SpecOptions {
+            ngram_min: self.spec_ngram_min,
+            ngram_max: self.spec_ngram_max,
+            draft: self.spec_draft,
+        };
+        o.validate().map_err(anyhow::Error::msg)?;
+        Ok(o)
+    }
+}

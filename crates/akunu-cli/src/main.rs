@@ -71,6 +71,8 @@ struct GenerateArgs {
     prompt: PromptArgs,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    spec: load::SpecArgs,
     /// Most tokens to generate (0: evaluate the prompt only).
     #[arg(short = 'n', long = "max-tokens", default_value_t = 256)]
     max_tokens: u32,
@@ -187,6 +189,8 @@ fn generate(a: GenerateArgs) -> Result<()> {
         max_tokens: a.max_tokens,
         ignore_eos: a.ignore_eos,
         sampling: a.sampling.config()?,
+        speculative: a.spec.speculative,
+        spec: a.spec.options()?,
         ..Default::default()
     };
     let mut ids = Vec::new();
@@ -232,6 +236,17 @@ fn generate(a: GenerateArgs) -> Result<()> {
                 .map(|s| format!(" | seed {s}"))
                 .unwrap_or_default()
         );
+        if let Some(sp) = &stats.speculative {
+            eprintln!(
+                "akunu: speculative: drafted {} accepted {} ({:.0}%) | {} verification passes, {:.2} tokens each | {} plain steps",
+                sp.drafted,
+                sp.accepted,
+                100.0 * sp.acceptance_rate,
+                sp.verify_passes,
+                sp.tokens_per_pass,
+                sp.plain_steps
+            );
+        }
         if stats.stop_reason == akunu_core::decode::StopReason::ContextFull {
             eprintln!(
                 "akunu: stopped because the context ({} positions) is full; raise --ctx to generate more",

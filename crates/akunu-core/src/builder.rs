@@ -420,3 +420,43 @@ pub fn sample_params(s: &crate::sampling::SamplingConfig, n_vocab: u32) -> Sampl
         _pad: 0,
     }
 }
+
+/// The verification table of speculative decode: the greedy table (or, with
+/// `sampled`, the sampled one) whose logits, sampling and argmax commands
+/// run on every row of the step instead of the last one. A step of
+/// `1 + k` rows at position `pos` (conveyor `[current, d1, .., dk]` from slot
+/// 0) writes the model's choice after each row `r` into conveyor slot
+/// `r + 1`, in one pass over the weights. The logits of all rows go to
+/// `logits` (`max_rows * n_vocab` f32), a buffer of their own, so that the
+/// other tables keep their one-row logits buffer. `max_rows` is the most rows
+/// a verification may have. Returns the table and, when sampled, the index
+/// of its sampling command.
+pub fn build_verify_table(
+    inp: &BuildInputs,
+    logits: crate::table::BufferId,
+    max_rows: u32,
+    sampled: bool,
+) -> Result<(DispatchTable, Option<usize>), MissingWeight> {
+    let (mut t, sampler) = if sampled {
+        let (t, at) = build_sampled_table(inp)?;
+        (t, Some(at))
+    } else {
+        (build_dispatch_table(inp)?, None)
+    };
+    t.max_rows = max_rows.min(inp.max_rows);
+    let n = t.commands.len();
+    // The tail: logits gemv, [gumbel_sample], argmax.
+    let tail = if sampled { 3 } else { 2 };
+    for (i, c) in t.commands[n - tail..].iter_mut().enumerate() {
+        c.rows = crate::table::RowMode::AllRows;
+        // The gemv writes the logits (binding 1); the others read them
+        // (binding 0).
+        let slot = if i == 0 { 1 } else { 0 };
+        debug_assert_eq!(c.buffers[slot].buffer, inp.scratch.logits);
+        c.buffers[slot].buffer = logits;
+    }
+    for l in &mut t.labels[n - tail..] {
+        l.push_str(".all_rows");
+    }
+    Ok((t, sampler))
+}

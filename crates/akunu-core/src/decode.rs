@@ -4,10 +4,11 @@
 use crate::backend::{Backend, BackendError, BufferRead, ChainRequest};
 use crate::builder::{
     BuildInputs, KvBuffers, MissingWeight, RECENT_BYTES, RECENT_CAPACITY, Scratch, WeightBuf,
-    build_dispatch_table, build_sampled_table, sample_params,
+    build_dispatch_table, build_sampled_table, build_verify_table, sample_params,
 };
 use crate::model::Model;
 use crate::sampling::SamplingConfig;
+use crate::speculative::{MAX_DRAFT, NgramPredictor, SpecOptions};
 use crate::table::{BufferId, DispatchTable, StepInfo};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -76,8 +77,11 @@ pub struct GenerateOptions {
     /// Temperature, top-k, top-p, min-p, repetition penalty and seed;
     /// temperature 0 (the default) is greedy.
     pub sampling: SamplingConfig,
-    /// Use n-gram speculative decoding for greedy generation.
+    /// Use n-gram speculative decoding (greedy or sampled: the output is the
+    /// same as without it, token for token).
     pub speculative: bool,
+    /// The n-gram range and draft length of speculative decoding.
+    pub spec: SpecOptions,
     /// Constrain the output to a grammar.
     pub constraint: Option<Constraint>,
     /// Take this path instead of the one `decode_path` picks (tests and
@@ -107,24 +111,26 @@ pub enum DecodePath {
     Greedy,
     /// Chain decode with Gumbel-max sampling on the device.
     Sampled,
-    /// Greedy with n-gram drafts verified in batches.
+    /// N-gram drafts verified in batches (greedy, or sampled when the
+    /// temperature is above 0).
     Speculative,
     /// A grammar mask per token.
     Grammar,
 }
 
 impl GenerateOptions {
-    /// The path the decode loop takes: a grammar wins, then sampling
-    /// (temperature > 0), then speculation, else the greedy chain.
+    /// The path the decode loop takes: a grammar wins, then speculation
+    /// (greedy or sampled), then sampling (temperature > 0), else the greedy
+    /// chain.
     pub fn decode_path(&self) -> DecodePath {
         if let Some(p) = self.force_path {
             p
         } else if self.constraint.is_some() {
             DecodePath::Grammar
-        } else if !self.sampling.is_greedy() {
-            DecodePath::Sampled
         } else if self.speculative {
             DecodePath::Speculative
+        } else if !self.sampling.is_greedy() {
+            DecodePath::Sampled
         } else {
             DecodePath::Greedy
         }
@@ -170,6 +176,29 @@ pub struct Stats {
     /// Median and largest time from a token's production on the device to
     /// its callback, in microseconds, where the backend measures it.
     pub delivery_us: Option<(f32, f32)>,
+    /// Speculative decode figures (speculative path only).
+    pub speculative: Option<SpecStats>,
+}
+
+/// What speculative decoding did in one `generate` call.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct SpecStats {
+    /// Tokens drafted by the n-gram predictor and sent for verification.
+    pub drafted: u32,
+    /// Drafted tokens the model confirmed.
+    pub accepted: u32,
+    /// `accepted / drafted` (0 when nothing was drafted).
+    pub acceptance_rate: f64,
+    /// Verification passes (one replay of `1 + draft` rows each).
+    pub verify_passes: u32,
+    /// Tokens emitted per verification pass (accepted drafts plus the
+    /// model's own next token).
+    pub tokens_per_pass: f64,
+    /// Tokens emitted by verification passes.
+    pub verified_tokens: u32,
+    /// Tokens decoded by plain one-row steps (no draft, or speculation
+    /// paused after misses).
+    pub plain_steps: u32,
 }
 
 /// One model on one backend with its KV cache: the unit that generates.
@@ -181,6 +210,15 @@ pub struct Engine {
     sampled: DispatchTable,
     /// Index of the sampling command in `sampled`.
     sampler_cmd: usize,
+    /// Speculative verification: the greedy and the sampled table with
+    /// their logits, sampling and argmax on every row.
+    verify: DispatchTable,
+    verify_sampled: DispatchTable,
+    verify_sampler_cmd: usize,
+    /// Logits of every row of a verification step.
+    verify_logits: BufferId,
+    /// Most rows of a verification step (1 + the longest draft).
+    verify_rows: u32,
     scratch: Scratch,
     capacity: u32,
     chunk: u32,
@@ -289,12 +327,28 @@ impl Engine {
         let (sampled, sampler_cmd) = build_sampled_table(&inputs)?;
         backend.validate(&table)?;
         backend.validate(&sampled)?;
+        let verify_rows = (MAX_DRAFT + 1).min(opts.prefill_chunk);
+        let verify_logits = backend.alloc(
+            verify_rows as u64 * cfg.n_vocab as u64 * f,
+            "verification logits",
+        )?;
+        let (verify, _) = build_verify_table(&inputs, verify_logits, verify_rows, false)?;
+        let (verify_sampled, verify_sampler_cmd) =
+            build_verify_table(&inputs, verify_logits, verify_rows, true)?;
+        let verify_sampler_cmd = verify_sampler_cmd.expect("the sampled table has a sampler");
+        backend.validate(&verify)?;
+        backend.validate(&verify_sampled)?;
         Ok(Engine {
             model,
             backend,
             table,
             sampled,
             sampler_cmd,
+            verify,
+            verify_sampled,
+            verify_sampler_cmd,
+            verify_logits,
+            verify_rows,
             scratch,
             capacity,
             chunk: opts.chunk,
@@ -474,9 +528,8 @@ impl Engine {
             DecodePath::Greedy => false,
             DecodePath::Sampled => true,
             DecodePath::Speculative => {
-                return Err(EngineError::Unsupported(
-                    "speculative decoding is not available in this build yet".into(),
-                ));
+                opts.spec.validate().map_err(EngineError::InvalidOption)?;
+                !opts.sampling.is_greedy()
             }
             DecodePath::Grammar => {
                 return Err(EngineError::Unsupported(
@@ -491,6 +544,8 @@ impl Engine {
             // one command's params (its `kv_len` is patched per step anyway).
             let bytes = bytemuck::bytes_of(&p);
             self.sampled.commands[self.sampler_cmd].params[..bytes.len()].copy_from_slice(bytes);
+            self.verify_sampled.commands[self.verify_sampler_cmd].params[..bytes.len()]
+                .copy_from_slice(bytes);
         }
         let model = self.model.clone();
         let tok = &model.tokenizer;
@@ -514,6 +569,7 @@ impl Engine {
             seed: sampled.then_some(opts.sampling.seed),
             computed_after_end: None,
             delivery_us: None,
+            speculative: None,
         };
         if opts.max_tokens == 0 {
             return Ok(stats);
@@ -555,6 +611,8 @@ impl Engine {
 
         let mut going = emit(first, &mut stats, &mut self.history, &mut self.pending);
         let mut delivery: Vec<f32> = Vec::new();
+        let mut spec =
+            (path == DecodePath::Speculative).then(|| SpecState::new(&opts.spec, &self.history));
         let t1 = Instant::now();
         while going {
             let Some(input) = self.pending else { break };
@@ -564,15 +622,101 @@ impl Engine {
                 break;
             }
             let want = opts.max_tokens - stats.generated_tokens;
+            // Speculative: draft from the sequence so far and verify the
+            // draft in one step of 1 + k rows, unless speculation is paused
+            // or there is no draft; then plain one-row steps follow below.
+            let mut plain_cap = None;
+            if let Some(sp) = spec.as_mut() {
+                sp.sync(&self.history);
+                if sp.pause_left == 0 {
+                    let k = sp
+                        .k_cur
+                        .min(want - 1)
+                        .min(room - 1)
+                        .min(self.verify_rows - 1);
+                    sp.pred.propose(k as usize, &mut sp.draft);
+                }
+                if sp.pause_left > 0 || sp.draft.is_empty() {
+                    plain_cap = Some(sp.pause_left.max(1));
+                } else {
+                    let draft = std::mem::take(&mut sp.draft);
+                    let k = draft.len() as u32;
+                    let rows = k + 1;
+                    let mut bytes = input.to_le_bytes().to_vec();
+                    bytes.extend(draft.iter().flat_map(|t| t.to_le_bytes()));
+                    self.backend.write(self.scratch.token_ids, 0, &bytes)?;
+                    if sampled {
+                        // Row r produces position pos + 1 + r with the window
+                        // history + d1..dr (conveyor slots 1..=r), as the
+                        // chain step at pos + r would.
+                        let h = &self.history;
+                        let from = h.len().saturating_sub(RECENT_CAPACITY as usize);
+                        let window = h[from..].to_vec();
+                        self.write_recent(self.pos + 1, &window)?;
+                    }
+                    let step = StepInfo {
+                        pos: self.pos,
+                        tok: 0,
+                        rows,
+                    };
+                    let table = if sampled {
+                        &self.verify_sampled
+                    } else {
+                        &self.verify
+                    };
+                    self.backend.replay(table, step, 1, None)?;
+                    let mut out = vec![0u8; rows as usize * 4];
+                    self.backend.read(self.scratch.token_ids, 4, &mut out)?;
+                    let outs: Vec<u32> = out
+                        .chunks_exact(4)
+                        .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+                        .collect();
+                    // The longest prefix of the draft the model agrees with;
+                    // the model's own token after it comes free.
+                    let m = draft.iter().zip(&outs).take_while(|(d, o)| d == o).count();
+                    sp.stats.verify_passes += 1;
+                    sp.stats.drafted += k;
+                    sp.stats.accepted += m as u32;
+                    for (i, &id) in outs[..=m].iter().enumerate() {
+                        if let Some(probe) = self.probe.as_mut() {
+                            let nv = model.config.n_vocab as usize;
+                            let l = self.backend.read_f32s(
+                                self.verify_logits,
+                                (i * nv * 4) as u64,
+                                nv,
+                            )?;
+                            probe(&l);
+                        }
+                        // Row i fed the token at pos: its K and V stay.
+                        self.pos += 1;
+                        stats.decode_steps += 1;
+                        sp.stats.verified_tokens += 1;
+                        going = emit(id, &mut stats, &mut self.history, &mut self.pending);
+                        if !going {
+                            if stats.stop_reason == StopReason::Eos {
+                                self.pending = None;
+                            }
+                            break;
+                        }
+                    }
+                    sp.adapt(k, m as u32, opts.spec.draft);
+                    sp.draft = draft;
+                    continue;
+                }
+            }
             // The chain path runs everything left in one call (the backend
             // splits it into chunks and keeps them in flight); the stepwise
             // path goes a chunk per call.
             let chained = self.probe.is_none() && self.chain_decode;
-            let n = if chained {
+            let mut n = if chained {
                 want.min(room)
             } else {
                 self.chunk.min(want).min(room)
             };
+            if let Some(c) = plain_cap {
+                n = n.min(c);
+            }
+            let pos_before = self.pos;
             self.backend
                 .write(self.scratch.token_ids, 0, &input.to_le_bytes())?;
             if sampled {
@@ -619,6 +763,9 @@ impl Engine {
                 };
                 let report = self.backend.decode_chain(table, step, &req, &mut sink)?;
                 self.pos += report.steps;
+                if let Some(sp) = spec.as_mut() {
+                    sp.plain_done(report.steps);
+                }
                 stats.decode_steps += report.steps;
                 if let Some(w) = report.computed_after_end {
                     *stats.computed_after_end.get_or_insert(0) += w;
@@ -664,6 +811,13 @@ impl Engine {
             debug_assert_eq!(ran, stepped);
             self.pos += ran;
             stats.decode_steps += ran;
+            if let Some(sp) = spec.as_mut() {
+                sp.plain_done(ran);
+            }
+            debug_assert_eq!(self.pos, pos_before + ran);
+        }
+        if let Some(sp) = spec {
+            stats.speculative = Some(sp.finish());
         }
         // Bytes of a character still incomplete when generation stopped are
         // dropped: they are not valid text on their own.
@@ -709,4 +863,95 @@ impl Engine {
 
 fn rate(n: u32, ms: f64) -> f64 {
     if ms > 0.0 { n as f64 * 1e3 / ms } else { 0.0 }
+}
+
+/// The state of speculative decode within one `generate` call.
+struct SpecState {
+    pred: NgramPredictor,
+    draft: Vec<u32>,
+    /// Current draft length (adapts between 1 and the configured one).
+    k_cur: u32,
+    /// Verification passes in a row that accepted nothing.
+    misses: u32,
+    /// Plain steps left before drafting again.
+    pause_left: u32,
+    /// The next pause's length (doubles while drafts keep missing).
+    pause_len: u32,
+    stats: SpecStats,
+}
+
+/// Misses in a row that pause speculation.
+const SPEC_MISSES: u32 = 2;
+const SPEC_PAUSE_MIN: u32 = 4;
+const SPEC_PAUSE_MAX: u32 = 128;
+
+impl SpecStats {
+    fn finish(mut self) -> Self {
+        self.acceptance_rate = if self.drafted > 0 {
+            self.accepted as f64 / self.drafted as f64
+        } else {
+            0.0
+        };
+        self
+    }
+}
+
+impl SpecState {
+    fn new(opts: &SpecOptions, history: &[u32]) -> Self {
+        SpecState {
+            pred: NgramPredictor::with_tokens(opts, history),
+            draft: Vec::with_capacity(MAX_DRAFT as usize),
+            k_cur: opts.draft,
+            misses: 0,
+            pause_left: 0,
+            pause_len: SPEC_PAUSE_MIN,
+            stats: SpecStats::default(),
+        }
+    }
+
+    /// Feeds the predictor the tokens emitted since the last call.
+    fn sync(&mut self, history: &[u32]) {
+        for &t in &history[self.pred.len().min(history.len())..] {
+            self.pred.push(t);
+        }
+    }
+
+    /// After a pass that drafted `k` tokens and had `m` accepted: a full
+    /// accept doubles the draft, a partial one shrinks it to what was
+    /// accepted plus one, and repeated misses pause drafting for a while
+    /// (longer each time), so that text the n-grams cannot predict runs at
+    /// the plain path's speed.
+    fn adapt(&mut self, k: u32, m: u32, max: u32) {
+        if m == k {
+            self.k_cur = (self.k_cur * 2).clamp(1, max);
+        } else {
+            self.k_cur = (m + 1).clamp(1, max);
+        }
+        if m == 0 {
+            self.misses += 1;
+            if self.misses >= SPEC_MISSES {
+                self.misses = 0;
+                self.pause_left = self.pause_len;
+                self.pause_len = (self.pause_len * 2).min(SPEC_PAUSE_MAX);
+            }
+        } else {
+            self.misses = 0;
+            self.pause_len = SPEC_PAUSE_MIN;
+        }
+    }
+
+    fn plain_done(&mut self, steps: u32) {
+        self.stats.plain_steps += steps;
+        self.pause_left = self.pause_left.saturating_sub(steps);
+    }
+
+    fn finish(self) -> SpecStats {
+        let mut s = self.stats;
+        s.tokens_per_pass = if s.verify_passes > 0 {
+            s.verified_tokens as f64 / s.verify_passes as f64
+        } else {
+            0.0
+        };
+        s.finish()
+    }
 }

@@ -14,6 +14,7 @@ pub mod model;
 pub mod ops;
 pub mod quantize;
 pub mod sampling;
+pub mod speculative;
 pub mod synth;
 pub mod table;
 pub mod tokenizer;

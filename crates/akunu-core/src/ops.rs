@@ -41,9 +41,17 @@ pub enum KernelId {
     /// [`AttnParams`] (`kv_len` patched KV_SEQ_LEN, or `pos` and `kv_len`
     /// patched POS_AND_KV for windowed layers). Grid: query heads.
     Attention = 5,
-    /// Index of the largest logit of the last row. Bindings: 0 logits (f32),
-    /// 1 token ids (u32, patched ARGMAX_OUTPUT). Params: [`ArgmaxParams`].
-    /// Grid: 1.
+    /// Index of the largest logit (the lowest index on ties). Bindings: 0
+    /// logits (f32), 1 token ids (u32, patched ARGMAX_OUTPUT). Params:
+    /// [`ArgmaxParams`]. Grid: 1.
+    ///
+    /// `RowMode::LastRow` (decode, prefill): binding 0 holds one row of `n`
+    /// logits and its argmax goes to conveyor slot `tok + rows`.
+    /// `RowMode::AllRows` (speculative verification): binding 0 holds one
+    /// row of `n` logits per step row, and row `r`'s argmax goes to slot
+    /// `tok + r + 1` (the last row's is still `tok + rows`, the patched
+    /// binding; earlier rows write just before it). With one row both modes
+    /// are the same.
     Argmax = 6,
     /// In-chain sampling (Gumbel-max): repetition penalty over the recent
     /// tokens, the candidate set (temperature, top-k, min-p, top-p), then
@@ -53,6 +61,17 @@ pub enum KernelId {
     /// ([`RecentHeader`] then ids), 2 token conveyor. Params:
     /// [`SampleParams`] (`kv_len` patched KV_SEQ_LEN: the position of the
     /// token being produced). Grid: 1.
+    ///
+    /// `RowMode::LastRow`: one row of logits, produced at `kv_len`.
+    /// `RowMode::AllRows` (speculative verification): binding 0 holds one
+    /// row per step row; row `r` is transformed as the one-row command of a
+    /// step at position `pos + r` would be: its position is
+    /// `kv_len_r = kv_len - rows + r + 1` (`pos + r + 1`), and its penalty
+    /// window is the recent ids plus conveyor slots `1..=kv_len_r -
+    /// chain_start`. With `chain_start = pos + 1` and the conveyor holding
+    /// `[current, d1, .., dk]`, row `r` therefore penalises the sequence up
+    /// to the current token plus the drafts `d1..dr`: exactly the window of
+    /// the chain step that would produce the same position.
     GumbelSample = 7,
     /// The top `k` logits as (id u32, value f32) pairs, descending (ties by
     /// id). Bindings: 0 logits, 1 output pairs. Params: [`TopKParams`].
@@ -402,13 +421,15 @@ pub fn extents(c: &DispatchCmd, max_rows: u32) -> Result<Vec<(usize, u64)>, Stri
         KernelId::Argmax => {
             need_buffers(2)?;
             let p: ArgmaxParams = c.params();
-            vec![(0, p.n as u64 * F), (1, 4)]
+            let rows = if c.rows == RowMode::LastRow { 1 } else { r };
+            vec![(0, rows * p.n as u64 * F), (1, 4)]
         }
         KernelId::GumbelSample => {
             need_buffers(3)?;
             let p: SampleParams = c.params();
+            let rows = if c.rows == RowMode::LastRow { 1 } else { r };
             vec![
-                (0, p.n_vocab as u64 * F),
+                (0, rows * p.n_vocab as u64 * F),
                 (1, 8 + p.recent_capacity as u64 * 4),
                 (2, 4),
             ]

@@ -74,7 +74,11 @@ impl PatchType {
 #[repr(u8)]
 pub enum RowMode {
     /// The command processes every row of the step (prefill: all prompt
-    /// tokens of the chunk).
+    /// tokens of the chunk). The verification table of speculative decode
+    /// also runs its logits, argmax and sampling commands on all rows, so
+    /// that every drafted position gets the model's choice (see
+    /// `KernelId::Argmax` and `KernelId::GumbelSample` for where each row's
+    /// result goes).
     AllRows = 0,
     /// The command reads only the step's last row (logits, argmax): prefill
     /// needs the next-token distribution of the last prompt token only.

@@ -60,7 +60,7 @@ pub struct KernelOptions {
 }
 
 thread_local! {
-    static XQ: RefCell<quant::Q8Act> = RefCell::new(quant::Q8Act::new());
+    static XQ: RefCell<Vec<quant::Q8Act>> = const { RefCell::new(Vec::new()) };
     static ROPE_ANGLES: RefCell<RopeAngles> = RefCell::new(RopeAngles::default());
 }
 
@@ -151,30 +151,30 @@ pub fn run(
             if lens[1] < 4 {
                 return Err("argmax output slot lies beyond the token conveyor".into());
             }
-            // SAFETY: extents checked n floats at binding 0; 4 bytes at binding 1.
-            let logits = unsafe { slice(p(0).f32(), prm.n as usize) };
-            let best = argmax(logits);
-            unsafe { (ptrs[1] as *mut u32).write(best) };
+            // LastRow: one row of logits, result in the patched slot
+            // (`tok + rows`). AllRows: row r's result in slot `tok + r + 1`,
+            // i.e. `rows - 1 - r` slots before the patched one.
+            let n_rows = if c.rows == RowMode::LastRow { 1 } else { rows };
+            let back = n_rows - 1;
+            if (step.tok as usize + rows) < back {
+                return Err("argmax rows lie before the token conveyor".into());
+            }
+            for r in 0..n_rows {
+                // SAFETY: extents checked n floats per row (max_rows rows for
+                // AllRows) at binding 0; binding 1 points at slot
+                // `tok + rows >= back` of the conveyor, so `back - (n_rows - 1
+                // - r)` slots before it are inside the buffer too.
+                let logits = unsafe { slice(p(0).f32().add(r * prm.n as usize), prm.n as usize) };
+                let best = argmax(logits);
+                unsafe { (ptrs[1] as *mut u32).sub(n_rows - 1 - r).write(best) };
+            }
             Ok(())
         }
         KernelId::GumbelSample => {
             let prm: SampleParams = c.params();
-            // SAFETY: extents validated n_vocab logits at binding 0 and the
-            // header plus `recent_capacity` ids at binding 1.
-            let (logits, recent) = unsafe {
-                (
-                    slice_mut(p(0).f32(), prm.n_vocab as usize),
-                    recent_ids(ptrs[1], prm.recent_capacity),
-                )
-            };
             let hdr: RecentHeader = unsafe { (ptrs[1] as *const RecentHeader).read_unaligned() };
-            // Tokens this chain has produced so far: conveyor slots 1..=s.
-            let s = prm.kv_len.saturating_sub(hdr.chain_start) as usize;
-            if lens[2] < (s + 1) * 4 {
-                return Err(format!("chain step {s} lies beyond the token conveyor"));
-            }
-            // SAFETY: checked just above: the conveyor holds s + 1 ids.
-            let chain = unsafe { std::slice::from_raw_parts((ptrs[2] as *const u32).add(1), s) };
+            let n_rows = if c.rows == RowMode::LastRow { 1 } else { rows };
+            let nv = prm.n_vocab as usize;
             let cfg = akunu_core::sampling::SamplingConfig {
                 temperature: prm.temperature,
                 top_k: prm.top_k,
@@ -184,22 +184,44 @@ pub fn run(
                 repeat_last_n: prm.repeat_last_n,
                 seed: prm.seed_lo as u64 | ((prm.seed_hi as u64) << 32),
             };
-            SAMPLER.with(|cell| {
-                let mut st = cell.borrow_mut();
-                let SamplerState { window, scratch } = &mut *st;
-                window.clear();
-                window.extend_from_slice(recent);
-                window.extend_from_slice(chain);
-                let keep = window.len().min(prm.repeat_last_n as usize);
-                let from = window.len() - keep;
-                akunu_core::sampling::gumbel_transform(
-                    logits,
-                    &window[from..],
-                    &cfg,
-                    prm.kv_len,
-                    scratch,
-                );
-            });
+            for r in 0..n_rows {
+                // Row r is produced at position kv_len - (n_rows - 1 - r):
+                // the one-row command of the step at `pos + r` would have
+                // `kv_len = pos + r + 1`.
+                let kv_len = prm.kv_len - (n_rows - 1 - r) as u32;
+                // SAFETY: extents validated n_vocab logits per row at binding
+                // 0 and the header plus `recent_capacity` ids at binding 1.
+                let (logits, recent) = unsafe {
+                    (
+                        slice_mut(p(0).f32().add(r * nv), nv),
+                        recent_ids(ptrs[1], prm.recent_capacity),
+                    )
+                };
+                // Tokens this chain has produced so far: conveyor slots 1..=s.
+                let s = kv_len.saturating_sub(hdr.chain_start) as usize;
+                if lens[2] < (s + 1) * 4 {
+                    return Err(format!("chain step {s} lies beyond the token conveyor"));
+                }
+                // SAFETY: checked just above: the conveyor holds s + 1 ids.
+                let chain =
+                    unsafe { std::slice::from_raw_parts((ptrs[2] as *const u32).add(1), s) };
+                SAMPLER.with(|cell| {
+                    let mut st = cell.borrow_mut();
+                    let SamplerState { window, scratch } = &mut *st;
+                    window.clear();
+                    window.extend_from_slice(recent);
+                    window.extend_from_slice(chain);
+                    let keep = window.len().min(prm.repeat_last_n as usize);
+                    let from = window.len() - keep;
+                    akunu_core::sampling::gumbel_transform(
+                        logits,
+                        &window[from..],
+                        &cfg,
+                        kv_len,
+                        scratch,
+                    );
+                });
+            }
             Ok(())
         }
         KernelId::TopKSelect => {
@@ -431,6 +453,11 @@ fn gelu_tanh(x: f32) -> f32 {
     0.5 * x * (1.0 + (C * (x + 0.044715 * x * x * x)).tanh())
 }
 
+/// Most rows of a step whose products match a one-row step's bit for bit.
+pub const EXACT_ROWS: usize = 16;
+/// Weight rows per tile of the exact multi-row product.
+const EXACT_TILE: usize = 64;
+
 fn gemv(
     pool: &ThreadPool,
     opts: KernelOptions,
@@ -510,12 +537,23 @@ fn gemv(
     let out = Ptr(ptrs[1]);
     let os = p.out_stride as usize;
     let acc = p.accumulate != 0;
-    let use_q8 = opts.q8_activations && n_x == 1 && segs.iter().all(|sg| quant::supports_q8(sg.dt));
-    // The input row is quantized once, by the calling thread, and read by all.
+    // Steps of up to `EXACT_ROWS` rows (speculative verification, short
+    // prefills) compute every row exactly as a one-row step does: the same
+    // GEMV kernel per row, over tiles of weight rows small enough to stay
+    // in L1/L2 between the rows, so the weights still stream from memory
+    // once. Larger steps use the GEMM, whose sums are ordered differently.
+    let exact = n_x <= EXACT_ROWS;
+    let use_q8 = opts.q8_activations && exact && segs.iter().all(|sg| quant::supports_q8(sg.dt));
+    // The input rows are quantized once, by the calling thread, and read by all.
     XQ.with(|cell| {
         let mut xq_cell = cell.borrow_mut();
         if use_q8 {
-            xq_cell.quantize(&x[..k]);
+            if xq_cell.len() < n_x {
+                xq_cell.resize_with(n_x, quant::Q8Act::new);
+            }
+            for (t, q) in xq_cell.iter_mut().take(n_x).enumerate() {
+                q.quantize(&x[t * k..(t + 1) * k]);
+            }
         }
         let xq = &*xq_cell;
         pool.run(&|tid, nt| {
@@ -534,25 +572,53 @@ fn gemv(
                 let w =
                     unsafe { std::slice::from_raw_parts(sg.w.raw().add(r0 * sg.rb), nr * sg.rb) };
                 let bias = sg.bias.map(|bp| unsafe { slice(bp.f32().add(r0), nr) });
+                // Writes `vals` (output columns c0.. of input row t).
+                let store = |t: usize, c0: usize, vals: &[f32]| {
+                    // SAFETY: columns a + c0 .. a + c0 + vals.len() <= b of
+                    // row t belong to this thread (see above).
+                    let dst = unsafe { slice_mut(out.f32().add(t * os + a + c0), vals.len()) };
+                    for (i, (d, &v)) in dst.iter_mut().zip(vals).enumerate() {
+                        let v = match bias {
+                            Some(bs) => v + bs[c0 + i],
+                            None => v,
+                        };
+                        *d = if acc { *d + v } else { v };
+                    }
+                };
                 SCRATCH.with(|cell| {
                     let mut tmp = cell.borrow_mut();
                     tmp.clear();
-                    tmp.resize(nr * n_x, 0.0);
-                    if use_q8 {
-                        quant::gemv_q8(sg.dt, w, k, xq, &mut tmp);
-                    } else if n_x == 1 {
-                        quant::gemv(sg.dt, w, k, &x[..k], &mut tmp);
-                    } else {
-                        quant::gemm(sg.dt, w, k, nr, x, n_x, &mut tmp);
-                    }
-                    for t in 0..n_x {
-                        let dst = unsafe { slice_mut(out.f32().add(t * os + a), nr) };
-                        for i in 0..nr {
-                            let mut v = tmp[i * n_x + t];
-                            if let Some(bs) = bias {
-                                v += bs[i];
+                    if exact {
+                        // Tiles of EXACT_TILE weight rows (a multiple of the
+                        // kernels' 4-row groups, so each row meets the same
+                        // kernel as in a one-row step).
+                        // One row (decode): the whole range in one call.
+                        let tile = if n_x == 1 { nr } else { EXACT_TILE };
+                        tmp.resize(tile.min(nr), 0.0);
+                        let mut i0 = 0;
+                        while i0 < nr {
+                            let tn = tile.min(nr - i0);
+                            let wt = &w[i0 * sg.rb..(i0 + tn) * sg.rb];
+                            for t in 0..n_x {
+                                let y = &mut tmp[..tn];
+                                if use_q8 {
+                                    quant::gemv_q8(sg.dt, wt, k, &xq[t], y);
+                                } else {
+                                    quant::gemv(sg.dt, wt, k, &x[t * k..(t + 1) * k], y);
+                                }
+                                store(t, i0, y);
                             }
-                            dst[i] = if acc { dst[i] + v } else { v };
+                            i0 += tn;
+                        }
+                    } else {
+                        tmp.resize(nr * n_x, 0.0);
+                        quant::gemm(sg.dt, w, k, nr, x, n_x, &mut tmp);
+                        let mut row = vec![0f32; nr];
+                        for t in 0..n_x {
+                            for (i, r) in row.iter_mut().enumerate() {
+                                *r = tmp[i * n_x + t];
+                            }
+                            store(t, 0, &row);
                         }
                     }
                 });

@@ -365,9 +365,11 @@ fn decode_path_selection() {
     o.sampling.temperature = 0.5;
     assert_eq!(
         o.decode_path(),
-        DecodePath::Sampled,
-        "sampling wins over speculation"
+        DecodePath::Speculative,
+        "speculation verifies sampled tokens too"
     );
+    o.speculative = false;
+    assert_eq!(o.decode_path(), DecodePath::Sampled);
     o.constraint = Some(Constraint::JsonObject);
     assert_eq!(
         o.decode_path(),

@@ -310,6 +310,32 @@ pub fn plan(
                 vec![mk(k.attn_prefill, (p.n_heads, rows.div_ceil(8), 1), 256, 0)]
             }
         }
+        KernelId::Argmax | KernelId::GumbelSample if c.rows == RowMode::AllRows && rows > 1 => {
+            // Speculative verification: every row, each as the one-row
+            // kernel of the step at `pos + r` (k_argmax writes slot
+            // `tok + rows`, k_gumbel_sample keys on `pos + rows`): row r's
+            // logits, a one-row step at (pos + r, tok + r).
+            if chain.is_some() {
+                return Err(
+                    "all-rows argmax/sampling inside a chain graph is not supported".into(),
+                );
+            }
+            let (f, n) = if c.kernel == KernelId::Argmax {
+                (k.argmax, c.params::<ArgmaxParams>().n)
+            } else {
+                (k.gumbel_sample, c.params::<SampleParams>().n_vocab)
+            };
+            (0..rows)
+                .map(|r| {
+                    let mut l = mk(f, (1, 1, 1), 1024, 0);
+                    l.bind[0] += r as u64 * n as u64 * 4;
+                    l.step.pos = step.pos + r;
+                    l.step.tok = step.tok + r;
+                    l.step.rows = 1;
+                    l
+                })
+                .collect()
+        }
         KernelId::Argmax => vec![mk(k.argmax, (1, 1, 1), 1024, 0)],
         KernelId::GumbelSample => vec![mk(k.gumbel_sample, (1, 1, 1), 1024, 0)],
         KernelId::TopKSelect => vec![mk(k.topk_select, (1, 1, 1), 1024, 0)],
