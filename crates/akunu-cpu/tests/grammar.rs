@@ -528,7 +528,8 @@ fn schema_numbers_with_bounds() {
     fifty(
         Constraint::JsonSchema(schema.into()),
         "Give today's weather (celsius, humidity as a fraction, number of stations) as JSON.",
-        64,
+        // Numbers may carry many digits: room for two long fractions.
+        112,
         &|t| {
             let m = json(t)?;
             only_keys(&m, &["celsius", "humidity", "stations"])?;
