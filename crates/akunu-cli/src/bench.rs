@@ -42,6 +42,16 @@ pub struct BenchArgs {
     /// Wrap the --prompt-file text as one ChatML user turn.
     #[arg(long)]
     chat: bool,
+    /// With a constraint: constrained decode against unconstrained decode,
+    /// runs alternating, from this request (a ChatML user turn).
+    #[command(flatten)]
+    constraint: crate::load::ConstraintArgs,
+    /// The request of the constrained decode test.
+    #[arg(
+        long,
+        default_value = "Describe a person as a JSON object with a name, an age and a city."
+    )]
+    ask: String,
 }
 
 #[derive(serde::Serialize)]
@@ -139,6 +149,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         },
     )?;
     let backend = engine.backend_description();
+    let mut grammar_json = None;
     let mut figures = Vec::new();
     if !a.json {
         eprintln!("akunu bench: {} on {}", model.display_name(), backend);
@@ -161,7 +172,76 @@ pub fn run(a: BenchArgs) -> Result<()> {
         figures.push(figure(format!("pp{}", a.n_prompt), runs));
     }
     let mut spec_summary = None;
-    if a.n_gen > 0 {
+    let constraint = a.constraint.constraint()?;
+    if let (Some(c), true) = (&constraint, a.n_gen > 0) {
+        engine.compile_constraint(c)?;
+        let text = format!(
+            "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
+            a.ask
+        );
+        let prompt = model.tokenizer.encode(&text, true, true)?;
+        let sampling = a.sampling.config()?;
+        let free = GenerateOptions {
+            max_tokens: a.n_gen + 1,
+            ignore_eos: true,
+            sampling: sampling.clone(),
+            ..Default::default()
+        };
+        let bound = GenerateOptions {
+            constraint: Some(c.clone()),
+            ignore_eos: false,
+            ..free.clone()
+        };
+        let (mut plain, mut constrained) = (Vec::new(), Vec::new());
+        let (mut mask_med, mut mask_mean, mut stall, mut tokens, mut forced) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        // Alternate the two, so that both see the same machine noise.
+        for r in 0..=a.reps {
+            engine.reset();
+            let p = engine.generate(&prompt, &free, &mut |_, _| true)?;
+            engine.reset();
+            let g = engine.generate(&prompt, &bound, &mut |_, _| true)?;
+            if r > 0 {
+                plain.push(p.decode_tok_s);
+                constrained.push(g.decode_tok_s);
+                let gs = g.grammar.unwrap_or_default();
+                mask_med.push(gs.mask_us_median);
+                mask_mean.push(gs.mask_us_mean);
+                stall.push(gs.stall_us_mean);
+                tokens.push(g.generated_tokens as f64);
+                forced.push(gs.forced_tokens as f64);
+            }
+        }
+        let med = |v: &mut Vec<f64>| figure(String::new(), std::mem::take(v)).median_tok_s;
+        let (fp, fc) = (
+            figure(format!("tg{} unconstrained", a.n_gen), plain),
+            figure(format!("tg{} constrained", a.n_gen), constrained),
+        );
+        let ratio = fc.median_tok_s / fp.median_tok_s;
+        let g = serde_json::json!({
+            "ratio": ratio,
+            "mask_us_median": med(&mut mask_med),
+            "mask_us_mean": med(&mut mask_mean),
+            "stall_us_mean": med(&mut stall),
+            "generated_tokens": med(&mut tokens),
+            "forced_tokens": med(&mut forced),
+        });
+        if !a.json {
+            eprintln!(
+                "constrained / unconstrained decode: {:.0}% | per token: mask {:.0} us (median of run medians; mean {:.0} us), overlapped; wait for the mask {:.1} us | median {} tokens per constrained run, {} forced",
+                100.0 * ratio,
+                g["mask_us_median"].as_f64().unwrap_or(0.0),
+                g["mask_us_mean"].as_f64().unwrap_or(0.0),
+                g["stall_us_mean"].as_f64().unwrap_or(0.0),
+                g["generated_tokens"],
+                g["forced_tokens"],
+            );
+        } else {
+            grammar_json = Some(g);
+        }
+        figures.push(fp);
+        figures.push(fc);
+    } else if a.n_gen > 0 {
         let opts = GenerateOptions {
             max_tokens: a.n_gen + 1,
             ignore_eos: true,
@@ -267,6 +347,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "share_of_floor": tg.zip(floor).map(|(t, f)| t / f),
             "figures": figures,
             "speculative": spec_summary,
+            "grammar": grammar_json,
         });
         println!("{obj}");
     } else {

@@ -222,3 +222,41 @@ impl SpecArgs {
         Ok(o)
     }
 }
+
+/// Output constraints (grammar-constrained decoding through llguidance).
+#[derive(Args, Clone, Debug, Default)]
+#[group(multiple = false)]
+pub struct ConstraintArgs {
+    /// Constrain the output to JSON valid under this JSON Schema file.
+    #[arg(long, value_name = "FILE")]
+    pub json_schema: Option<std::path::PathBuf>,
+    /// Constrain the output to this Lark grammar file (llguidance's Lark dialect).
+    #[arg(long, value_name = "FILE")]
+    pub grammar: Option<std::path::PathBuf>,
+    /// Constrain the output to match this regular expression.
+    #[arg(long, value_name = "RE")]
+    pub regex: Option<String>,
+    /// Constrain the output to any JSON object.
+    #[arg(long)]
+    pub json_object: bool,
+}
+
+impl ConstraintArgs {
+    pub fn constraint(&self) -> Result<Option<akunu_core::decode::Constraint>> {
+        use akunu_core::decode::Constraint;
+        let read = |p: &std::path::Path| {
+            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
+        };
+        Ok(if let Some(p) = &self.json_schema {
+            Some(Constraint::JsonSchema(read(p)?))
+        } else if let Some(p) = &self.grammar {
+            Some(Constraint::Lark(read(p)?))
+        } else if let Some(r) = &self.regex {
+            Some(Constraint::Regex(r.clone()))
+        } else if self.json_object {
+            Some(Constraint::JsonObject)
+        } else {
+            None
+        })
+    }
+}

@@ -8,7 +8,7 @@ mod synth;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
-use load::{EngineArgs, ModelArgs, SamplingArgs};
+use load::{ConstraintArgs, EngineArgs, ModelArgs, SamplingArgs};
 use std::io::Write;
 
 #[derive(Parser)]
@@ -73,6 +73,8 @@ struct GenerateArgs {
     sampling: SamplingArgs,
     #[command(flatten)]
     spec: load::SpecArgs,
+    #[command(flatten)]
+    constraint: ConstraintArgs,
     /// Most tokens to generate (0: evaluate the prompt only).
     #[arg(short = 'n', long = "max-tokens", default_value_t = 256)]
     max_tokens: u32,
@@ -177,7 +179,13 @@ fn prompt_tokens(model: &akunu_core::model::Model, p: &PromptArgs) -> Result<Vec
 fn generate(a: GenerateArgs) -> Result<()> {
     let model = load::model(&a.model)?;
     let prompt = prompt_tokens(&model, &a.prompt)?;
+    let constraint = a.constraint.constraint()?;
     let mut engine = load::engine(model.clone(), &a.engine)?;
+    if let Some(c) = &constraint {
+        // An invalid schema, grammar or expression fails here, before any
+        // generation.
+        engine.compile_constraint(c)?;
+    }
     if !a.json {
         eprintln!(
             "akunu: {} on {}",
@@ -191,6 +199,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         sampling: a.sampling.config()?,
         speculative: a.spec.speculative,
         spec: a.spec.options()?,
+        constraint,
         ..Default::default()
     };
     let mut ids = Vec::new();
@@ -245,6 +254,17 @@ fn generate(a: GenerateArgs) -> Result<()> {
                 sp.verify_passes,
                 sp.tokens_per_pass,
                 sp.plain_steps
+            );
+        }
+        if let Some(g) = &stats.grammar {
+            eprintln!(
+                "akunu: grammar: {} masks, {:.0} us median ({:.0} mean, {:.0} max) overlapped with the forward pass, {:.0} us mean wait for a mask, {} forced tokens",
+                g.masks,
+                g.mask_us_median,
+                g.mask_us_mean,
+                g.mask_us_max,
+                g.stall_us_mean,
+                g.forced_tokens
             );
         }
         if stats.stop_reason == akunu_core::decode::StopReason::ContextFull {

@@ -460,3 +460,64 @@ pub fn build_verify_table(
     }
     Ok((t, sampler))
 }
+
+/// The tables of grammar-constrained decode. The forward pass ends at the
+/// logits (the greedy table without its argmax), so that the host can
+/// compute the grammar mask while it runs; the tails then apply the mask
+/// and choose the token.
+#[derive(Clone, Debug)]
+pub struct GrammarTables {
+    /// Embedding to logits: one step feeds any number of rows (the pending
+    /// token plus the tokens the grammar forces).
+    pub forward: DispatchTable,
+    /// `GrammarBitmask -> Argmax`.
+    pub greedy_tail: DispatchTable,
+    /// `GrammarBitmask -> GumbelSample -> Argmax`.
+    pub sampled_tail: DispatchTable,
+    /// Index of the `GumbelSample` command in `sampled_tail`.
+    pub sampler_cmd: usize,
+}
+
+/// Builds the grammar tables; `mask` is a buffer of `ceil(n_vocab / 32)`
+/// u32 words (bit `i % 32` of word `i / 32` allows token `i`).
+pub fn build_grammar_tables(
+    inp: &BuildInputs,
+    mask: BufferId,
+) -> Result<GrammarTables, MissingWeight> {
+    let mut forward = build_dispatch_table(inp)?;
+    let argmax_cmd = forward.commands.pop().expect("the table ends with argmax");
+    let argmax_label = forward.labels.pop().unwrap_or_default();
+    debug_assert_eq!(argmax_cmd.kernel, KernelId::Argmax);
+    let (sampled, at) = build_sampled_table(inp)?;
+    let gumbel_cmd = sampled.commands[at];
+    let n_vocab = inp.cfg.n_vocab;
+    let tail = |with_sampler: bool| {
+        let mut t = DispatchTable {
+            max_rows: inp.max_rows,
+            ..Default::default()
+        };
+        CmdBuilder::new(&mut t, KernelId::GrammarBitmask, 1)
+            .buf(inp.scratch.logits, 0)
+            .buf(mask, 0)
+            .params(&BitmaskParams {
+                n_vocab,
+                _pad: [0; 3],
+            })
+            .last_row()
+            .label("grammar_bitmask")
+            .emit();
+        if with_sampler {
+            t.commands.push(gumbel_cmd);
+            t.labels.push("gumbel_sample".into());
+        }
+        t.commands.push(argmax_cmd);
+        t.labels.push(argmax_label.clone());
+        t
+    };
+    Ok(GrammarTables {
+        forward,
+        greedy_tail: tail(false),
+        sampled_tail: tail(true),
+        sampler_cmd: 1,
+    })
+}

@@ -3,9 +3,11 @@
 
 use crate::backend::{Backend, BackendError, BufferRead, ChainRequest};
 use crate::builder::{
-    BuildInputs, KvBuffers, MissingWeight, RECENT_BYTES, RECENT_CAPACITY, Scratch, WeightBuf,
-    build_dispatch_table, build_sampled_table, build_verify_table, sample_params,
+    BuildInputs, GrammarTables, KvBuffers, MissingWeight, RECENT_BYTES, RECENT_CAPACITY, Scratch,
+    WeightBuf, build_dispatch_table, build_grammar_tables, build_sampled_table, build_verify_table,
+    sample_params,
 };
+use crate::grammar::GrammarCompiler;
 use crate::model::Model;
 use crate::sampling::SamplingConfig;
 use crate::speculative::{MAX_DRAFT, NgramPredictor, SpecOptions};
@@ -45,6 +47,13 @@ pub enum EngineError {
     Sampling(#[from] crate::sampling::SamplingError),
     #[error("{0}")]
     Unsupported(String),
+    /// A constraint that does not compile: `kind` names what was given
+    /// ("JSON schema", "Lark grammar", "regular expression").
+    #[error("invalid {kind}: {message}")]
+    InvalidConstraint { kind: &'static str, message: String },
+    /// The grammar matcher failed during generation.
+    #[error("grammar matcher: {0}")]
+    Grammar(String),
 }
 
 #[derive(Clone, Debug)]
@@ -150,6 +159,27 @@ pub enum StopReason {
     ContextFull,
     /// `max_tokens` was 0: only the prompt was evaluated.
     PromptOnly,
+    /// The grammar is complete: it allows no token but end of generation.
+    GrammarComplete,
+}
+
+/// What the grammar path spent on the host, per token.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct GrammarStats {
+    /// Masks computed (one per sampled or argmax token).
+    pub masks: u32,
+    /// Mask computation time (overlapped with the forward pass), microseconds.
+    pub mask_us_mean: f64,
+    pub mask_us_median: f64,
+    pub mask_us_max: f64,
+    /// Time the decode loop waited for a mask after its forward pass was
+    /// done (the stall the overlap leaves), mean per mask, microseconds.
+    pub stall_us_mean: f64,
+    /// Host work between the token's choice and the next forward pass
+    /// (advancing the matcher, finding forced tokens), mean per mask, µs.
+    pub advance_us_mean: f64,
+    /// Tokens the grammar forced (fed in batches, no mask or sampling).
+    pub forced_tokens: u32,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -178,6 +208,8 @@ pub struct Stats {
     pub delivery_us: Option<(f32, f32)>,
     /// Speculative decode figures (speculative path only).
     pub speculative: Option<SpecStats>,
+    /// Grammar path only: mask and matcher timings.
+    pub grammar: Option<GrammarStats>,
 }
 
 /// What speculative decoding did in one `generate` call.
@@ -204,7 +236,7 @@ pub struct SpecStats {
 /// One model on one backend with its KV cache: the unit that generates.
 pub struct Engine {
     pub model: Arc<Model>,
-    backend: Box<dyn Backend>,
+    pub(crate) backend: Box<dyn Backend>,
     table: DispatchTable,
     /// The greedy table plus the in-chain sampling command.
     sampled: DispatchTable,
@@ -219,18 +251,25 @@ pub struct Engine {
     verify_logits: BufferId,
     /// Most rows of a verification step (1 + the longest draft).
     verify_rows: u32,
-    scratch: Scratch,
-    capacity: u32,
+    /// The grammar path's forward table and mask-applying tails.
+    pub(crate) grammar: GrammarTables,
+    /// The grammar mask: `ceil(n_vocab / 32)` u32 words.
+    pub(crate) mask_buf: BufferId,
+    /// Built on the first constrained generation, then reused.
+    pub(crate) grammar_compiler: Option<Arc<GrammarCompiler>>,
+    pub(crate) scratch: Scratch,
+    pub(crate) capacity: u32,
     chunk: u32,
-    prefill_chunk: u32,
+    pub(crate) prefill_chunk: u32,
     /// Tokens whose K and V are in the cache.
-    pos: u32,
-    /// The last generated token, emitted but not yet fed to the model.
-    pending: Option<u32>,
-    /// Every token of the sequence so far (fed ones and the pending one).
-    history: Vec<u32>,
+    pub(crate) pos: u32,
+    /// Generated tokens emitted but not yet fed to the model (at most one,
+    /// except after the grammar path forced several at the end).
+    pub(crate) pending: Vec<u32>,
+    /// Every token of the sequence so far (fed ones and the pending ones).
+    pub(crate) history: Vec<u32>,
     /// Receives the logits behind every generated token (tests, tools).
-    probe: Option<LogitsProbe>,
+    pub(crate) probe: Option<LogitsProbe>,
     /// Decode through `Backend::decode_chain` (true) or step by step with
     /// a read-back per token (profiling, tests).
     chain_decode: bool,
@@ -325,6 +364,8 @@ impl Engine {
         };
         let table = build_dispatch_table(&inputs)?;
         let (sampled, sampler_cmd) = build_sampled_table(&inputs)?;
+        let mask_buf = backend.alloc(cfg.n_vocab.div_ceil(32) as u64 * 4, "grammar mask")?;
+        let grammar = build_grammar_tables(&inputs, mask_buf)?;
         backend.validate(&table)?;
         backend.validate(&sampled)?;
         let verify_rows = (MAX_DRAFT + 1).min(opts.prefill_chunk);
@@ -338,6 +379,9 @@ impl Engine {
         let verify_sampler_cmd = verify_sampler_cmd.expect("the sampled table has a sampler");
         backend.validate(&verify)?;
         backend.validate(&verify_sampled)?;
+        backend.validate(&grammar.forward)?;
+        backend.validate(&grammar.greedy_tail)?;
+        backend.validate(&grammar.sampled_tail)?;
         Ok(Engine {
             model,
             backend,
@@ -349,12 +393,15 @@ impl Engine {
             verify_sampler_cmd,
             verify_logits,
             verify_rows,
+            grammar,
+            mask_buf,
+            grammar_compiler: None,
             scratch,
             capacity,
             chunk: opts.chunk,
             prefill_chunk: opts.prefill_chunk,
             pos: 0,
-            pending: None,
+            pending: Vec::new(),
             history: Vec::new(),
             probe: None,
             chain_decode: true,
@@ -435,18 +482,22 @@ impl Engine {
     /// Forgets the conversation (the cache is overwritten, not cleared).
     pub fn reset(&mut self) {
         self.pos = 0;
-        self.pending = None;
+        self.pending.clear();
         self.history.clear();
     }
 
     /// Feeds `tokens` (plus the pending generated token, if any) through the
     /// model in prefill steps; returns the argmax after the last one.
-    fn prefill(&mut self, prompt: &[u32], sampled: bool) -> Result<Option<u32>, EngineError> {
+    pub(crate) fn prefill(
+        &mut self,
+        prompt: &[u32],
+        sampled: bool,
+    ) -> Result<Option<u32>, EngineError> {
         let n_vocab = self.model.config.n_vocab;
         if let Some(&id) = prompt.iter().find(|&&id| id >= n_vocab) {
             return Err(EngineError::BadToken { id, n_vocab });
         }
-        let mut feed: Vec<u32> = self.pending.into_iter().collect();
+        let mut feed: Vec<u32> = self.pending.clone();
         feed.extend_from_slice(prompt);
         if feed.is_empty() {
             return Ok(None);
@@ -471,7 +522,7 @@ impl Engine {
             seq.extend_from_slice(prompt);
         }
         let before_prompt = seq.len() - if sampled { prompt.len() } else { 0 };
-        let pend = usize::from(self.pending.is_some());
+        let pend = self.pending.len();
         let mut fed = 0usize;
         for chunk in feed.chunks(self.prefill_chunk as usize) {
             let bytes: Vec<u8> = chunk.iter().flat_map(|t| t.to_le_bytes()).collect();
@@ -494,7 +545,7 @@ impl Engine {
                     .read_u32(self.scratch.token_ids, chunk.len() as u64)?,
             );
         }
-        self.pending = None;
+        self.pending.clear();
         self.history.extend_from_slice(prompt);
         Ok(next)
     }
@@ -502,7 +553,7 @@ impl Engine {
     /// Evaluates `prompt` (continuing the sequence) and returns the logits
     /// of its last position.
     pub fn eval_logits(&mut self, prompt: &[u32]) -> Result<Vec<f32>, EngineError> {
-        if prompt.is_empty() && self.pending.is_none() {
+        if prompt.is_empty() && self.pending.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
         self.prefill(prompt, false)?;
@@ -520,7 +571,7 @@ impl Engine {
         opts: &GenerateOptions,
         on_token: &mut dyn FnMut(u32, &str) -> bool,
     ) -> Result<Stats, EngineError> {
-        if prompt.is_empty() && self.pending.is_none() {
+        if prompt.is_empty() && self.pending.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
         let path = opts.decode_path();
@@ -531,11 +582,7 @@ impl Engine {
                 opts.spec.validate().map_err(EngineError::InvalidOption)?;
                 !opts.sampling.is_greedy()
             }
-            DecodePath::Grammar => {
-                return Err(EngineError::Unsupported(
-                    "grammar-constrained decoding is not available in this build yet".into(),
-                ));
-            }
+            DecodePath::Grammar => return self.generate_grammar(prompt, opts, on_token),
         };
         if sampled {
             opts.sampling.validate()?;
@@ -570,6 +617,7 @@ impl Engine {
             computed_after_end: None,
             delivery_us: None,
             speculative: None,
+            grammar: None,
         };
         if opts.max_tokens == 0 {
             return Ok(stats);
@@ -585,29 +633,27 @@ impl Engine {
         let is_stop =
             |id: u32| (!opts.ignore_eos && tok.is_eog(id)) || opts.stop_tokens.contains(&id);
         // Emits one generated token; returns whether generation goes on.
-        let mut emit = |id: u32,
-                        stats: &mut Stats,
-                        history: &mut Vec<u32>,
-                        pending: &mut Option<u32>|
-         -> bool {
-            if is_stop(id) {
-                stats.stop_reason = StopReason::Eos;
-                return false;
-            }
-            stats.generated_tokens += 1;
-            history.push(id);
-            *pending = Some(id);
-            let text = stream.push(id).unwrap_or_default();
-            if !on_token(id, &text) {
-                stats.stop_reason = StopReason::Cancelled;
-                return false;
-            }
-            if stats.generated_tokens >= opts.max_tokens {
-                stats.stop_reason = StopReason::MaxTokens;
-                return false;
-            }
-            true
-        };
+        let mut emit =
+            |id: u32, stats: &mut Stats, history: &mut Vec<u32>, pending: &mut Vec<u32>| -> bool {
+                if is_stop(id) {
+                    stats.stop_reason = StopReason::Eos;
+                    return false;
+                }
+                stats.generated_tokens += 1;
+                history.push(id);
+                pending.clear();
+                pending.push(id);
+                let text = stream.push(id).unwrap_or_default();
+                if !on_token(id, &text) {
+                    stats.stop_reason = StopReason::Cancelled;
+                    return false;
+                }
+                if stats.generated_tokens >= opts.max_tokens {
+                    stats.stop_reason = StopReason::MaxTokens;
+                    return false;
+                }
+                true
+            };
 
         let mut going = emit(first, &mut stats, &mut self.history, &mut self.pending);
         let mut delivery: Vec<f32> = Vec::new();
@@ -615,7 +661,9 @@ impl Engine {
             (path == DecodePath::Speculative).then(|| SpecState::new(&opts.spec, &self.history));
         let t1 = Instant::now();
         while going {
-            let Some(input) = self.pending else { break };
+            let Some(&input) = self.pending.last() else {
+                break;
+            };
             let room = self.capacity - self.pos;
             if room == 0 {
                 stats.stop_reason = StopReason::ContextFull;
@@ -694,7 +742,7 @@ impl Engine {
                         going = emit(id, &mut stats, &mut self.history, &mut self.pending);
                         if !going {
                             if stats.stop_reason == StopReason::Eos {
-                                self.pending = None;
+                                self.pending.clear();
                             }
                             break;
                         }
@@ -757,7 +805,7 @@ impl Engine {
                     going = emit(id, &mut stats, history, pending);
                     if !going && stats.stop_reason == StopReason::Eos {
                         // The EOS token is not part of the sequence.
-                        *pending = None;
+                        pending.clear();
                     }
                     going
                 };
@@ -797,7 +845,7 @@ impl Engine {
                         going = emit(id, &mut stats, history, pending);
                         if !going && stats.stop_reason == StopReason::Eos {
                             // The EOS token is not part of the sequence.
-                            *pending = None;
+                            pending.clear();
                         }
                         going
                     }
@@ -833,7 +881,11 @@ impl Engine {
     }
 
     /// Writes the recent-token buffer: header, then the window's ids.
-    fn write_recent(&mut self, chain_start: u32, window: &[u32]) -> Result<(), EngineError> {
+    pub(crate) fn write_recent(
+        &mut self,
+        chain_start: u32,
+        window: &[u32],
+    ) -> Result<(), EngineError> {
         let hdr = crate::ops::RecentHeader {
             chain_start,
             n: window.len() as u32,
@@ -861,7 +913,7 @@ impl Engine {
     }
 }
 
-fn rate(n: u32, ms: f64) -> f64 {
+pub(crate) fn rate(n: u32, ms: f64) -> f64 {
     if ms > 0.0 { n as f64 * 1e3 / ms } else { 0.0 }
 }
 

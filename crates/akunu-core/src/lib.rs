@@ -10,6 +10,7 @@ pub mod dtype;
 pub mod fetch;
 pub mod gguf;
 pub mod gguf_write;
+pub mod grammar;
 pub mod model;
 pub mod ops;
 pub mod quantize;

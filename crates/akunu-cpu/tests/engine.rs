@@ -376,13 +376,23 @@ fn decode_path_selection() {
         DecodePath::Grammar,
         "a grammar wins over everything"
     );
-    // Paths whose issues have not landed are clear errors, not silent fallbacks.
+    // The grammar path runs (crates/akunu-cpu/tests/grammar.rs tests it).
     let m = tiny_model(DType::F32);
     let p = prompt(&m);
-    let err = engine(&m, 4, 1)
+    let st = engine(&m, 4, 1)
         .generate(&p, &o, &mut |_, _| true)
+        .expect("grammar path");
+    assert_eq!(st.path, DecodePath::Grammar);
+    // Paths whose issues have not landed are clear errors, not silent fallbacks.
+    let spec = GenerateOptions {
+        speculative: true,
+        max_tokens: 4,
+        ..Default::default()
+    };
+    let err = engine(&m, 4, 1)
+        .generate(&p, &spec, &mut |_, _| true)
         .unwrap_err();
-    assert!(err.to_string().contains("grammar"), "{err}");
+    assert!(err.to_string().contains("speculative"), "{err}");
     // Invalid sampling values are errors before any work.
     let mut bad = sampled_opts(4, 1);
     bad.sampling.top_p = 1.5;
