@@ -12,7 +12,7 @@
 #                                 (the GPU machine keeps files while warm).
 #   scripts/gpu.sh run WHAT...    (on the GPU machine, from the repository
 #                                 root, with .gpu carried) runs, in order,
-#                                 each WHAT of: tests, sanitize, bench, profile, trace,
+#                                 each WHAT of: tests, sanitize, bench, profile, trace, features,
 #                                 model-part1, model-part2, model-part3,
 #                                 model. Logs go to $OUT (or ./gpu-out),
 #                                 a summary to stdout.
@@ -158,6 +158,25 @@ trace() {
     tail -5 "$OUTDIR/dmon.log"
 }
 
+features() {
+    echo "== speculative and grammar-constrained decode on the default model"
+    if [ ! -f "$MODEL" ]; then
+        echo "default model missing: run model-part1..3 and model first"
+        return 0
+    fi
+    local t
+    for t in repeat-code story; do
+        "$BIN/akunu" bench -m "$MODEL" --device cuda --prompt-file "bench/prompts/$t.txt" --chat \
+            -p 0 -n 128 -r 5 --no-bandwidth --speculative 2>&1 | tee "$OUTDIR/spec-$t.log" |
+            grep -E "tg128|speculative|error" | cut -c1-300 || true
+    done
+    "$BIN/akunu" bench -m "$MODEL" --device cuda -p 0 -n 64 -r 5 --no-bandwidth \
+        --json-schema bench/person.schema.json 2>&1 | tee "$OUTDIR/grammar.log" |
+        grep -E "tg64|constrained|error" | cut -c1-300 || true
+    "$BIN/akunu" generate -m "$MODEL" --device cuda --chat -p "Describe a cat as a JSON object." \
+        --json-schema bench/person.schema.json -n 96 2>&1 | tail -3
+}
+
 model_part() { # N
     cp ".gpu-part$1/model.part$1" "$STORE/model.part$1"
     cp ".gpu-part$1/model.sha256" "$STORE/model.sha256"
@@ -210,6 +229,7 @@ run)
         bench) bench ;;
         profile) profile ;;
         trace) trace ;;
+        features) features ;;
         model-part[123]) model_part "${what#model-part}" ;;
         model) model ;;
         *)
