@@ -27,6 +27,38 @@ pub enum BackendError {
     Device(String),
 }
 
+/// The check every backend's `validate` starts with: each binding of each
+/// command exists and holds what the command reads or writes for steps of
+/// up to `table.max_rows` rows (`ops::extents`). `buffer(id)` gives a
+/// buffer's length in bytes and its name.
+pub fn check_extents(
+    table: &DispatchTable,
+    buffer: &dyn Fn(BufferId) -> Result<(u64, String), BackendError>,
+) -> Result<(), BackendError> {
+    for (i, cmd) in table.commands.iter().enumerate() {
+        let fail = |why: String| BackendError::InvalidCommand {
+            index: i,
+            label: table.label(i).to_string(),
+            why,
+        };
+        let lens: Vec<u64> = cmd
+            .bindings()
+            .iter()
+            .map(|b| buffer(b.buffer).map(|(len, _)| len.saturating_sub(b.offset)))
+            .collect::<Result<_, _>>()?;
+        for (slot, need) in crate::ops::extents(cmd, table.max_rows).map_err(&fail)? {
+            if need > lens[slot] {
+                return Err(fail(format!(
+                    "binding {slot} ('{}') needs {need} bytes, has {}",
+                    buffer(cmd.buffers[slot].buffer)?.1,
+                    lens[slot]
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Read access to device buffers while a replay is paused at a step.
 pub trait BufferRead {
     fn read(&self, buf: BufferId, offset: u64, out: &mut [u8]) -> Result<(), BackendError>;

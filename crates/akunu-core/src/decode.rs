@@ -212,6 +212,35 @@ pub struct Stats {
     pub grammar: Option<GrammarStats>,
 }
 
+impl Stats {
+    /// The statistics of a `generate` call right after its prefill.
+    pub(crate) fn after_prefill(
+        prompt_tokens: u32,
+        prefill_ms: f64,
+        position: u32,
+        path: DecodePath,
+        seed: Option<u64>,
+    ) -> Stats {
+        Stats {
+            prompt_tokens,
+            prefill_ms,
+            prefill_tok_s: rate(prompt_tokens, prefill_ms),
+            generated_tokens: 0,
+            decode_ms: 0.0,
+            decode_tok_s: 0.0,
+            decode_steps: 0,
+            stop_reason: StopReason::PromptOnly,
+            position,
+            path,
+            seed,
+            computed_after_end: None,
+            delivery_us: None,
+            speculative: None,
+            grammar: None,
+        }
+    }
+}
+
 /// What speculative decoding did in one `generate` call.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct SpecStats {
@@ -602,23 +631,13 @@ impl Engine {
             .expect("prefill of a non-empty feed yields a token");
         let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
         let n_prompt = prompt.len() as u32;
-        let mut stats = Stats {
-            prompt_tokens: n_prompt,
+        let mut stats = Stats::after_prefill(
+            n_prompt,
             prefill_ms,
-            prefill_tok_s: rate(n_prompt, prefill_ms),
-            generated_tokens: 0,
-            decode_ms: 0.0,
-            decode_tok_s: 0.0,
-            decode_steps: 0,
-            stop_reason: StopReason::PromptOnly,
-            position: self.pos,
+            self.pos,
             path,
-            seed: sampled.then_some(opts.sampling.seed),
-            computed_after_end: None,
-            delivery_us: None,
-            speculative: None,
-            grammar: None,
-        };
+            sampled.then_some(opts.sampling.seed),
+        );
         if opts.max_tokens == 0 {
             return Ok(stats);
         }

@@ -237,23 +237,13 @@ impl Engine {
         pre?;
         let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
         let n_prompt = prompt.len() as u32;
-        let mut stats = Stats {
-            prompt_tokens: n_prompt,
+        let mut stats = Stats::after_prefill(
+            n_prompt,
             prefill_ms,
-            prefill_tok_s: rate(n_prompt, prefill_ms),
-            generated_tokens: 0,
-            decode_ms: 0.0,
-            decode_tok_s: 0.0,
-            decode_steps: 0,
-            stop_reason: StopReason::PromptOnly,
-            position: self.pos,
-            path: DecodePath::Grammar,
-            seed: sampled.then_some(opts.sampling.seed),
-            computed_after_end: None,
-            delivery_us: None,
-            speculative: None,
-            grammar: None,
-        };
+            self.pos,
+            DecodePath::Grammar,
+            sampled.then_some(opts.sampling.seed),
+        );
         if opts.max_tokens == 0 {
             return Ok(stats);
         }

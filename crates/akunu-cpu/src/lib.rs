@@ -188,31 +188,9 @@ impl Backend for CpuBackend {
     }
 
     fn validate(&self, table: &DispatchTable) -> Result<(), BackendError> {
-        for (i, cmd) in table.commands.iter().enumerate() {
-            let fail = |why: String| BackendError::InvalidCommand {
-                index: i,
-                label: table.label(i).to_string(),
-                why,
-            };
-            let lens: Vec<u64> = cmd
-                .bindings()
-                .iter()
-                .map(|b| {
-                    self.buffer(b.buffer)
-                        .map(|buf| (buf.len as u64).saturating_sub(b.offset))
-                })
-                .collect::<Result<_, _>>()?;
-            for (slot, need) in akunu_core::ops::extents(cmd, table.max_rows).map_err(&fail)? {
-                if need > lens[slot] {
-                    return Err(fail(format!(
-                        "binding {slot} ('{}') needs {need} bytes, has {}",
-                        self.buffer(cmd.buffers[slot].buffer)?.what,
-                        lens[slot]
-                    )));
-                }
-            }
-        }
-        Ok(())
+        akunu_core::backend::check_extents(table, &|id| {
+            self.buffer(id).map(|b| (b.len as u64, b.what.clone()))
+        })
     }
 
     fn command_times(&self) -> Option<Vec<(std::time::Duration, u64)>> {

@@ -443,26 +443,11 @@ impl Backend for CudaBackend {
     }
 
     fn validate(&self, table: &DispatchTable) -> Result<(), BackendError> {
+        akunu_core::backend::check_extents(table, &|id| {
+            self.buffer(id).map(|b| (b.len, b.what.clone()))
+        })?;
         for (i, cmd) in table.commands.iter().enumerate() {
-            let fail = |why: String| invalid(table, i, why);
-            let lens: Vec<u64> = cmd
-                .bindings()
-                .iter()
-                .map(|b| {
-                    self.buffer(b.buffer)
-                        .map(|buf| buf.len.saturating_sub(b.offset))
-                })
-                .collect::<Result<_, _>>()?;
-            for (slot, need) in akunu_core::ops::extents(cmd, table.max_rows).map_err(&fail)? {
-                if need > lens[slot] {
-                    return Err(fail(format!(
-                        "binding {slot} ('{}') needs {need} bytes, has {}",
-                        self.buffer(cmd.buffers[slot].buffer)?.what,
-                        lens[slot]
-                    )));
-                }
-            }
-            launch::check_patch(cmd).map_err(&fail)?;
+            launch::check_patch(cmd).map_err(|why| invalid(table, i, why))?;
         }
         Ok(())
     }
