@@ -12,7 +12,8 @@
 #                                 (the GPU machine keeps files while warm).
 #   scripts/gpu.sh run WHAT...    (on the GPU machine, from the repository
 #                                 root, with .gpu carried) runs, in order,
-#                                 each WHAT of: tests, sanitize, bench, profile, trace, features,
+#                                 each WHAT of: tests, sanitize, bench, profile, profile-big,
+#                                 trace, features,
 #                                 model-part1, model-part2, model-part3,
 #                                 model. Logs go to $OUT (or ./gpu-out),
 #                                 a summary to stdout.
@@ -145,6 +146,19 @@ profile() {
     "$BIN/akunu" profile -m "$f" --device cuda -n 32 2>&1 | tee "$OUTDIR/profile-smollm2.log" | head -40
 }
 
+profile_big() {
+    echo "== profile (synthetic llama-1b f16, llama-8b q4_0)"
+    local spec shape type f
+    for spec in ${PROFILE_SHAPES:-llama-1b:f16 llama-8b:q4_0}; do
+        shape=${spec%%:*}
+        type=${spec##*:}
+        f=$STORE/$shape-$type.gguf
+        [ -f "$f" ] || "$BIN/akunu" synth --shape "$shape" --type "$type" \
+            --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$f" 2>&1 | tail -1
+        "$BIN/akunu" profile -m "$f" --device cuda -n 16 2>&1 | tee "$OUTDIR/profile-$shape-$type.log" | head -24
+    done
+}
+
 trace() {
     echo "== chain trace (synthetic smollm2-135m q4_1) with SM clocks"
     local f=$STORE/smollm2-135m-q4_1.gguf
@@ -228,6 +242,7 @@ run)
         sanitize) sanitize ;;
         bench) bench ;;
         profile) profile ;;
+        profile-big) profile_big ;;
         trace) trace ;;
         features) features ;;
         model-part[123]) model_part "${what#model-part}" ;;

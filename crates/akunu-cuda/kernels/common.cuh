@@ -34,6 +34,9 @@ typedef unsigned char u8;
 typedef signed char i8;
 
 #define MAX_STOP 16
+// Bytes of per-head ticket counters in front of the decode-attention
+// partials (launch.rs ATTN_TICKET_BYTES).
+#define ATTN_TICKET_BYTES 4096
 
 // Device-resident control block of a chain (one per backend).
 struct Ctl {

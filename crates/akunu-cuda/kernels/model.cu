@@ -24,29 +24,64 @@ __device__ __forceinline__ u64 row_bytes_of(u32 dt, u32 k) {
     }
 }
 
-// Element `e` of a row of type `dt`, dequantized (GGML block layouts).
-__device__ __forceinline__ float load_elem(u32 dt, const u8* __restrict__ row, u32 e) {
+// Repacked weights. GGML's Q4_0/Q4_1/Q8_0 blocks are 18/20/34 bytes, so
+// their quants are only 2-byte aligned and a warp reading them in place
+// issues many narrow loads. The backend repacks every such tensor when it
+// uploads it (lib.rs, `repack_blocks`): for a tensor of R rows of nb blocks
+// it stores all the blocks' quant bytes first, [R * nb][QB], then all their
+// scales, [R * nb][SB] (d, or d and m for Q4_1). The size is unchanged and
+// the quants of every row are 16-byte aligned. Kernels need the tensor's
+// row count to find the scales; the host checks that such tensors are
+// always bound whole.
+__device__ __forceinline__ bool is_repacked(u32 dt) {
+    return dt == DT_Q4_0 || dt == DT_Q4_1 || dt == DT_Q8_0;
+}
+__device__ __forceinline__ u32 quant_bytes(u32 dt) { return dt == DT_Q8_0 ? 32 : 16; }
+__device__ __forceinline__ u32 scale_bytes(u32 dt) { return dt == DT_Q4_1 ? 4 : 2; }
+
+// One weight row: `w` is its first byte (its quants, when repacked) and
+// `sc` its scales (repacked types only).
+struct WRow {
+    const u8* w;
+    const u8* sc;
+};
+
+__device__ __forceinline__ WRow weight_row(const u8* base, u32 dt, u32 k, u64 n_rows, u64 row) {
+    WRow r;
+    if (is_repacked(dt)) {
+        const u64 nb = k >> 5;
+        const u64 qb = quant_bytes(dt);
+        r.w = base + row * nb * qb;
+        r.sc = base + n_rows * nb * qb + row * nb * scale_bytes(dt);
+    } else {
+        r.w = base + row * row_bytes_of(dt, k);
+        r.sc = nullptr;
+    }
+    return r;
+}
+
+// Element `e` of a weight row of type `dt`, dequantized.
+__device__ __forceinline__ float load_elem(u32 dt, WRow row, u32 e) {
     switch (dt) {
-    case DT_F32: return ((const float*)row)[e];
-    case DT_F16: return f16_to_f32(ld_u16(row + 2 * (u64)e));
-    case DT_BF16: return bf16_to_f32(ld_u16(row + 2 * (u64)e));
+    case DT_F32: return ((const float*)row.w)[e];
+    case DT_F16: return f16_to_f32(ld_u16(row.w + 2 * (u64)e));
+    case DT_BF16: return bf16_to_f32(ld_u16(row.w + 2 * (u64)e));
     case DT_Q8_0: {
-        const u8* blk = row + (u64)(e >> 5) * 34;
-        return f16_to_f32(ld_u16(blk)) * (float)(i8)blk[2 + (e & 31)];
+        const u32 blk = e >> 5;
+        return f16_to_f32(ld_u16(row.sc + 2 * blk)) * (float)(i8)row.w[32 * blk + (e & 31)];
     }
     case DT_Q4_0: {
-        const u8* blk = row + (u64)(e >> 5) * 18;
-        u32 j = e & 31;
-        u32 q = blk[2 + (j & 15)];
-        int nib = (int)(j < 16 ? (q & 15) : (q >> 4));
-        return f16_to_f32(ld_u16(blk)) * (float)(nib - 8);
+        const u32 blk = e >> 5, j = e & 31;
+        const u32 q = row.w[16 * blk + (j & 15)];
+        const int nib = (int)(j < 16 ? (q & 15) : (q >> 4));
+        return f16_to_f32(ld_u16(row.sc + 2 * blk)) * (float)(nib - 8);
     }
     default: {  // Q4_1
-        const u8* blk = row + (u64)(e >> 5) * 20;
-        u32 j = e & 31;
-        u32 q = blk[4 + (j & 15)];
-        u32 nib = j < 16 ? (q & 15) : (q >> 4);
-        return f16_to_f32(ld_u16(blk)) * (float)nib + f16_to_f32(ld_u16(blk + 2));
+        const u32 blk = e >> 5, j = e & 31;
+        const u32 q = row.w[16 * blk + (j & 15)];
+        const u32 nib = j < 16 ? (q & 15) : (q >> 4);
+        const u8* dm = row.sc + 4 * blk;
+        return f16_to_f32(ld_u16(dm)) * (float)nib + f16_to_f32(ld_u16(dm + 2));
     }
     }
 }
@@ -101,7 +136,7 @@ __device__ __forceinline__ u32 gemv_total_rows(const GemvParams& p) {
 
 // Output row `o` of a product, resolved to its weight segment.
 struct SegRow {
-    const u8* w;        // start of the weight row
+    WRow row;           // the weight row
     const float* bias;  // its bias, or null
     u32 dt;             // weight dtype
 };
@@ -117,9 +152,9 @@ __device__ __forceinline__ SegRow seg_row(const Bind& b, const GemvParams& p, u3
         }
     }
     SegRow g;
-    u32 local = o - off;
+    const u32 local = o - off;
     g.dt = pick3(p.dtype, s);
-    g.w = (const u8*)bind_at(b, 2 + s) + (u64)local * row_bytes_of(g.dt, p.k);
+    g.row = weight_row((const u8*)bind_at(b, 2 + s), g.dt, p.k, pick3(p.n, s), local);
     g.bias = p.bias ? (const float*)bind_at(b, 2 + p.n_seg + s) + local : nullptr;
     return g;
 }
@@ -141,7 +176,7 @@ k_embedding(Bind b, EmbedParams p, StepArg a) {
     u32 id = ((const u32*)b.p[0])[slot];
     // Out-of-range ids are clamped to the last row, as the CPU backend does.
     if (id >= p.n_vocab) id = p.n_vocab - 1;
-    const u8* __restrict__ row = (const u8*)b.p[1] + (u64)id * row_bytes_of(p.dtype, p.dim);
+    const WRow row = weight_row((const u8*)b.p[1], p.dtype, p.dim, p.n_vocab, id);
     float* __restrict__ out = (float*)b.p[2] + (u64)r * p.dim;
     for (u32 e = threadIdx.x; e < p.dim; e += blockDim.x)
         out[e] = load_elem(p.dtype, row, e) * p.scale;
@@ -211,87 +246,198 @@ k_residual_rmsnorm(Bind b, NormParams p, StepArg a) {
 // ---------------------------------------------------------------------------
 // GEMV (decode and short steps: 1..4 input rows)
 //
-// grid.x = ceil(total_rows / 8), block 256 = 8 warps, dynamic shared memory
-// rows * k * 4 bytes. The block first stages its input rows (activation
-// applied) in shared memory; then warp w computes output row
-// blockIdx.x * 8 + w for every input row, streaming its weight row once.
+// Block = 8 warps, dynamic shared memory holding the staged input rows. Each warp computes `rpw` output
+// rows (1 or 2) side by side, so that every input value it reads from
+// shared memory serves rpw weights: with 4-bit weights, one input float per
+// weight would saturate shared-memory bandwidth long before DRAM's. The grid
+// is what stays resident (launch.rs), and each block walks row groups of
+// 8 * rpw rows, so the input is staged once per block.
 //
-// Quantized rows: four lanes share a 32-element block, each dequantizing 8
-// of its elements, so a warp covers 8 consecutive blocks per step. Lanes of
-// odd blocks read their two float4s of x in the opposite order, which makes
-// every quarter-warp's shared-memory access conflict-free (quant blocks are
-// only 2-byte aligned, so their bytes are read with 16-bit loads). Plain
-// rows: lanes take consecutive runs of 8 (F16/BF16, 16-byte loads) or 4
-// (F32 16-byte, F16 8-byte loads) elements when the row is aligned, single
-// elements otherwise. Each warp prefetches its weight row into L2 before
-// the staging barrier so the two overlap.
-// Per-row accumulators live in registers (unrolled over at most 4 rows).
+// Before waiting on the previous kernel (programmatic dependent launch),
+// each warp prefetches its first rows' weights into L2: weights are
+// constant, so their DRAM latency overlaps the previous kernel's tail. Then
+// the block stages its input rows: activation applied, or RMS-normalised
+// (the launcher's norm fusion: the input is the residual stream h and the
+// staged row is rmsnorm(h) * w_norm, which replaces a separate norm kernel).
+//
+// Staged rows are padded: element e lives at xs_at(e) = e + 4 * (e / 32),
+// so that lanes reading 32-element groups at a stride of one group hit
+// distinct banks. Quantized rows (repacked layout, see weight_row): each
+// lane takes whole blocks, 16 (Q4) or 32 (Q8) bytes of quants with 16-byte
+// loads, so a warp reads 32 consecutive blocks (512 or 1024 bytes) per
+// iteration. F16/BF16 lanes take runs of 8 elements (16-byte loads), F32
+// runs of 4, when the row is aligned; single elements otherwise. Every loop
+// issues several iterations' loads before using any, to keep enough bytes
+// in flight. Accumulators live in registers (unrolled over rpw output rows
+// and at most 4 input rows).
 // ---------------------------------------------------------------------------
 
 #define GEMV_MAX_ROWS 4
+#define GEMV_MAX_WARPS 16
+#define GEMV_RPW 2  // most output rows per warp
+
+// Launch extras of k_gemv (launch.rs `GemvExtra`).
+struct GemvExtra {
+    const float* norm_w;  // non-null: stage rmsnorm(x) * norm_w (one input row)
+    float norm_eps;
+    u32 _pad;
+};
+
+// Padded shared-memory index of input element e, and a staged row's length.
+__device__ __forceinline__ u32 xs_at(u32 e) { return e + ((e >> 5) << 2); }
+__device__ __forceinline__ u32 xs_row(u32 k) { return ((k + 31) >> 5) * 36; }
 
 __device__ __forceinline__ float dot4(float4 a, float w0, float w1, float w2, float w3) {
     return a.x * w0 + a.y * w1 + a.z * w2 + a.w * w3;
 }
 
-__device__ __forceinline__ void gemv_q8_0(const u8* __restrict__ w, const float* __restrict__ xs,
-                                          u32 k, u32 rows, u32 lane, float (&acc)[GEMV_MAX_ROWS]) {
-    const u32 nb = k >> 5, s = lane & 3, par = (lane >> 2) & 1;
-#pragma unroll 2
-    for (u32 blk = lane >> 2; blk < nb; blk += 8) {
-        const u8* q = w + (u64)blk * 34;
-        const float d = f16_to_f32(ld_u16(q));
-        const u8* qs = q + 2 + 8 * s;
-        const u32 h0 = ld_u16(qs), h1 = ld_u16(qs + 2), h2 = ld_u16(qs + 4), h3 = ld_u16(qs + 6);
-        const float w0 = (float)(i8)(h0 & 0xff), w1 = (float)(i8)(h0 >> 8);
-        const float w2 = (float)(i8)(h1 & 0xff), w3 = (float)(i8)(h1 >> 8);
-        const float w4 = (float)(i8)(h2 & 0xff), w5 = (float)(i8)(h2 >> 8);
-        const float w6 = (float)(i8)(h3 & 0xff), w7 = (float)(i8)(h3 >> 8);
-        const float* xb = xs + blk * 32 + 8 * s;
+// Small integers to float without the conversion unit (I2F runs at a
+// quarter of the ALU rate and would bound 4-bit products): OR the integer
+// into the mantissa of 2^23 and subtract 2^23 plus an offset. Exact for
+// integers below 2^23.
+#define F_2P23 8388608.0f
+__device__ __forceinline__ float u_to_f(u32 v, float minus) {
+    return __int_as_float((int)(v | 0x4B000000u)) - minus;
+}
+
+// sum_b (1 + nibble_b / 16) * x_b over the 4 nibbles of `word` at bits
+// `lo` + 8b .. + 3 (lo = 0 or 4): each nibble is placed straight into the
+// top mantissa bits of 1.0f, two integer operations and no float add per
+// weight. The caller recovers sum(q x) = 16 * (that - sum(x)); the
+// rounding error this adds is about 1e-6 of the block's product.
+template <u32 S>
+__device__ __forceinline__ float nib_one_plus(u32 word) {  // nibble at bit S
+    u32 at19;
+    if constexpr (S <= 19) at19 = word << (19 - S);
+    else at19 = word >> (S - 19);
+    return __int_as_float((int)((at19 & (0xFu << 19)) | 0x3F800000u));
+}
+template <u32 LO>
+__device__ __forceinline__ float dot_nib4(u32 word, float4 x) {
+    return dot4(x, nib_one_plus<LO>(word), nib_one_plus<8 + LO>(word), nib_one_plus<16 + LO>(word),
+                nib_one_plus<24 + LO>(word));
+}
+
+// sum_b (i8)byte_b * x_b over the word's 4 bytes (byte ^ 0x80 = q + 128).
+__device__ __forceinline__ float dot_i8x4(u32 word, float4 x) {
+    const u32 u = word ^ 0x80808080u;
+    const float minus = F_2P23 + 128.0f;
+    return dot4(x, u_to_f(u & 0xff, minus), u_to_f((u >> 8) & 0xff, minus),
+                u_to_f((u >> 16) & 0xff, minus), u_to_f(u >> 24, minus));
+}
+
+__device__ __forceinline__ float hsum4(float4 x) { return (x.x + x.y) + (x.z + x.w); }
+
+typedef float GemvAcc[GEMV_RPW][GEMV_MAX_ROWS];  // [output row][input row]
+
+// Loads in flight per lane per output row (halved with two rows).
+#define Q8_U 2
+#define Q4_U 4
+#define F16_U 4
+#define F32_U 4
+
+template <int RPW>
+__device__ __forceinline__ void gemv_q8_0(const WRow* __restrict__ w, const float* __restrict__ xs,
+                                          u32 k, u32 rows, u32 lane, GemvAcc& acc) {
+    constexpr u32 U = Q8_U / RPW > 0 ? Q8_U / RPW : 1;
+    constexpr u32 MAXR = RPW == 2 ? 1 : GEMV_MAX_ROWS;  // two output rows: one input row
+    const u32 nb = k >> 5, ks = xs_row(k);
+    for (u32 b0 = 0; b0 < nb; b0 += 32 * U) {
+        uint4 q0[RPW][U], q1[RPW][U];
+        u32 dh[RPW][U];
 #pragma unroll
-        for (u32 r = 0; r < GEMV_MAX_ROWS; ++r) {
-            if (r < rows) {
-                const float4 u = *(const float4*)(xb + r * k + 4 * par);
-                const float4 v = *(const float4*)(xb + r * k + 4 * (1 - par));
-                const float4 lo = par ? v : u, hi = par ? u : v;
-                acc[r] += d * (dot4(lo, w0, w1, w2, w3) + dot4(hi, w4, w5, w6, w7));
+        for (u32 u = 0; u < U; ++u) {
+            const u32 blk = b0 + u * 32 + lane;
+            if (blk < nb) {
+#pragma unroll
+                for (u32 o = 0; o < RPW; ++o) {
+                    const uint4* qp = (const uint4*)(w[o].w + (u64)blk * 32);
+                    q0[o][u] = qp[0];
+                    q1[o][u] = qp[1];
+                    dh[o][u] = ld_u16(w[o].sc + 2 * (u64)blk);
+                }
+            }
+        }
+#pragma unroll
+        for (u32 u = 0; u < U; ++u) {
+            const u32 blk = b0 + u * 32 + lane;
+            if (blk < nb) {
+                const float* xb = xs + blk * 36;
+#pragma unroll
+                for (u32 r = 0; r < MAXR; ++r) {
+                    if (r < rows) {
+                        const float4* x4 = (const float4*)(xb + r * ks);
+                        const float4 a0 = x4[0], a1 = x4[1], a2 = x4[2], a3 = x4[3];
+                        const float4 a4 = x4[4], a5 = x4[5], a6 = x4[6], a7 = x4[7];
+#pragma unroll
+                        for (u32 o = 0; o < RPW; ++o) {
+                            const float s = dot_i8x4(q0[o][u].x, a0) + dot_i8x4(q0[o][u].y, a1) +
+                                            dot_i8x4(q0[o][u].z, a2) + dot_i8x4(q0[o][u].w, a3) +
+                                            dot_i8x4(q1[o][u].x, a4) + dot_i8x4(q1[o][u].y, a5) +
+                                            dot_i8x4(q1[o][u].z, a6) + dot_i8x4(q1[o][u].w, a7);
+                            acc[o][r] += f16_to_f32((u16)dh[o][u]) * s;
+                        }
+                    }
+                }
             }
         }
     }
 }
 
-// Q4_0 and Q4_1: lane s of a block takes quant bytes 4s..4s+3, i.e.
-// elements 4s..4s+3 (low nibbles) and 16+4s..16+4s+3 (high nibbles).
-template <bool Q41>
-__device__ __forceinline__ void gemv_q4(const u8* __restrict__ w, const float* __restrict__ xs,
-                                        u32 k, u32 rows, u32 lane, float (&acc)[GEMV_MAX_ROWS]) {
-    const u32 nb = k >> 5, s = lane & 3, par = (lane >> 2) & 1;
-    const u32 bsz = Q41 ? 20 : 18, qoff = Q41 ? 4 : 2;
-    const float sub = Q41 ? 0.0f : 8.0f;
-#pragma unroll 2
-    for (u32 blk = lane >> 2; blk < nb; blk += 8) {
-        const u8* q = w + (u64)blk * bsz;
-        const float d = f16_to_f32(ld_u16(q));
-        const float m = Q41 ? f16_to_f32(ld_u16(q + 2)) : 0.0f;
-        const u8* qs = q + qoff + 4 * s;
-        const u32 h0 = ld_u16(qs), h1 = ld_u16(qs + 2);
-        const float l0 = (float)(h0 & 15) - sub, l1 = (float)((h0 >> 8) & 15) - sub;
-        const float l2 = (float)(h1 & 15) - sub, l3 = (float)((h1 >> 8) & 15) - sub;
-        const float g0 = (float)((h0 >> 4) & 15) - sub, g1 = (float)(h0 >> 12) - sub;
-        const float g2 = (float)((h1 >> 4) & 15) - sub, g3 = (float)(h1 >> 12) - sub;
-        const float* xb = xs + blk * 32 + 4 * s;
+// Q4_0 and Q4_1: quant byte j holds element j (low nibble) and 16 + j
+// (high nibble).
+template <bool Q41, int RPW>
+__device__ __forceinline__ void gemv_q4(const WRow* __restrict__ w, const float* __restrict__ xs,
+                                        u32 k, u32 rows, u32 lane, GemvAcc& acc) {
+    // Q4_1 carries the input sums too: fewer loads in flight, no spills.
+    constexpr u32 U = (Q41 ? Q4_U / 2 : Q4_U) / RPW > 0 ? (Q41 ? Q4_U / 2 : Q4_U) / RPW : 1;
+    constexpr u32 MAXR = RPW == 2 ? 1 : GEMV_MAX_ROWS;  // two output rows: one input row
+    const u32 nb = k >> 5, ks = xs_row(k);
+    for (u32 b0 = 0; b0 < nb; b0 += 32 * U) {
+        uint4 q[RPW][U];
+        u32 dm[RPW][U];
 #pragma unroll
-        for (u32 r = 0; r < GEMV_MAX_ROWS; ++r) {
-            if (r < rows) {
-                const float4 u = *(const float4*)(xb + r * k + 16 * par);
-                const float4 v = *(const float4*)(xb + r * k + 16 * (1 - par));
-                const float4 lo = par ? v : u, hi = par ? u : v;
-                const float dotq = dot4(lo, l0, l1, l2, l3) + dot4(hi, g0, g1, g2, g3);
-                if (Q41) {
-                    const float sx = (lo.x + lo.y + lo.z + lo.w) + (hi.x + hi.y + hi.z + hi.w);
-                    acc[r] += d * dotq + m * sx;
-                } else {
-                    acc[r] += d * dotq;
+        for (u32 u = 0; u < U; ++u) {
+            const u32 blk = b0 + u * 32 + lane;
+            if (blk < nb) {
+#pragma unroll
+                for (u32 o = 0; o < RPW; ++o) {
+                    q[o][u] = *(const uint4*)(w[o].w + (u64)blk * 16);
+                    dm[o][u] = Q41 ? *(const u32*)(w[o].sc + 4 * (u64)blk)
+                                   : (u32)ld_u16(w[o].sc + 2 * (u64)blk);
+                }
+            }
+        }
+#pragma unroll
+        for (u32 u = 0; u < U; ++u) {
+            const u32 blk = b0 + u * 32 + lane;
+            if (blk < nb) {
+                const float* xb = xs + blk * 36;
+#pragma unroll
+                for (u32 r = 0; r < MAXR; ++r) {
+                    if (r < rows) {
+                        const float4* x4 = (const float4*)(xb + r * ks);
+                        const float4 a0 = x4[0], a1 = x4[1], a2 = x4[2], a3 = x4[3];
+                        const float4 c0 = x4[4], c1 = x4[5], c2 = x4[6], c3 = x4[7];
+                        const float sx = (hsum4(a0) + hsum4(a1)) + (hsum4(a2) + hsum4(a3)) +
+                                         (hsum4(c0) + hsum4(c1)) + (hsum4(c2) + hsum4(c3));
+#pragma unroll
+                        for (u32 o = 0; o < RPW; ++o) {
+                            const uint4 v = q[o][u];
+                            const float s1 = dot_nib4<0>(v.x, a0) + dot_nib4<0>(v.y, a1) +
+                                             dot_nib4<0>(v.z, a2) + dot_nib4<0>(v.w, a3) +
+                                             dot_nib4<4>(v.x, c0) + dot_nib4<4>(v.y, c1) +
+                                             dot_nib4<4>(v.z, c2) + dot_nib4<4>(v.w, c3);
+                            // sum((q - 8) x) for Q4_0, sum(q x) for Q4_1.
+                            const float sq = 16.0f * (s1 - sx) - (Q41 ? 0.0f : 8.0f) * sx;
+                            const float d = f16_to_f32((u16)(dm[o][u] & 0xffff));
+                            if (Q41) {
+                                acc[o][r] += d * sq + f16_to_f32((u16)(dm[o][u] >> 16)) * sx;
+                            } else {
+                                acc[o][r] += d * sq;
+                            }
+                        }
+                    }
                 }
             }
         }
@@ -302,145 +448,317 @@ __device__ __forceinline__ float half_to_f32(u32 h, bool bf) {
     return bf ? bf16_to_f32((u16)h) : f16_to_f32((u16)h);
 }
 
-template <bool BF>
-__device__ __forceinline__ void gemv_f16(const u8* __restrict__ w, const float* __restrict__ xs,
-                                         u32 k, u32 rows, u32 lane, float (&acc)[GEMV_MAX_ROWS]) {
-    if ((k & 7) == 0 && ((u64)w & 15) == 0) {
-        // 8 elements per lane; lanes (lane >> 2) odd read their two float4s
-        // of x in the opposite order (conflict-free quarter-warps).
-        const uint4* __restrict__ w16 = (const uint4*)w;
-        const u32 par = (lane >> 2) & 1;
-#pragma unroll 2
-        for (u32 e = lane * 8; e < k; e += 256) {
-            const uint4 v = w16[e >> 3];
-            const float w0 = half_to_f32(v.x & 0xffff, BF), w1 = half_to_f32(v.x >> 16, BF);
-            const float w2 = half_to_f32(v.y & 0xffff, BF), w3 = half_to_f32(v.y >> 16, BF);
-            const float w4 = half_to_f32(v.z & 0xffff, BF), w5 = half_to_f32(v.z >> 16, BF);
-            const float w6 = half_to_f32(v.w & 0xffff, BF), w7 = half_to_f32(v.w >> 16, BF);
+template <bool BF, int RPW>
+__device__ __forceinline__ void gemv_f16(const WRow* __restrict__ w, const float* __restrict__ xs,
+                                         u32 k, u32 rows, u32 lane, GemvAcc& acc) {
+    constexpr u32 U = F16_U / RPW;
+    constexpr u32 MAXR = RPW == 2 ? 1 : GEMV_MAX_ROWS;  // two output rows: one input row
+    const u32 ks = xs_row(k);
+    bool aligned = (k & 7) == 0;
 #pragma unroll
-            for (u32 r = 0; r < GEMV_MAX_ROWS; ++r) {
-                if (r < rows) {
-                    const float4 u = *(const float4*)(xs + r * k + e + 4 * par);
-                    const float4 t = *(const float4*)(xs + r * k + e + 4 * (1 - par));
-                    const float4 lo = par ? t : u, hi = par ? u : t;
-                    acc[r] += dot4(lo, w0, w1, w2, w3) + dot4(hi, w4, w5, w6, w7);
+    for (u32 o = 0; o < RPW; ++o) aligned = aligned && ((u64)w[o].w & 15) == 0;
+    if (aligned) {
+        // 8 elements per lane, 256 per warp iteration.
+        for (u32 e0 = 0; e0 < k; e0 += 256 * U) {
+            uint4 v[RPW][U];
+#pragma unroll
+            for (u32 u = 0; u < U; ++u) {
+                const u32 e = e0 + u * 256 + lane * 8;
+                if (e < k) {
+#pragma unroll
+                    for (u32 o = 0; o < RPW; ++o) v[o][u] = ((const uint4*)w[o].w)[e >> 3];
+                }
+            }
+#pragma unroll
+            for (u32 u = 0; u < U; ++u) {
+                const u32 e = e0 + u * 256 + lane * 8;
+                if (e < k) {
+                    const float* xb = xs + xs_at(e);
+#pragma unroll
+                    for (u32 r = 0; r < MAXR; ++r) {
+                        if (r < rows) {
+                            const float4* x4 = (const float4*)(xb + r * ks);
+                            const float4 lo = x4[0], hi = x4[1];
+#pragma unroll
+                            for (u32 o = 0; o < RPW; ++o) {
+                                const uint4 t = v[o][u];
+                                acc[o][r] += dot4(lo, half_to_f32(t.x & 0xffff, BF), half_to_f32(t.x >> 16, BF),
+                                                  half_to_f32(t.y & 0xffff, BF), half_to_f32(t.y >> 16, BF)) +
+                                             dot4(hi, half_to_f32(t.z & 0xffff, BF), half_to_f32(t.z >> 16, BF),
+                                                  half_to_f32(t.w & 0xffff, BF), half_to_f32(t.w >> 16, BF));
+                            }
+                        }
+                    }
                 }
             }
         }
-    } else if ((k & 3) == 0 && ((u64)w & 7) == 0) {
-        const uint2* __restrict__ w8 = (const uint2*)w;
-#pragma unroll 2
-        for (u32 e = lane * 4; e < k; e += 128) {
-            const uint2 v = w8[e >> 2];
-            const float w0 = half_to_f32(v.x & 0xffff, BF), w1 = half_to_f32(v.x >> 16, BF);
-            const float w2 = half_to_f32(v.y & 0xffff, BF), w3 = half_to_f32(v.y >> 16, BF);
-#pragma unroll
-            for (u32 r = 0; r < GEMV_MAX_ROWS; ++r)
-                if (r < rows) acc[r] += dot4(*(const float4*)(xs + r * k + e), w0, w1, w2, w3);
-        }
     } else {
         for (u32 e = lane; e < k; e += 32) {
-            const float wv = half_to_f32(ld_u16(w + 2 * (u64)e), BF);
 #pragma unroll
-            for (u32 r = 0; r < GEMV_MAX_ROWS; ++r)
-                if (r < rows) acc[r] += wv * xs[r * k + e];
+            for (u32 o = 0; o < RPW; ++o) {
+                const float wv = half_to_f32(ld_u16(w[o].w + 2 * (u64)e), BF);
+#pragma unroll
+                for (u32 r = 0; r < MAXR; ++r)
+                    if (r < rows) acc[o][r] += wv * xs[r * ks + xs_at(e)];
+            }
         }
     }
 }
 
-__device__ __forceinline__ void gemv_f32(const u8* __restrict__ w, const float* __restrict__ xs,
-                                         u32 k, u32 rows, u32 lane, float (&acc)[GEMV_MAX_ROWS]) {
-    const float* __restrict__ wf = (const float*)w;
-    if ((k & 3) == 0 && ((u64)w & 15) == 0) {
-#pragma unroll 2
-        for (u32 e = lane * 4; e < k; e += 128) {
-            const float4 v = *(const float4*)(wf + e);
+template <int RPW>
+__device__ __forceinline__ void gemv_f32(const WRow* __restrict__ w, const float* __restrict__ xs,
+                                         u32 k, u32 rows, u32 lane, GemvAcc& acc) {
+    constexpr u32 U = F32_U / RPW;
+    constexpr u32 MAXR = RPW == 2 ? 1 : GEMV_MAX_ROWS;  // two output rows: one input row
+    const u32 ks = xs_row(k);
+    bool aligned = (k & 3) == 0;
 #pragma unroll
-            for (u32 r = 0; r < GEMV_MAX_ROWS; ++r)
-                if (r < rows) acc[r] += dot4(*(const float4*)(xs + r * k + e), v.x, v.y, v.z, v.w);
+    for (u32 o = 0; o < RPW; ++o) aligned = aligned && ((u64)w[o].w & 15) == 0;
+    if (aligned) {
+        for (u32 e0 = 0; e0 < k; e0 += 128 * U) {
+            float4 v[RPW][U];
+#pragma unroll
+            for (u32 u = 0; u < U; ++u) {
+                const u32 e = e0 + u * 128 + lane * 4;
+                if (e < k) {
+#pragma unroll
+                    for (u32 o = 0; o < RPW; ++o) v[o][u] = *(const float4*)((const float*)w[o].w + e);
+                }
+            }
+#pragma unroll
+            for (u32 u = 0; u < U; ++u) {
+                const u32 e = e0 + u * 128 + lane * 4;
+                if (e < k) {
+#pragma unroll
+                    for (u32 r = 0; r < MAXR; ++r) {
+                        if (r < rows) {
+                            const float4 x = *(const float4*)(xs + r * ks + xs_at(e));
+#pragma unroll
+                            for (u32 o = 0; o < RPW; ++o)
+                                acc[o][r] += dot4(x, v[o][u].x, v[o][u].y, v[o][u].z, v[o][u].w);
+                        }
+                    }
+                }
+            }
         }
     } else {
         for (u32 e = lane; e < k; e += 32) {
-            const float wv = wf[e];
 #pragma unroll
-            for (u32 r = 0; r < GEMV_MAX_ROWS; ++r)
-                if (r < rows) acc[r] += wv * xs[r * k + e];
+            for (u32 o = 0; o < RPW; ++o) {
+                const float wv = ((const float*)w[o].w)[e];
+#pragma unroll
+                for (u32 r = 0; r < MAXR; ++r)
+                    if (r < rows) acc[o][r] += wv * xs[r * ks + xs_at(e)];
+            }
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256)
-k_gemv(Bind b, GemvParams p, StepArg a) {
-    AKUNU_PROLOGUE(a);
+// The weight loop for type `dt` (DT >= 0: known at compile time).
+template <int DT, int RPW>
+__device__ __forceinline__ void gemv_rows(u32 dt, const WRow* __restrict__ w, const float* xs, u32 k,
+                                          u32 rows, u32 lane, GemvAcc& acc) {
+    const u32 t = DT >= 0 ? (u32)DT : dt;
+    switch (t) {
+    case DT_Q8_0: gemv_q8_0<RPW>(w, xs, k, rows, lane, acc); break;
+    case DT_Q4_0: gemv_q4<false, RPW>(w, xs, k, rows, lane, acc); break;
+    case DT_Q4_1: gemv_q4<true, RPW>(w, xs, k, rows, lane, acc); break;
+    case DT_F16: gemv_f16<false, RPW>(w, xs, k, rows, lane, acc); break;
+    case DT_BF16: gemv_f16<true, RPW>(w, xs, k, rows, lane, acc); break;
+    default: gemv_f32<RPW>(w, xs, k, rows, lane, acc); break;
+    }
+}
+
+// Bytes of a weight row that the row's warps stream (the quants only, for
+// repacked types: the scales are a sixteenth as many and come along).
+__device__ __forceinline__ u64 streamed_row_bytes(u32 dt, u32 k) {
+    return is_repacked(dt) ? (u64)(k >> 5) * quant_bytes(dt) : row_bytes_of(dt, k);
+}
+
+// float4s of input a thread loads before using any: staging must not be a
+// chain of serial L2 round trips (k reaches 16K in an 8B model's FFN). A
+// gated input loads two float4s per element group, so it takes half as many.
+#define STAGE_V 2
+
+// Stages one input row (k floats, float4-aligned) into `dst`, with the
+// gated activation when ACT; returns this thread's sum of squares.
+template <bool ACT>
+__device__ __forceinline__ float stage_row_vec(const float* __restrict__ xr, float* __restrict__ dst,
+                                               u32 k, u32 act) {
+    constexpr u32 V = ACT ? STAGE_V / 2 : STAGE_V;
+    const u32 tid = threadIdx.x, bd = blockDim.x;
+    float ss = 0.0f;
+    // A float4 at j (a multiple of 4) stays inside one 32-group, so it is
+    // contiguous and 16-byte aligned at xs_at(j) too.
+    for (u32 base = 0; base < k; base += bd * 4 * V) {
+        float4 v[V], g[V];
+#pragma unroll
+        for (u32 i = 0; i < V; ++i) {
+            const u32 j = base + (tid + i * bd) * 4;
+            if (j < k) {
+                v[i] = *(const float4*)(xr + j);
+                if (ACT) g[i] = *(const float4*)(xr + k + j);
+            }
+        }
+#pragma unroll
+        for (u32 i = 0; i < V; ++i) {
+            const u32 j = base + (tid + i * bd) * 4;
+            if (j < k) {
+                float4 t = v[i];
+                if (ACT) {
+                    const bool ge = act == ACT_GEGLU;
+                    t.x = (ge ? gelu_tanh(t.x) : silu(t.x)) * g[i].x;
+                    t.y = (ge ? gelu_tanh(t.y) : silu(t.y)) * g[i].y;
+                    t.z = (ge ? gelu_tanh(t.z) : silu(t.z)) * g[i].z;
+                    t.w = (ge ? gelu_tanh(t.w) : silu(t.w)) * g[i].w;
+                }
+                ss += t.x * t.x + t.y * t.y + t.z * t.z + t.w * t.w;
+                *(float4*)(dst + xs_at(j)) = t;
+            }
+        }
+    }
+    return ss;
+}
+
+// Stages the gemv's input rows in shared memory `xs` (rows of xs_row(k)
+// floats, padded: element e at xs_at(e)):
+// the activation applied (gated FFN input [gate | up]), or, with the norm
+// fusion, rmsnorm(x) * norm_w (one row). Every thread of the block must
+// call it (it contains barriers when normalising).
+__device__ __forceinline__ void gemv_stage(const Bind& b, const GemvParams& p, const GemvExtra& ex,
+                                           u32 rows, float* __restrict__ xs, float* red) {
+    const u32 k = p.k, tid = threadIdx.x, bd = blockDim.x;
+    const float* __restrict__ x = (const float*)b.p[0];
+    const bool norm = ex.norm_w != nullptr;
+    const bool vec = (k & 3) == 0 && (p.x_stride & 3) == 0 && ((u64)x & 15) == 0 &&
+                     (!norm || ((u64)ex.norm_w & 15) == 0);
+    const u32 act = norm ? ACT_NONE : p.input_act;
+    float ss = 0.0f;
+    for (u32 r = 0; r < rows; ++r) {
+        const float* __restrict__ xr = x + (u64)r * p.x_stride;
+        float* __restrict__ dst = xs + r * xs_row(k);
+        if (vec) {
+            ss += act != ACT_NONE ? stage_row_vec<true>(xr, dst, k, act)
+                                  : stage_row_vec<false>(xr, dst, k, act);
+        } else {
+            for (u32 j = tid; j < k; j += bd) {
+                const float t = gemv_input(xr, j, k, act);
+                ss += t * t;
+                dst[xs_at(j)] = t;
+            }
+        }
+    }
+    if (!norm) return;
+    // One row: rescale the elements this thread staged (same index walk).
+    const float sc = rms_inv(block_sum(ss, red), k, ex.norm_eps);
+    const float* __restrict__ w = ex.norm_w;
+    if (vec) {
+        for (u32 j = tid * 4; j < k; j += bd * 4) {
+            float4 t = *(float4*)(xs + xs_at(j));
+            const float4 wv = *(const float4*)(w + j);
+            t.x = t.x * sc * wv.x;
+            t.y = t.y * sc * wv.y;
+            t.z = t.z * sc * wv.z;
+            t.w = t.w * sc * wv.w;
+            *(float4*)(xs + xs_at(j)) = t;
+        }
+    } else {
+        for (u32 j = tid; j < k; j += bd) xs[xs_at(j)] = xs[xs_at(j)] * sc * w[j];
+    }
+}
+
+// DT: the weight type of every segment, known at compile time (one kernel
+// per type keeps each one's register count low), or -1 to dispatch per row
+// (segments of mixed types).
+template <int DT, int RPW>
+__device__ __forceinline__ void gemv_body(const Bind& b, const GemvParams& p, const StepArg& a,
+                                          const GemvExtra& ex) {
     extern __shared__ float4 gemv_smem[];
+    __shared__ float red[GEMV_MAX_WARPS][GEMV_MAX_ROWS];
     float* xs = (float*)gemv_smem;
     const u32 k = p.k;
     const u32 rows = a.rows < GEMV_MAX_ROWS ? a.rows : GEMV_MAX_ROWS;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-
+    // Two rows per warp take one input row (launch.rs picks the kernel).
+    constexpr u32 rpw = RPW;
     const u32 total = gemv_total_rows(p);
-    const u32 o = blockIdx.x * 8 + warp;
-    const bool have_row = o < total;
-    const SegRow g = seg_row(b, p, have_row ? o : total - 1);
-    if (have_row) {
-        // Start pulling this warp's weight row into L2 while the block
-        // stages the input: the row is read exactly once, right after.
-        const u64 rb = row_bytes_of(g.dt, k);
-        for (u64 off = (u64)lane * 128; off < rb; off += 32 * 128)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(g.w + off));
-    }
-
-    // Stage the input rows, activation applied (float4 loads when every
-    // row start is 16-byte aligned).
-    const float* __restrict__ x = (const float*)b.p[0];
-    const bool vec = (k & 3) == 0 && (p.x_stride & 3) == 0 && ((u64)x & 15) == 0;
-    for (u32 r = 0; r < rows; ++r) {
-        const float* xr = x + (u64)r * p.x_stride;
-        float* dst = xs + r * k;
-        if (vec) {
-            for (u32 j = threadIdx.x * 4; j < k; j += blockDim.x * 4) {
-                float4 v = *(const float4*)(xr + j);
-                if (p.input_act != ACT_NONE) {
-                    const float4 u = *(const float4*)(xr + k + j);
-                    const bool ge = p.input_act == ACT_GEGLU;
-                    v.x = (ge ? gelu_tanh(v.x) : silu(v.x)) * u.x;
-                    v.y = (ge ? gelu_tanh(v.y) : silu(v.y)) * u.y;
-                    v.z = (ge ? gelu_tanh(v.z) : silu(v.z)) * u.z;
-                    v.w = (ge ? gelu_tanh(v.w) : silu(v.w)) * u.w;
-                }
-                *(float4*)(dst + j) = v;
+    const u32 per_block = (blockDim.x >> 5) * rpw;
+    const u32 n_groups = (total + per_block - 1) / per_block;
+    {
+        // First row group: start pulling this warp's weights into L2.
+        for (u32 q = 0; q < rpw; ++q) {
+            const u32 o = blockIdx.x * per_block + warp * rpw + q;
+            if (o < total) {
+                SegRow g = seg_row(b, p, o);
+                if (DT >= 0) g.dt = (u32)DT;
+                const u64 rb = streamed_row_bytes(g.dt, k);
+                for (u64 off = (u64)lane * 128; off < rb; off += 32 * 128)
+                    asm volatile("prefetch.global.L2 [%0];" ::"l"(g.row.w + off));
             }
-        } else {
-            for (u32 j = threadIdx.x; j < k; j += blockDim.x)
-                dst[j] = gemv_input(xr, j, k, p.input_act);
         }
     }
+    AKUNU_PROLOGUE(a);
+
+    gemv_stage(b, p, ex, rows, xs, &red[0][0]);
     __syncthreads();
-    if (!have_row) return;
 
-    float acc[GEMV_MAX_ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
-    switch (g.dt) {
-    case DT_Q8_0: gemv_q8_0(g.w, xs, k, rows, lane, acc); break;
-    case DT_Q4_0: gemv_q4<false>(g.w, xs, k, rows, lane, acc); break;
-    case DT_Q4_1: gemv_q4<true>(g.w, xs, k, rows, lane, acc); break;
-    case DT_F16: gemv_f16<false>(g.w, xs, k, rows, lane, acc); break;
-    case DT_BF16: gemv_f16<true>(g.w, xs, k, rows, lane, acc); break;
-    default: gemv_f32(g.w, xs, k, rows, lane, acc); break;
-    }
-
-    const float bias = g.bias ? *g.bias : 0.0f;
-    float* __restrict__ out = (float*)b.p[1] + o;
+    // Blocks walk row groups blockIdx.x, + gridDim.x, ...; warp w computes
+    // rows w * rpw .. w * rpw + rpw - 1 of each group.
+    for (u32 rg = blockIdx.x; rg < n_groups; rg += gridDim.x) {
+        const u32 o0 = rg * per_block + warp * rpw;
+        if (o0 >= total) continue;
+        WRow wr[RPW];
+        SegRow g[RPW];
 #pragma unroll
-    for (u32 r = 0; r < GEMV_MAX_ROWS; ++r) {
-        if (r < rows) {
-            const float v = warp_sum(acc[r]) + bias;
-            if (lane == 0) {
-                float* dst = out + (u64)r * p.out_stride;
-                *dst = p.accumulate ? *dst + v : v;
+        for (u32 q = 0; q < RPW; ++q) {
+            // A missing second row reads the first one again (discarded).
+            g[q] = seg_row(b, p, o0 + (o0 + q < total ? q : 0));
+            if (DT >= 0) g[q].dt = (u32)DT;
+            wr[q] = g[q].row;
+        }
+        GemvAcc acc;
+#pragma unroll
+        for (u32 q = 0; q < GEMV_RPW; ++q)
+#pragma unroll
+            for (u32 r = 0; r < GEMV_MAX_ROWS; ++r) acc[q][r] = 0.0f;
+        // Rows of one warp share a type unless they straddle segments (the
+        // launcher uses two-row kernels only for single-type products).
+        gemv_rows<DT, RPW>(g[0].dt, wr, xs, k, rows, lane, acc);
+#pragma unroll
+        for (u32 q = 0; q < RPW; ++q) {
+            if (o0 + q >= total) continue;
+#pragma unroll
+            for (u32 r = 0; r < GEMV_MAX_ROWS; ++r) {
+                const float v = warp_sum(acc[q][r]);
+                if (lane == 0 && r < rows) {
+                    float* dst = (float*)b.p[1] + (u64)r * p.out_stride + o0 + q;
+                    const float t = v + (g[q].bias ? *g[q].bias : 0.0f);
+                    *dst = p.accumulate ? *dst + t : t;
+                }
             }
         }
     }
 }
+
+// Blocks of 256 threads, at least 3 resident per SM (at most 85 registers).
+#define GEMV_KERNEL(name, dt, rpw)                                                 \
+    extern "C" __global__ void __launch_bounds__(256, 3)                           \
+    name(Bind b, GemvParams p, StepArg a, GemvExtra ex) {                          \
+        gemv_body<dt, rpw>(b, p, a, ex);                                           \
+    }
+GEMV_KERNEL(k_gemv, -1, 1)
+GEMV_KERNEL(k_gemv_f32, DT_F32, 1)
+GEMV_KERNEL(k_gemv_f16, DT_F16, 1)
+GEMV_KERNEL(k_gemv_bf16, DT_BF16, 1)
+GEMV_KERNEL(k_gemv_q8_0, DT_Q8_0, 1)
+GEMV_KERNEL(k_gemv_q4_0, DT_Q4_0, 1)
+GEMV_KERNEL(k_gemv_q4_1, DT_Q4_1, 1)
+// Two output rows per warp, one input row (decode).
+GEMV_KERNEL(k_gemv_f16_r2, DT_F16, 2)
+GEMV_KERNEL(k_gemv_bf16_r2, DT_BF16, 2)
+GEMV_KERNEL(k_gemv_q8_0_r2, DT_Q8_0, 2)
+GEMV_KERNEL(k_gemv_q4_0_r2, DT_Q4_0, 2)
+GEMV_KERNEL(k_gemv_q4_1_r2, DT_Q4_1, 2)
 
 // ---------------------------------------------------------------------------
 // GEMM (prefill: any number of input rows)
@@ -461,32 +779,31 @@ k_gemv(Bind b, GemvParams p, StepArg a) {
 
 // The 8 weights [8*part, 8*part + 8) of the 32-column tile starting at k0
 // of weight row `w` (zero beyond k for the plain types).
-__device__ __forceinline__ void gemm_load_w(const u8* __restrict__ w, u32 dt, u32 k, u32 k0,
-                                            u32 part, float (&v)[8]) {
+__device__ __forceinline__ void gemm_load_w(WRow w, u32 dt, u32 k, u32 k0, u32 part,
+                                            float (&v)[8]) {
     if (dt == DT_Q8_0) {
-        const u8* q = w + (u64)(k0 >> 5) * 34;
-        const float d = f16_to_f32(ld_u16(q));
-        const u8* qs = q + 2 + 8 * part;
+        const u32 blk = k0 >> 5;
+        const float d = f16_to_f32(ld_u16(w.sc + 2 * (u64)blk));
+        const uint2 q = *(const uint2*)(w.w + (u64)blk * 32 + 8 * part);
 #pragma unroll
         for (u32 i = 0; i < 4; ++i) {
-            const u32 h = ld_u16(qs + 2 * i);
-            v[2 * i] = d * (float)(i8)(h & 0xff);
-            v[2 * i + 1] = d * (float)(i8)(h >> 8);
+            v[i] = d * (float)(i8)((q.x >> (8 * i)) & 0xff);
+            v[4 + i] = d * (float)(i8)((q.y >> (8 * i)) & 0xff);
         }
     } else if (dt == DT_Q4_0 || dt == DT_Q4_1) {
         const bool q41 = dt == DT_Q4_1;
-        const u8* q = w + (u64)(k0 >> 5) * (q41 ? 20 : 18);
-        const float d = f16_to_f32(ld_u16(q));
-        const float m = q41 ? f16_to_f32(ld_u16(q + 2)) : 0.0f;
+        const u32 blk = k0 >> 5;
+        const u8* sc = w.sc + (u64)blk * (q41 ? 4 : 2);
+        const float d = f16_to_f32(ld_u16(sc));
+        const float m = q41 ? f16_to_f32(ld_u16(sc + 2)) : 0.0f;
         const float sub = q41 ? 0.0f : 8.0f;
         // Elements 0..15 are the low nibbles of bytes 0..15, 16..31 the high.
-        const u8* qs = q + (q41 ? 4 : 2) + 8 * (part & 1);
+        const uint2 q = *(const uint2*)(w.w + (u64)blk * 16 + 8 * (part & 1));
         const u32 shift = (part >> 1) * 4;
 #pragma unroll
         for (u32 i = 0; i < 4; ++i) {
-            const u32 h = ld_u16(qs + 2 * i);
-            v[2 * i] = d * ((float)((h >> shift) & 15) - sub) + m;
-            v[2 * i + 1] = d * ((float)((h >> (8 + shift)) & 15) - sub) + m;
+            v[i] = d * ((float)((q.x >> (8 * i + shift)) & 15) - sub) + m;
+            v[4 + i] = d * ((float)((q.y >> (8 * i + shift)) & 15) - sub) + m;
         }
     } else {
 #pragma unroll
@@ -494,8 +811,8 @@ __device__ __forceinline__ void gemm_load_w(const u8* __restrict__ w, u32 dt, u3
             const u32 e = k0 + 8 * part + i;
             float f = 0.0f;
             if (e < k) {
-                if (dt == DT_F32) f = ((const float*)w)[e];
-                else f = half_to_f32(ld_u16(w + 2 * (u64)e), dt == DT_BF16);
+                if (dt == DT_F32) f = ((const float*)w.w)[e];
+                else f = half_to_f32(ld_u16(w.w + 2 * (u64)e), dt == DT_BF16);
             }
             v[i] = f;
         }
@@ -515,7 +832,8 @@ k_gemm(Bind b, GemvParams p, StepArg a) {
     const u32 lr = tid & 63, part = tid >> 6;
     const bool have_w = o0 + lr < total;
     SegRow g;
-    g.w = nullptr;
+    g.row.w = nullptr;
+    g.row.sc = nullptr;
     g.dt = DT_F32;
     if (have_w) g = seg_row(b, p, o0 + lr);
     const bool have_x = r0 + lr < rows;
@@ -532,7 +850,7 @@ k_gemm(Bind b, GemvParams p, StepArg a) {
     for (u32 k0 = 0; k0 < k; k0 += GM_K) {
         float wv[8], xv[8];
         if (have_w) {
-            gemm_load_w(g.w, g.dt, k, k0, part, wv);
+            gemm_load_w(g.row, g.dt, k, k0, part, wv);
         } else {
 #pragma unroll
             for (u32 i = 0; i < 8; ++i) wv[i] = 0.0f;
@@ -576,6 +894,235 @@ k_gemm(Bind b, GemvParams p, StepArg a) {
                 float* dst = out + (u64)r * p.out_stride + o;
                 const float v = c[i][j] + bias;
                 *dst = p.accumulate ? *dst + v : v;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Tensor-core GEMM (prefill) for F16, Q8_0, Q4_0 and Q4_1 weights.
+//
+// grid = (ceil(total_rows / 64), ceil(rows / 64)), block 128 = 4 warps in a
+// 2 x 2 arrangement, each computing 32 output rows x 32 input rows with
+// mma.sync m16n8k16 (f16 in, f32 accumulate). The k loop steps one 32-wide
+// block at a time. Exactness comes from what goes into the f16 operands:
+//  - weights as their integers (Q4_0: q - 8, Q4_1: q, Q8_0: q; all exact in
+//    f16), or F16 values as they are; the block's scale d (and Q4_1's min m)
+//    is applied in f32 to the block's partial product:
+//    acc += d * sum(q x) + m * sum(x);
+//  - inputs split as x = hi + lo with hi = f16(x), lo = f16(x - hi), two
+//    products per step, so x keeps about 22 bits.
+// The result matches the f32 product to within f32 accumulation error
+// (the GPU tests compare prefill logits with the CPU's at rel-L2 1e-4).
+// ---------------------------------------------------------------------------
+
+#define TC_M 64
+#define TC_N 64
+#define TC_LD 40  // halves per smem row: 32 + 8 of padding (conflict-free fragments)
+
+__device__ __forceinline__ u32 pack_h2(float lo, float hi) {
+    u32 r;
+    asm("{ .reg .f16 a, b;\n cvt.rn.f16.f32 a, %1;\n cvt.rn.f16.f32 b, %2;\n mov.b32 %0, {a, b}; }"
+        : "=r"(r) : "f"(lo), "f"(hi));
+    return r;
+}
+
+__device__ __forceinline__ float f16_round(float x) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return f16_to_f32(h);
+}
+
+__device__ __forceinline__ void mma_f16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ bool tc_type(u32 dt) {
+    return dt == DT_F16 || dt == DT_Q8_0 || dt == DT_Q4_0 || dt == DT_Q4_1;
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+k_gemm_tc(Bind b, GemvParams p, StepArg a) {
+    AKUNU_PROLOGUE(a);
+    __shared__ __align__(16) u16 ws[TC_M * TC_LD];
+    __shared__ __align__(16) u16 xh[TC_N * TC_LD];
+    __shared__ __align__(16) u16 xl[TC_N * TC_LD];
+    __shared__ float wd[TC_M], wmin[TC_M], xsum[TC_N];
+    const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const u32 k = p.k, rows = a.rows, total = gemv_total_rows(p);
+    const u32 o0 = blockIdx.x * TC_M, r0 = blockIdx.y * TC_N;
+
+    // Loader role: weight row / input row `lr`, half `lh` of each block.
+    const u32 lr = tid >> 1, lh = tid & 1;
+    const bool have_w = o0 + lr < total;
+    SegRow g;
+    g.row.w = nullptr;
+    g.row.sc = nullptr;
+    g.dt = DT_F16;
+    g.bias = nullptr;
+    if (have_w) g = seg_row(b, p, o0 + lr);
+    const bool have_x = r0 + lr < rows;
+    const float* __restrict__ xr = (const float*)b.p[0] + (u64)(r0 + lr) * p.x_stride;
+
+    // Compute role.
+    const u32 wm = warp & 1, wn = warp >> 1, gq = lane >> 2, tq = (lane & 3) * 2;
+    float acc[2][4][4];
+#pragma unroll
+    for (u32 i = 0; i < 2; ++i)
+#pragma unroll
+        for (u32 j = 0; j < 4; ++j)
+#pragma unroll
+            for (u32 e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+    for (u32 k0 = 0; k0 < k; k0 += 32) {
+        const u32 blk = k0 >> 5;
+        // Weights: 16 integers (or F16 values) of row lr, its scale and min.
+        u32 wq[8];
+        float d = 0.0f, m = 0.0f;
+        if (have_w) {
+            if (g.dt == DT_F16) {
+                const uint4* src = (const uint4*)(g.row.w + 2 * (u64)(k0 + 16 * lh));
+                const uint4 v0 = src[0], v1 = src[1];
+                wq[0] = v0.x; wq[1] = v0.y; wq[2] = v0.z; wq[3] = v0.w;
+                wq[4] = v1.x; wq[5] = v1.y; wq[6] = v1.z; wq[7] = v1.w;
+                d = 1.0f;
+            } else if (g.dt == DT_Q8_0) {
+                const uint4 v = *(const uint4*)(g.row.w + (u64)blk * 32 + 16 * lh);
+                const u32 wv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (u32 i = 0; i < 4; ++i) {
+                    wq[2 * i] = pack_h2((float)(i8)(wv[i] & 0xff), (float)(i8)((wv[i] >> 8) & 0xff));
+                    wq[2 * i + 1] = pack_h2((float)(i8)((wv[i] >> 16) & 0xff), (float)(i8)(wv[i] >> 24));
+                }
+                d = f16_to_f32(ld_u16(g.row.sc + 2 * (u64)blk));
+            } else {  // Q4_0, Q4_1: half 0 = low nibbles (elements 0..15), half 1 = high
+                const bool q41 = g.dt == DT_Q4_1;
+                const uint4 v = *(const uint4*)(g.row.w + (u64)blk * 16);
+                const u32 wv[4] = {v.x, v.y, v.z, v.w};
+                const u32 sh = 4 * lh;
+                const float sub = q41 ? 0.0f : 8.0f;
+#pragma unroll
+                for (u32 i = 0; i < 4; ++i) {
+                    wq[2 * i] = pack_h2((float)((wv[i] >> sh) & 15) - sub,
+                                        (float)((wv[i] >> (8 + sh)) & 15) - sub);
+                    wq[2 * i + 1] = pack_h2((float)((wv[i] >> (16 + sh)) & 15) - sub,
+                                            (float)((wv[i] >> (24 + sh)) & 15) - sub);
+                }
+                const u8* sc = g.row.sc + (u64)blk * (q41 ? 4 : 2);
+                d = f16_to_f32(ld_u16(sc));
+                m = q41 ? f16_to_f32(ld_u16(sc + 2)) : 0.0f;
+            }
+        } else {
+#pragma unroll
+            for (u32 i = 0; i < 8; ++i) wq[i] = 0;
+        }
+        // Inputs: 16 floats of row lr (activation applied), split hi + lo.
+        float xv[16];
+#pragma unroll
+        for (u32 i = 0; i < 16; ++i) {
+            const u32 e = k0 + 16 * lh + i;
+            xv[i] = have_x ? gemv_input(xr, e, k, p.input_act) : 0.0f;
+        }
+        u32 hi[8], lo[8];
+        float sx = 0.0f;
+#pragma unroll
+        for (u32 i = 0; i < 8; ++i) {
+            const float h0 = f16_round(xv[2 * i]), h1 = f16_round(xv[2 * i + 1]);
+            hi[i] = pack_h2(h0, h1);
+            lo[i] = pack_h2(xv[2 * i] - h0, xv[2 * i + 1] - h1);
+            sx += xv[2 * i] + xv[2 * i + 1];
+        }
+        sx += __shfl_xor_sync(FULL_MASK, sx, 1);  // the row's other half
+
+        __syncthreads();  // the previous block's fragments were read
+        {
+            uint4* wdst = (uint4*)(ws + lr * TC_LD + 16 * lh);
+            wdst[0] = make_uint4(wq[0], wq[1], wq[2], wq[3]);
+            wdst[1] = make_uint4(wq[4], wq[5], wq[6], wq[7]);
+            uint4* hdst = (uint4*)(xh + lr * TC_LD + 16 * lh);
+            hdst[0] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+            hdst[1] = make_uint4(hi[4], hi[5], hi[6], hi[7]);
+            uint4* ldst = (uint4*)(xl + lr * TC_LD + 16 * lh);
+            ldst[0] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+            ldst[1] = make_uint4(lo[4], lo[5], lo[6], lo[7]);
+            if (lh == 0) {
+                wd[lr] = d;
+                wmin[lr] = m;
+                xsum[lr] = sx;
+            }
+        }
+        __syncthreads();
+
+        float part[2][4][4];
+#pragma unroll
+        for (u32 i = 0; i < 2; ++i)
+#pragma unroll
+            for (u32 j = 0; j < 4; ++j)
+#pragma unroll
+                for (u32 e = 0; e < 4; ++e) part[i][j][e] = 0.0f;
+#pragma unroll
+        for (u32 kk = 0; kk < 32; kk += 16) {
+            u32 af[2][4];
+#pragma unroll
+            for (u32 i = 0; i < 2; ++i) {
+                const u16* w0 = ws + (wm * 32 + i * 16 + gq) * TC_LD + kk + tq;
+                af[i][0] = *(const u32*)w0;
+                af[i][1] = *(const u32*)(w0 + 8 * TC_LD);
+                af[i][2] = *(const u32*)(w0 + 8);
+                af[i][3] = *(const u32*)(w0 + 8 * TC_LD + 8);
+            }
+#pragma unroll
+            for (u32 j = 0; j < 4; ++j) {
+                const u32 off = (wn * 32 + j * 8 + gq) * TC_LD + kk + tq;
+                const u32 bh0 = *(const u32*)(xh + off), bh1 = *(const u32*)(xh + off + 8);
+                const u32 bl0 = *(const u32*)(xl + off), bl1 = *(const u32*)(xl + off + 8);
+#pragma unroll
+                for (u32 i = 0; i < 2; ++i) {
+                    mma_f16(part[i][j], af[i], bh0, bh1);
+                    mma_f16(part[i][j], af[i], bl0, bl1);
+                }
+            }
+        }
+        // acc += d_row * part + m_row * xsum_col.
+#pragma unroll
+        for (u32 i = 0; i < 2; ++i) {
+            const u32 ra = wm * 32 + i * 16 + gq, rb = ra + 8;
+            const float da = wd[ra], db = wd[rb], ma = wmin[ra], mb = wmin[rb];
+#pragma unroll
+            for (u32 j = 0; j < 4; ++j) {
+                const u32 c = wn * 32 + j * 8 + tq;
+                const float s0 = xsum[c], s1 = xsum[c + 1];
+                acc[i][j][0] += da * part[i][j][0] + ma * s0;
+                acc[i][j][1] += da * part[i][j][1] + ma * s1;
+                acc[i][j][2] += db * part[i][j][2] + mb * s0;
+                acc[i][j][3] += db * part[i][j][3] + mb * s1;
+            }
+        }
+    }
+
+    float* __restrict__ out = (float*)b.p[1];
+#pragma unroll
+    for (u32 i = 0; i < 2; ++i) {
+#pragma unroll
+        for (u32 half = 0; half < 2; ++half) {
+            const u32 o = o0 + wm * 32 + i * 16 + gq + 8 * half;
+            if (o >= total) continue;
+            const float bias = p.bias ? *seg_row(b, p, o).bias : 0.0f;
+#pragma unroll
+            for (u32 j = 0; j < 4; ++j) {
+#pragma unroll
+                for (u32 e = 0; e < 2; ++e) {
+                    const u32 r = r0 + wn * 32 + j * 8 + tq + e;
+                    if (r < rows) {
+                        float* dst = out + (u64)r * p.out_stride + o;
+                        const float v = acc[i][j][2 * half + e] + bias;
+                        *dst = p.accumulate ? *dst + v : v;
+                    }
+                }
             }
         }
     }
@@ -650,6 +1197,15 @@ __device__ __forceinline__ int attn_first_key(int pos, u32 window) {
 
 #define DEC_WARPS 4
 #define DEC_KEYS 4  // keys per warp per step
+#define DEC_MIN_KEYS 64  // fewest keys a split takes while others idle
+
+// Keys per decode split: kv_len spread over the splits, but at least
+// DEC_MIN_KEYS, so that a short context uses few splits (fewer partials to
+// merge) rather than many near-empty ones.
+__device__ __forceinline__ u32 attn_chunk(u32 kv, u32 n_split) {
+    const u32 c = (kv + n_split - 1) / n_split;
+    return c > DEC_MIN_KEYS ? c : DEC_MIN_KEYS;
+}
 
 // Decode split: each warp runs its own online softmax over keys taken
 // DEC_KEYS at a time (lanes over head dims, NI dims per lane; the DEC_KEYS
@@ -663,7 +1219,7 @@ __device__ __forceinline__ void attn_decode_body(const Bind& b, const AttnParams
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 g = h / (p.n_heads / p.n_kv_heads);
     const int pos = (int)kv - 1;
-    const int chunk = (int)((kv + n_split - 1) / n_split);
+    const int chunk = (int)attn_chunk(kv, n_split);
     int j0 = (int)sp * chunk;
     const int j1 = min(j0 + chunk, (int)kv);
     j0 = max(j0, attn_first_key(pos, p.window));
@@ -751,6 +1307,18 @@ __device__ __forceinline__ void attn_decode_body(const Bind& b, const AttnParams
         f[w] = sm_l[w] > 0.0f ? expf(sm_m[w] - M) : 0.0f;
         L += sm_l[w] * f[w];
     }
+    if (!part) {
+        // The only split: the normalised output, row 0.
+        float* __restrict__ out = (float*)b.p[3] + (u64)h * hd;
+        const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+        for (u32 d = threadIdx.x; d < hd; d += blockDim.x) {
+            float v = 0.0f;
+#pragma unroll
+            for (int w = 0; w < DEC_WARPS; ++w) v += f[w] * sm_acc[w * 256 + d];
+            out[d] = v * inv;
+        }
+        return;
+    }
     float* __restrict__ dst = part + ((u64)h * n_split + sp) * (hd + 2);
     if (threadIdx.x == 0) {
         dst[0] = M;
@@ -764,51 +1332,93 @@ __device__ __forceinline__ void attn_decode_body(const Bind& b, const AttnParams
     }
 }
 
+// Merges the first n_active decode splits of head h (threads over head
+// dims and splits): M = max m_s, L = sum l_s e^(m_s - M),
+// out[d] = sum acc_s[d] e^(m_s - M) / L. The partials were written by other
+// blocks of this grid: read through L2 (ld.global.cg), never a stale L1
+// line. All the loads of a pass are independent, so they overlap.
+__device__ __forceinline__ void attn_combine_head(const float* ph, u32 hd, u32 n_active,
+                                                  float* __restrict__ out, float* sm_f,
+                                                  float* sm_red) {
+    const u32 stride = hd + 2, tid = threadIdx.x;
+    // Weights of the splits: f_s = e^(m_s - M) / L (n_active <= 32).
+    if (tid < 32) {
+        const bool live = tid < n_active && __ldcg(ph + tid * stride + 1) > 0.0f;
+        const float m = live ? __ldcg(ph + tid * stride) : NEG_INF;
+        const float l = live ? __ldcg(ph + tid * stride + 1) : 0.0f;
+        const float M = warp_max(m);
+        const float e = live ? expf(m - M) : 0.0f;
+        const float L = warp_sum(l * e);
+        sm_f[tid] = L > 0.0f ? e / L : 0.0f;
+    }
+    __syncthreads();
+    const u32 groups = blockDim.x / hd;
+    if (groups <= 1) {
+        for (u32 d = tid; d < hd; d += blockDim.x) {
+            float w = 0.0f;
+#pragma unroll 4
+            for (u32 s = 0; s < n_active; ++s) w += sm_f[s] * __ldcg(ph + s * stride + 2 + d);
+            out[d] = w;
+        }
+        return;
+    }
+    // Thread t takes dim t % hd of splits t / hd, t / hd + groups, ...
+    const u32 d = tid % hd, g0 = tid / hd;
+    float v = 0.0f;
+    if (g0 < groups) {
+#pragma unroll 4
+        for (u32 s = g0; s < n_active; s += groups) v += sm_f[s] * __ldcg(ph + s * stride + 2 + d);
+    }
+    if (g0 < groups) sm_red[tid] = v;
+    __syncthreads();
+    if (tid < hd) {
+        float t = 0.0f;
+        for (u32 q = 0; q < groups; ++q) t += sm_red[q * hd + tid];
+        out[tid] = t;
+    }
+}
+
 // Split-KV decode attention (one query row). grid = (n_heads, n_split),
-// block 128. Split s covers keys [s*chunk, min((s+1)*chunk, kv_len)),
-// chunk = ceil(kv_len / n_split), clipped to the window; it writes
+// block 128. Splits take attn_chunk(kv_len) keys each, clipped to the
+// window; the first n_active = ceil(kv_len / chunk) write
 // part[(h*n_split + s)*(head_dim+2) + {0: m, 1: l, 2+d: acc[d]}] (an empty
-// range writes m = -inf, l = 0, acc = 0). k_attn_combine merges the splits.
+// range writes m = -inf, l = 0, acc = 0) and the rest return. The last
+// active block of a head to finish (per-head ticket counters in the
+// ATTN_TICKET_BYTES before `part`, which it resets for the next launch)
+// merges the head's splits into row 0 of the output, so decode attention
+// is one kernel.
 extern "C" __global__ void __launch_bounds__(128)
 k_attn_decode(Bind b, AttnParams p, StepArg a, float* part, u32 n_split) {
     AKUNU_PROLOGUE(a);
     __shared__ float sm_m[DEC_WARPS], sm_l[DEC_WARPS];
     __shared__ float sm_acc[DEC_WARPS * 256];
+    __shared__ u32 sm_last;
     const u32 kv = attn_kv_len(p, a);
+    const u32 n_active = (kv + attn_chunk(kv, n_split) - 1) / attn_chunk(kv, n_split);
+    if (blockIdx.y >= n_active) return;
+    // One active split writes the output itself (no partials, no merge).
+    float* pp = n_active == 1 ? nullptr : part;
     if (p.head_dim <= 64)
-        attn_decode_body<2>(b, p, kv, part, n_split, sm_m, sm_l, sm_acc);
+        attn_decode_body<2>(b, p, kv, pp, n_split, sm_m, sm_l, sm_acc);
     else if (p.head_dim <= 128)
-        attn_decode_body<4>(b, p, kv, part, n_split, sm_m, sm_l, sm_acc);
+        attn_decode_body<4>(b, p, kv, pp, n_split, sm_m, sm_l, sm_acc);
     else
-        attn_decode_body<8>(b, p, kv, part, n_split, sm_m, sm_l, sm_acc);
-}
+        attn_decode_body<8>(b, p, kv, pp, n_split, sm_m, sm_l, sm_acc);
+    if (n_active == 1) return;
 
-// Merges the decode splits of head blockIdx.x: M = max m_s,
-// L = sum l_s e^(m_s - M), out[d] = sum acc_s[d] e^(m_s - M) / L, written to
-// row 0 of the output. grid = n_heads, block 128 (threads over head dims).
-extern "C" __global__ void __launch_bounds__(128)
-k_attn_combine(Bind b, AttnParams p, StepArg a, float* part, u32 n_split) {
-    AKUNU_PROLOGUE(a);
-    const u32 h = blockIdx.x, hd = p.head_dim, stride = hd + 2;
-    const float* __restrict__ ph = part + (u64)h * n_split * stride;
-    float M = NEG_INF;
-    for (u32 s = 0; s < n_split; ++s)
-        if (ph[s * stride + 1] > 0.0f) M = fmaxf(M, ph[s * stride]);
-    float L = 0.0f;
-    for (u32 s = 0; s < n_split; ++s) {
-        const float ls = ph[s * stride + 1];
-        if (ls > 0.0f) L += ls * expf(ph[s * stride] - M);
-    }
-    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
-    float* __restrict__ out = (float*)b.p[3] + (u64)h * hd;
-    for (u32 d = threadIdx.x; d < hd; d += blockDim.x) {
-        float v = 0.0f;
-        for (u32 s = 0; s < n_split; ++s) {
-            const float ls = ph[s * stride + 1];
-            if (ls > 0.0f) v += ph[s * stride + 2 + d] * expf(ph[s * stride] - M);
-        }
-        out[d] = v * inv;
-    }
+    const u32 h = blockIdx.x, hd = p.head_dim;
+    u32* tickets = (u32*)((char*)part - ATTN_TICKET_BYTES);
+    __threadfence();  // this block's partial is visible before its ticket
+    __syncthreads();
+    if (threadIdx.x == 0) sm_last = atomicAdd(&tickets[h], 1u) == n_active - 1;
+    __syncthreads();
+    if (!sm_last) return;
+    __threadfence();
+    // sm_acc is free again: its first 32 floats hold the split weights,
+    // the rest the per-group sums.
+    attn_combine_head(part + (u64)h * n_split * (hd + 2), hd, n_active,
+                      (float*)b.p[3] + (u64)h * hd, sm_acc, sm_acc + 32);
+    if (threadIdx.x == 0) tickets[h] = 0;
 }
 
 // Prefill attention. grid = (n_heads, ceil(rows / 8)), block 256 = 8 warps;

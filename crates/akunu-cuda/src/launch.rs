@@ -3,6 +3,7 @@
 
 use crate::CudaBackend;
 use crate::device::Dptr;
+use crate::fusion;
 use akunu_core::ops::*;
 use akunu_core::table::{
     DispatchCmd, DispatchTable, MAX_BUFFERS, MAX_PARAM_BYTES, PatchType, RowMode, StepInfo,
@@ -13,6 +14,12 @@ use std::mem::offset_of;
 
 /// Most rows the matrix-vector kernel takes (more go to the tiled kernel).
 const GEMV_MAX_ROWS: u32 = 4;
+/// Shared memory the gemv kernel declares statically (its reduction
+/// scratch), kept out of the dynamic allowance (lib.rs `load_kernels`).
+pub const GEMV_STATIC_SMEM: u32 = 1024;
+/// Bytes at the start of the attention scratch that hold the per-head
+/// tickets of the fused split merge (`ATTN_TICKET_BYTES` in common.cuh).
+pub const ATTN_TICKET_BYTES: u64 = 4096;
 /// Splits of one head's key range in decode attention (flash-decoding).
 const ATTN_MAX_SPLIT: u32 = 32;
 /// Keys per split below which fewer splits are used.
@@ -31,6 +38,45 @@ pub struct StepArg {
     pub ctl: u64,
 }
 
+/// `GemvExtra` of model.cu: the norm fusion.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default)]
+pub struct GemvExtra {
+    /// Device pointer of the RMSNorm weight, or 0: with one, the kernel
+    /// stages `rmsnorm(x) * w` instead of `x` (see `fusion`).
+    pub norm_w: u64,
+    pub norm_eps: f32,
+    pub _pad: u32,
+}
+
+/// Blocks of `f` that fit on one SM at once with this block size and
+/// dynamic shared memory (0 if the query fails).
+fn occupancy(f: sys::CUfunction, block: u32, smem: u32) -> u32 {
+    let mut n: std::ffi::c_int = 0;
+    // SAFETY: `f` is a loaded kernel and `n` an out-parameter.
+    let r = unsafe {
+        sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, f, block as i32, smem as usize)
+    };
+    if r == sys::CUresult::CUDA_SUCCESS {
+        n.max(0) as u32
+    } else {
+        0
+    }
+}
+
+/// The arguments some kernels take after `StepArg`.
+#[derive(Copy, Clone, Debug)]
+pub enum Tail {
+    None,
+    /// `(float* partials, u32 n_split)` of decode attention.
+    Attn {
+        part: u64,
+        n_split: u32,
+    },
+    /// `GemvExtra` of the matrix-vector kernel.
+    Gemv(GemvExtra),
+}
+
 /// One kernel launch, with its arguments by value.
 #[derive(Copy, Clone)]
 pub struct Launch {
@@ -41,8 +87,8 @@ pub struct Launch {
     pub bind: [u64; MAX_BUFFERS],
     pub params: [u8; MAX_PARAM_BYTES],
     pub step: StepArg,
-    /// Trailing `(float* partials, u32 n_split)` of the attention kernels.
-    pub extra: Option<(u64, u32)>,
+    /// Arguments after `StepArg`, for the kernels that take any.
+    pub tail: Tail,
     /// Launch with programmatic stream serialization (Hopper): the kernel may
     /// start before the previous one ends and waits in its prologue.
     pub pdl: bool,
@@ -54,7 +100,11 @@ impl Launch {
         let mut bind = self.bind;
         let mut params = self.params;
         let mut step = self.step;
-        let (mut part, mut n_split) = self.extra.unwrap_or((0, 0));
+        let (mut part, mut n_split, mut gemv) = match self.tail {
+            Tail::Attn { part, n_split } => (part, n_split, GemvExtra::default()),
+            Tail::Gemv(g) => (0, 0, g),
+            Tail::None => (0, 0, GemvExtra::default()),
+        };
         let mut args: [*mut c_void; 5] = [
             bind.as_mut_ptr() as *mut c_void,
             params.as_mut_ptr() as *mut c_void,
@@ -62,7 +112,14 @@ impl Launch {
             &mut part as *mut u64 as *mut c_void,
             &mut n_split as *mut u32 as *mut c_void,
         ];
-        let n = if self.extra.is_some() { 5 } else { 3 };
+        let n = match self.tail {
+            Tail::None => 3,
+            Tail::Attn { .. } => 5,
+            Tail::Gemv(_) => {
+                args[3] = &mut gemv as *mut GemvExtra as *mut c_void;
+                4
+            }
+        };
         if self.pdl {
             // SAFETY: an all-zero attribute is valid plain data; the id and
             // value set below are the documented pair.
@@ -152,7 +209,8 @@ fn attn_split(p: &AttnParams) -> u32 {
         .clamp(1, ATTN_MAX_SPLIT)
 }
 
-/// Bytes of split-attention partials the table's decode steps need.
+/// Bytes of attention scratch the table's decode steps need: the tickets,
+/// then the split partials.
 pub fn attn_scratch_bytes(table: &DispatchTable) -> u64 {
     table
         .commands
@@ -160,10 +218,49 @@ pub fn attn_scratch_bytes(table: &DispatchTable) -> u64 {
         .filter(|c| c.kernel == KernelId::Attention)
         .map(|c| {
             let p: AttnParams = c.params();
-            p.n_heads as u64 * attn_split(&p) as u64 * (p.head_dim as u64 + 2) * 4
+            ATTN_TICKET_BYTES
+                + p.n_heads as u64 * attn_split(&p) as u64 * (p.head_dim as u64 + 2) * 4
         })
         .max()
         .unwrap_or(0)
+}
+
+/// Whether a one-row gemv of `total_rows` rows of type `dtype` takes the
+/// two-rows-per-warp kernel: for quantized weights, where one staged input
+/// float per weight would make shared-memory bandwidth the limit, once
+/// there are enough rows to keep every SM's warps busy with two each.
+/// `AKUNU_CUDA_GEMV_RPW=1` turns it off (A/B runs).
+fn gemv_two_rows(total_rows: u32, dtype: u32, sm_count: u32) -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("AKUNU_CUDA_GEMV_RPW").is_ok_and(|v| v == "1"));
+    let quantized = matches!(
+        akunu_core::dtype::DType::from_ggml(dtype),
+        Some(
+            akunu_core::dtype::DType::Q4_0
+                | akunu_core::dtype::DType::Q4_1
+                | akunu_core::dtype::DType::Q8_0
+        )
+    );
+    !off && quantized && total_rows >= sm_count * 24
+}
+
+/// Whether a multi-row product runs on the tensor cores (`k_gemm_tc`):
+/// every segment F16, Q8_0, Q4_0 or Q4_1, and whole 32-element blocks.
+/// `AKUNU_CUDA_TC=0` keeps the f32 tiled kernel (A/B runs).
+fn gemm_on_tensor_cores(p: &GemvParams) -> bool {
+    use akunu_core::dtype::DType;
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *OFF.get_or_init(|| std::env::var("AKUNU_CUDA_TC").is_ok_and(|v| v == "0")) {
+        return false;
+    }
+    let n_seg = (p.n_seg as usize).clamp(1, 3);
+    p.k.is_multiple_of(32)
+        && p.dtype[..n_seg].iter().all(|&d| {
+            matches!(
+                DType::from_ggml(d),
+                Some(DType::F16 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1)
+            )
+        })
 }
 
 /// The launches that run command `i` for `step`. `chain` is
@@ -171,8 +268,8 @@ pub fn attn_scratch_bytes(table: &DispatchTable) -> u64 {
 /// read from the control block at `ctl`.
 pub fn plan(
     be: &CudaBackend,
-    _table: &DispatchTable,
-    _i: usize,
+    table: &DispatchTable,
+    i: usize,
     c: &DispatchCmd,
     step: &StepInfo,
     chain: Option<(Dptr, u32)>,
@@ -197,6 +294,13 @@ pub fn plan(
         }
         bind[slot] = ptr + off;
         lens[slot] = len - off;
+    }
+    // A command the launcher fused into a neighbour runs no kernel.
+    if rows == 1
+        && c.kernel != KernelId::Gemv
+        && fusion::decode_role(table, i) == fusion::Role::Skip
+    {
+        return Ok(Vec::new());
     }
     // Per-step extents the static validation cannot see: the conveyor
     // slots a step touches (outside graphs; chains check their whole range
@@ -234,7 +338,7 @@ pub fn plan(
         bind,
         params: c.params,
         step: arg,
-        extra: None,
+        tail: Tail::None,
         // Decode steps only: a prefill grid runs in several waves, and
         // dependents launched early would sit waiting on SMs its last wave
         // needs (measured: pp512 of SmolLM2 fell from 32.9k to 17.2k tok/s
@@ -246,9 +350,9 @@ pub fn plan(
         KernelId::RmsNorm => vec![mk(k.rmsnorm, (rows, 1, 1), 512, 0)],
         KernelId::ResidualRmsNorm => vec![mk(k.residual_rmsnorm, (rows, 1, 1), 512, 0)],
         KernelId::Gemv => {
-            let p: GemvParams = c.params();
+            let mut p: GemvParams = c.params();
             let total = p.total_rows();
-            let mut l = mk(k.gemv, (total.div_ceil(8), 1, 1), 256, 0);
+            let mut l = mk(k.gemv, (1, 1, 1), 256, 0);
             let mut r = rows;
             if c.rows == RowMode::LastRow && rows > 1 {
                 // Only the last input row matters (logits of prefill).
@@ -256,9 +360,52 @@ pub fn plan(
                 r = 1;
             }
             l.step.rows = r;
-            let smem = r as u64 * p.k as u64 * 4;
-            if r <= GEMV_MAX_ROWS && smem <= be.smem_optin() as u64 {
+            let mut extra = GemvExtra::default();
+            if rows == 1 {
+                match fusion::decode_role(table, i) {
+                    fusion::Role::AccumulateInto(h) => {
+                        l.bind[1] = be.dptr(h.buffer)?.0 + h.offset;
+                        p.accumulate = 1;
+                        l.params[..std::mem::size_of::<GemvParams>()]
+                            .copy_from_slice(bytemuck::bytes_of(&p));
+                    }
+                    fusion::Role::NormInput { x, w, eps } => {
+                        l.bind[0] = be.dptr(x.buffer)?.0 + x.offset;
+                        extra.norm_w = be.dptr(w.buffer)?.0 + w.offset;
+                        extra.norm_eps = eps;
+                    }
+                    fusion::Role::Skip | fusion::Role::Plain => {}
+                }
+            }
+            // Staged rows are padded by 4 floats per 32 (model.cu `xs_row`).
+            let smem = r as u64 * p.k.div_ceil(32) as u64 * 36 * 4;
+            if r <= GEMV_MAX_ROWS && smem <= (be.smem_optin() - GEMV_STATIC_SMEM) as u64 {
+                let n_seg = (p.n_seg as usize).clamp(1, 3);
+                let mut rpw = 1;
+                if p.dtype[..n_seg].iter().all(|&d| d == p.dtype[0])
+                    && let Some(&(_, f1, f2)) = k.gemv_typed.iter().find(|t| t.0 == p.dtype[0])
+                {
+                    l.f = f1;
+                    if let Some(f2) = f2
+                        && r == 1
+                        && gemv_two_rows(total, p.dtype[0], be.sm_count())
+                    {
+                        l.f = f2;
+                        rpw = 2;
+                    }
+                }
                 l.smem = smem as u32;
+                l.block = 256;
+                // A resident grid: blocks loop over row groups, so the input
+                // is staged once per block rather than once per group.
+                let groups = total.div_ceil(8 * rpw);
+                let resident = be.sm_count() * occupancy(l.f, l.block, l.smem).max(1);
+                l.grid = (groups.min(resident), 1, 1);
+                l.tail = Tail::Gemv(extra);
+            } else if gemm_on_tensor_cores(&p) {
+                l.f = k.gemm_tc;
+                l.block = 128;
+                l.grid = (total.div_ceil(64), r.div_ceil(64), 1);
             } else {
                 l.f = k.gemm;
                 l.grid = (total.div_ceil(64), r.div_ceil(64), 1);
@@ -301,11 +448,19 @@ pub fn plan(
                 let part = be
                     .attn_scratch()
                     .ok_or("attention partials were not allocated")?;
+                if p.n_heads as u64 * 4 > ATTN_TICKET_BYTES {
+                    return Err(format!(
+                        "{} attention heads exceed the CUDA backend's {} tickets",
+                        p.n_heads,
+                        ATTN_TICKET_BYTES / 4
+                    ));
+                }
                 let mut a = mk(k.attn_decode, (p.n_heads, n_split, 1), 128, 0);
-                a.extra = Some((part, n_split));
-                let mut b = mk(k.attn_combine, (p.n_heads, 1, 1), 128, 0);
-                b.extra = Some((part, n_split));
-                vec![a, b]
+                a.tail = Tail::Attn {
+                    part: part + ATTN_TICKET_BYTES,
+                    n_split,
+                };
+                vec![a]
             } else {
                 vec![mk(k.attn_prefill, (p.n_heads, rows.div_ceil(8), 1), 256, 0)]
             }

@@ -19,11 +19,14 @@
 mod chain;
 pub mod compile;
 mod device;
+mod fusion;
 mod launch;
+mod repack;
 
 use akunu_core::backend::{
     Backend, BackendError, BufferRead, ChainReport, ChainRequest, StepHook, TokenSink,
 };
+use akunu_core::dtype::DType;
 use akunu_core::gguf::{GgufFile, TensorInfo};
 use akunu_core::table::{BufferId, DispatchTable, StepInfo};
 use cudarc::driver::sys;
@@ -51,6 +54,8 @@ struct DevBuf {
     len: u64,
     what: String,
     weight: bool,
+    /// Quantized blocks stored in the repacked layout (`repack`).
+    repacked: bool,
 }
 
 /// The loaded kernel module and its functions.
@@ -60,10 +65,13 @@ pub(crate) struct Kernels {
     pub rmsnorm: sys::CUfunction,
     pub residual_rmsnorm: sys::CUfunction,
     pub gemv: sys::CUfunction,
+    /// The gemv specialised per weight type (all segments of that type):
+    /// (GGML type id, one row per warp, two rows per warp for one input row).
+    pub gemv_typed: [(u32, sys::CUfunction, Option<sys::CUfunction>); 6],
     pub gemm: sys::CUfunction,
+    pub gemm_tc: sys::CUfunction,
     pub rope_kv_write: sys::CUfunction,
     pub attn_decode: sys::CUfunction,
-    pub attn_combine: sys::CUfunction,
     pub attn_prefill: sys::CUfunction,
     pub argmax: sys::CUfunction,
     pub gumbel_sample: sys::CUfunction,
@@ -325,10 +333,38 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
         rmsnorm: get("k_rmsnorm")?,
         residual_rmsnorm: get("k_residual_rmsnorm")?,
         gemv: get("k_gemv")?,
+        gemv_typed: [
+            (DType::F32 as u32, get("k_gemv_f32")?, None),
+            (
+                DType::F16 as u32,
+                get("k_gemv_f16")?,
+                Some(get("k_gemv_f16_r2")?),
+            ),
+            (
+                DType::BF16 as u32,
+                get("k_gemv_bf16")?,
+                Some(get("k_gemv_bf16_r2")?),
+            ),
+            (
+                DType::Q8_0 as u32,
+                get("k_gemv_q8_0")?,
+                Some(get("k_gemv_q8_0_r2")?),
+            ),
+            (
+                DType::Q4_0 as u32,
+                get("k_gemv_q4_0")?,
+                Some(get("k_gemv_q4_0_r2")?),
+            ),
+            (
+                DType::Q4_1 as u32,
+                get("k_gemv_q4_1")?,
+                Some(get("k_gemv_q4_1_r2")?),
+            ),
+        ],
         gemm: get("k_gemm")?,
+        gemm_tc: get("k_gemm_tc")?,
         rope_kv_write: get("k_rope_kv_write")?,
         attn_decode: get("k_attn_decode")?,
-        attn_combine: get("k_attn_combine")?,
         attn_prefill: get("k_attn_prefill")?,
         argmax: get("k_argmax")?,
         gumbel_sample: get("k_gumbel_sample")?,
@@ -339,19 +375,25 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
         chain_advance: get("k_chain_advance")?,
         clock_probe: get("k_clock_probe")?,
     };
-    // The matrix-vector kernel stages its input rows in shared memory:
-    // allow it the device's whole opt-in amount.
-    // SAFETY: valid function handle; the value is the device's own limit.
-    check(
-        unsafe {
-            sys::cuFuncSetAttribute(
-                k.gemv,
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem_optin,
-            )
-        },
-        "raising the gemv shared-memory limit",
-    )?;
+    // The matrix-vector kernels stage their input rows in shared memory:
+    // allow them the device's whole opt-in amount.
+    let typed = k
+        .gemv_typed
+        .iter()
+        .flat_map(|t| std::iter::once(t.1).chain(t.2));
+    for f in std::iter::once(k.gemv).chain(typed) {
+        // SAFETY: valid function handle; the value is the device's own limit.
+        check(
+            unsafe {
+                sys::cuFuncSetAttribute(
+                    f,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem_optin - launch::GEMV_STATIC_SMEM as i32,
+                )
+            },
+            "raising the gemv shared-memory limit",
+        )?;
+    }
     Ok(k)
 }
 
@@ -389,18 +431,22 @@ impl Backend for CudaBackend {
     fn weight(&mut self, file: &GgufFile, tensor: &TensorInfo) -> Result<BufferId, BackendError> {
         self.bind()?;
         let data = file.tensor_data(tensor);
-        let ptr = device::alloc(data.len() as u64, &tensor.name)?;
-        // SAFETY: `ptr` holds data.len() bytes; the source is a live slice.
+        let repacked = repack::repack_blocks(tensor.dtype, data)
+            .map_err(|why| BackendError::Device(format!("tensor {}: {why}", tensor.name)))?;
+        let bytes: &[u8] = repacked.as_deref().unwrap_or(data);
+        let ptr = device::alloc(bytes.len() as u64, &tensor.name)?;
+        // SAFETY: `ptr` holds bytes.len() bytes; the source is a live slice.
         check(
-            unsafe { sys::cuMemcpyHtoD_v2(ptr, data.as_ptr() as *const _, data.len()) },
+            unsafe { sys::cuMemcpyHtoD_v2(ptr, bytes.as_ptr() as *const _, bytes.len()) },
             &format!("uploading {}", tensor.name),
         )?;
         let id = self.buffers.len() as BufferId;
         self.buffers.push(DevBuf {
             ptr,
-            len: data.len() as u64,
+            len: bytes.len() as u64,
             what: tensor.name.clone(),
             weight: true,
+            repacked: repacked.is_some(),
         });
         Ok(id)
     }
@@ -419,6 +465,7 @@ impl Backend for CudaBackend {
             len: bytes,
             what: what.to_string(),
             weight: false,
+            repacked: false,
         });
         Ok(id)
     }
@@ -448,6 +495,8 @@ impl Backend for CudaBackend {
         })?;
         for (i, cmd) in table.commands.iter().enumerate() {
             launch::check_patch(cmd).map_err(|why| invalid(table, i, why))?;
+            repack::check_bindings(cmd, &|id| self.buffer(id).map(|b| (b.len, b.repacked)))
+                .map_err(|why| invalid(table, i, why))?;
         }
         Ok(())
     }
@@ -470,15 +519,9 @@ impl Backend for CudaBackend {
     }
 
     fn launches_per_step(&self, table: &DispatchTable) -> usize {
-        table
-            .commands
-            .iter()
-            .map(|c| match c.kernel {
-                // Split attention plus its combine pass.
-                akunu_core::ops::KernelId::Attention => 2,
-                _ => 1,
-            })
-            .sum()
+        // One kernel per command (decode attention merges its splits in
+        // its last block), less the commands fused into a neighbour.
+        table.len() - fusion::fused_away(table)
     }
 
     fn measure_bandwidth(&mut self) -> Option<f64> {
@@ -592,6 +635,10 @@ impl CudaBackend {
     /// `AKUNU_CUDA_PDL=0` turns it off (for comparisons).
     pub(crate) fn pdl(&self) -> bool {
         self.pdl
+    }
+
+    pub(crate) fn sm_count(&self) -> u32 {
+        self.info.sm_count.max(1) as u32
     }
 
     pub(crate) fn smem_optin(&self) -> u32 {

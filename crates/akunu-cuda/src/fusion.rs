@@ -1,0 +1,129 @@
+//! Launch-time fusion for one-row (decode) steps.
+//!
+//! The dispatch table is the same on every backend; this module lets the
+//! CUDA launcher run some neighbouring commands as fewer kernels, because on
+//! a GPU a small model's decode token is bound by kernel count, not bytes.
+//! Two patterns, both found by looking at a command's neighbours:
+//!
+//! ```text
+//! gemv(out = delta) -> residual_rmsnorm(h += delta; xn = norm(h) * w) -> gemv(x = xn)
+//!   becomes  gemv(out = h, accumulate)  ->  (nothing)  ->  gemv(x = h, staged as norm(h) * w)
+//!
+//! rmsnorm(xn = norm(h) * w) -> gemv(x = xn)
+//!   becomes  (nothing)  ->  gemv(x = h, staged as norm(h) * w)
+//! ```
+//!
+//! The residual add moves into the producing gemv (`h + W x`, the same single
+//! addition as `h + delta`), and the normalisation into the consuming gemv's
+//! input staging, which every block of it already does. `delta` and `xn` are
+//! then never written: the builder's tables read them only in the command
+//! right after the one that writes them, which the patterns check by buffer
+//! identity. Multi-row steps (prefill, speculative verification) and norms
+//! with a post-norm (Gemma) are launched as written.
+
+use akunu_core::ops::{GemvParams, KernelId, NormParams};
+use akunu_core::table::{Binding, DispatchCmd, DispatchTable};
+
+/// What the launcher does with one command of a one-row step.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub enum Role {
+    /// Launch as written.
+    Plain,
+    /// Fused into a neighbour: no launch.
+    Skip,
+    /// A gemv whose output is added into `h` (the residual stream) instead
+    /// of written to its own output.
+    AccumulateInto(Binding),
+    /// A gemv whose input is `rmsnorm(x) * w` (x is the residual stream).
+    NormInput { x: Binding, w: Binding, eps: f32 },
+}
+
+fn same(a: &Binding, b: &Binding) -> bool {
+    a.buffer == b.buffer && a.offset == b.offset
+}
+
+/// A gemv that can read `x` through the norm fusion: one plain input row of
+/// exactly `dim` elements.
+fn gemv_reads(cmd: &DispatchCmd, x: &Binding, dim: u32) -> bool {
+    if cmd.kernel != KernelId::Gemv {
+        return false;
+    }
+    let p: GemvParams = cmd.params();
+    p.input_act == 0 && p.k == dim && same(&cmd.bindings()[0], x)
+}
+
+/// A gemv that writes exactly `delta` (one segment, no bias, not itself
+/// accumulating) and nothing else.
+fn gemv_writes(cmd: &DispatchCmd, delta: &Binding, dim: u32) -> bool {
+    if cmd.kernel != KernelId::Gemv {
+        return false;
+    }
+    let p: GemvParams = cmd.params();
+    p.n_seg == 1
+        && p.bias == 0
+        && p.accumulate == 0
+        && p.n[0] == dim
+        && same(&cmd.bindings()[1], delta)
+}
+
+/// The norm at `i`, if it can be fused: (its input h, its weight, eps,
+/// whether the preceding gemv takes the residual add).
+fn fusable_norm(t: &DispatchTable, i: usize) -> Option<(Binding, Binding, f32, bool)> {
+    let cmd = t.commands.get(i)?;
+    let next = t.commands.get(i + 1)?;
+    let b = cmd.bindings();
+    match cmd.kernel {
+        KernelId::RmsNorm => {
+            let p: NormParams = cmd.params();
+            // bindings: x, w, out
+            gemv_reads(next, &b[2], p.dim).then_some((b[0], b[1], p.eps, false))
+        }
+        KernelId::ResidualRmsNorm => {
+            let p: NormParams = cmd.params();
+            // bindings: h, delta, w, out[, post_w]
+            if p.post_norm != 0 || i == 0 || same(&b[0], &b[1]) {
+                return None;
+            }
+            // The producing gemv must not itself take a fused norm (a role
+            // holds one fusion).
+            if i >= 2
+                && matches!(
+                    t.commands[i - 2].kernel,
+                    KernelId::RmsNorm | KernelId::ResidualRmsNorm
+                )
+            {
+                return None;
+            }
+            let prev = &t.commands[i - 1];
+            (gemv_writes(prev, &b[1], p.dim) && gemv_reads(next, &b[3], p.dim))
+                .then_some((b[0], b[2], p.eps, true))
+        }
+        _ => None,
+    }
+}
+
+/// The role of command `i` in a one-row step of `t`.
+pub fn decode_role(t: &DispatchTable, i: usize) -> Role {
+    if std::env::var_os("AKUNU_CUDA_FUSE").is_some_and(|v| v == "0") {
+        return Role::Plain;
+    }
+    if fusable_norm(t, i).is_some() {
+        return Role::Skip;
+    }
+    if i > 0
+        && let Some((x, w, eps, _)) = fusable_norm(t, i - 1)
+    {
+        return Role::NormInput { x, w, eps };
+    }
+    if let Some((h, _, _, true)) = fusable_norm(t, i + 1) {
+        return Role::AccumulateInto(h);
+    }
+    Role::Plain
+}
+
+/// Kernel launches the fusion removes from a one-row step of `t`.
+pub fn fused_away(t: &DispatchTable) -> usize {
+    (0..t.len())
+        .filter(|&i| decode_role(t, i) == Role::Skip)
+        .count()
+}
