@@ -83,7 +83,10 @@ pub fn run(a: ChatArgs) -> Result<()> {
             }
             "/stats" => {
                 show_stats = !show_stats;
-                eprintln!("akunu: statistics {}", if show_stats { "on" } else { "off" });
+                eprintln!(
+                    "akunu: statistics {}",
+                    if show_stats { "on" } else { "off" }
+                );
                 if let Some((s, reused)) = &last {
                     print_stats(s, *reused, engine.capacity());
                 }

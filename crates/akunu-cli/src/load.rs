@@ -280,7 +280,9 @@ pub fn chat_template(
     );
     match (t, file) {
         (Ok(t), _) => Ok(t),
-        (Err(e), Some(f)) => Err(anyhow::Error::new(e).context(format!("chat template {}", f.display()))),
+        (Err(e), Some(f)) => {
+            Err(anyhow::Error::new(e).context(format!("chat template {}", f.display())))
+        }
         (Err(e), None) => Err(e.into()),
     }
 }

@@ -17,7 +17,9 @@ pub const TEMPLATE_KEY: &str = "tokenizer.chat_template";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ChatTemplateError {
-    #[error("the model has no chat template (no `{TEMPLATE_KEY}` metadata); give one with --chat-template FILE")]
+    #[error(
+        "the model has no chat template (no `{TEMPLATE_KEY}` metadata); give one with --chat-template FILE"
+    )]
     Missing,
     #[error("the chat template does not parse: {0}")]
     Parse(String),
@@ -80,7 +82,9 @@ impl ChatTemplate {
     ) -> Result<Self, ChatTemplateError> {
         let source = match override_source {
             Some(s) => s,
-            None => file.get_str(TEMPLATE_KEY).ok_or(ChatTemplateError::Missing)?,
+            None => file
+                .get_str(TEMPLATE_KEY)
+                .ok_or(ChatTemplateError::Missing)?,
         };
         let text = |id: Option<u32>| id.map(|i| tokenizer.decode(&[i])).unwrap_or_default();
         ChatTemplate::new(source, &text(tokenizer.bos()), &text(tokenizer.eos()))
@@ -135,7 +139,10 @@ mod tests {
     #[test]
     fn chatml_renders_turns_and_generation_prompt() {
         let t = ChatTemplate::new(CHATML, "", "<|im_end|>").unwrap();
-        let msgs = [ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "Hi")];
+        let msgs = [
+            ChatMessage::new("system", "Be brief."),
+            ChatMessage::new("user", "Hi"),
+        ];
         let s = t.render(&msgs, true).unwrap();
         assert_eq!(
             s,
@@ -149,7 +156,9 @@ mod tests {
     fn python_methods_tojson_and_special_tokens() {
         let src = "{{ bos_token }}{% for m in messages %}{{ m.content.strip() | upper }}|{{ m | tojson }}{% endfor %}{{ eos_token }}";
         let t = ChatTemplate::new(src, "<s>", "</s>").unwrap();
-        let s = t.render(&[ChatMessage::new("user", "  hi  ")], false).unwrap();
+        let s = t
+            .render(&[ChatMessage::new("user", "  hi  ")], false)
+            .unwrap();
         // Message keys in their order, as HF's tojson (no key sorting) writes them.
         assert_eq!(s, r#"<s>HI|{"role":"user","content":"  hi  "}</s>"#);
     }
@@ -158,15 +167,22 @@ mod tests {
     fn raise_exception_is_a_render_error() {
         let src = "{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}ok";
         let t = ChatTemplate::new(src, "", "").unwrap();
-        assert_eq!(t.render(&[ChatMessage::new("user", "x")], false).unwrap(), "ok");
-        let e = t.render(&[ChatMessage::new("assistant", "x")], false).unwrap_err();
+        assert_eq!(
+            t.render(&[ChatMessage::new("user", "x")], false).unwrap(),
+            "ok"
+        );
+        let e = t
+            .render(&[ChatMessage::new("assistant", "x")], false)
+            .unwrap_err();
         assert!(matches!(e, ChatTemplateError::Render(_)), "{e}");
         assert!(e.to_string().contains("first must be user"), "{e}");
     }
 
     #[test]
     fn unparsable_template_is_a_parse_error() {
-        let e = ChatTemplate::new("{% for m in messages %}{{ m.content }}", "", "").err().unwrap();
+        let e = ChatTemplate::new("{% for m in messages %}{{ m.content }}", "", "")
+            .err()
+            .unwrap();
         assert!(matches!(e, ChatTemplateError::Parse(_)), "{e}");
     }
 }

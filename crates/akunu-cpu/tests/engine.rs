@@ -192,7 +192,10 @@ fn generation_after_rewind_equals_generation_from_scratch() {
             let scratch = run_opts(&mut engine(&m, 4, 2), &whole, &opts);
             assert_eq!(after, scratch, "keep {keep}: tokens differ after rewind");
         }
-        assert!(e.rewind(total + 1).is_err(), "rewinding past the end is an error");
+        assert!(
+            e.rewind(total + 1).is_err(),
+            "rewinding past the end is an error"
+        );
     }
 }
 

@@ -105,9 +105,9 @@ type Obj = Map<String, Value>;
 fn field<T: DeserializeOwned>(o: &Obj, name: &str) -> Result<Option<T>, ApiError> {
     match o.get(name) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => T::deserialize(v).map(Some).map_err(|e| {
-            ApiError::bad_request(format!("'{name}': {e}")).param(name)
-        }),
+        Some(v) => T::deserialize(v)
+            .map(Some)
+            .map_err(|e| ApiError::bad_request(format!("'{name}': {e}")).param(name)),
     }
 }
 
@@ -124,7 +124,9 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<Request, ApiError> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
     let Value::Object(o) = v else {
-        return Err(ApiError::bad_request("the request body must be a JSON object"));
+        return Err(ApiError::bad_request(
+            "the request body must be a JSON object",
+        ));
     };
     let model: String = field(&o, "model")?
         .ok_or_else(|| ApiError::bad_request("'model' is required").param("model"))?;
@@ -374,7 +376,9 @@ mod tests {
             Endpoint::Chat,
         )
         .unwrap();
-        let PromptInput::Messages(m) = &r.prompt else { panic!() };
+        let PromptInput::Messages(m) = &r.prompt else {
+            panic!()
+        };
         assert_eq!(m[1], ChatMessage::new("assistant", "ab"));
         assert_eq!(r.max_tokens, Some(5));
         assert_eq!(r.sampling.seed, 3);
@@ -382,15 +386,21 @@ mod tests {
         assert_eq!(r.stop, vec!["x"]);
         assert!(r.stream && r.include_usage);
         assert_eq!(r.logprobs, Some(2));
-        assert_eq!(r.constraint, Some(Constraint::JsonSchema(r#"{"type":"object"}"#.into())));
+        assert_eq!(
+            r.constraint,
+            Some(Constraint::JsonSchema(r#"{"type":"object"}"#.into()))
+        );
     }
 
     #[test]
     fn completion_prompts() {
         let ids = parse(br#"{"model":"m","prompt":[1,2,3]}"#, Endpoint::Completions).unwrap();
         assert!(matches!(ids.prompt, PromptInput::Ids(v) if v == [1, 2, 3]));
-        let one = parse(br#"{"model":"m","prompt":["a"],"logprobs":2}"#, Endpoint::Completions)
-            .unwrap();
+        let one = parse(
+            br#"{"model":"m","prompt":["a"],"logprobs":2}"#,
+            Endpoint::Completions,
+        )
+        .unwrap();
         assert!(matches!(one.prompt, PromptInput::Text(s) if s == "a"));
         assert_eq!(one.logprobs, Some(2));
         err(r#"{"model":"m","prompt":["a","b"]}"#, Endpoint::Completions);
@@ -399,16 +409,31 @@ mod tests {
 
     #[test]
     fn bad_requests_name_their_parameter() {
-        let e = err(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":"ten"}"#, Endpoint::Chat);
+        let e = err(
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":"ten"}"#,
+            Endpoint::Chat,
+        );
         assert_eq!(e.param.as_deref(), Some("max_tokens"));
         assert!(e.message.contains("max_tokens"), "{}", e.message);
-        let e = err(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":3}"#, Endpoint::Chat);
+        let e = err(
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":3}"#,
+            Endpoint::Chat,
+        );
         assert_eq!(e.param.as_deref(), Some("temperature"));
-        let e = err(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":2}"#, Endpoint::Chat);
+        let e = err(
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":2}"#,
+            Endpoint::Chat,
+        );
         assert_eq!(e.param.as_deref(), Some("n"));
-        let e = err(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"presence_penalty":0.5}"#, Endpoint::Chat);
+        let e = err(
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"presence_penalty":0.5}"#,
+            Endpoint::Chat,
+        );
         assert_eq!(e.param.as_deref(), Some("presence_penalty"));
-        let e = err(r#"{"model":"m","messages":[{"role":7,"content":"x"}]}"#, Endpoint::Chat);
+        let e = err(
+            r#"{"model":"m","messages":[{"role":7,"content":"x"}]}"#,
+            Endpoint::Chat,
+        );
         assert_eq!(e.param.as_deref(), Some("messages[0].role"));
         let e = err(r#"{"messages":[]}"#, Endpoint::Chat);
         assert_eq!(e.param.as_deref(), Some("model"));
@@ -418,7 +443,10 @@ mod tests {
         assert!(e.message.contains("not valid JSON"));
         let e = err("[1]", Endpoint::Chat);
         assert!(e.message.contains("JSON object"));
-        let e = err(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"response_format":{"type":"xml"}}"#, Endpoint::Chat);
+        let e = err(
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"response_format":{"type":"xml"}}"#,
+            Endpoint::Chat,
+        );
         assert_eq!(e.param.as_deref(), Some("response_format"));
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
     }

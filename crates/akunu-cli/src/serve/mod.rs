@@ -267,7 +267,10 @@ fn tokenize(st: &AppState, prompt: &PromptInput) -> Result<Vec<u32>, ApiError> {
     };
     let ids = match prompt {
         PromptInput::Messages(msgs) => {
-            let t = st.template.as_ref().map_err(|e| ApiError::bad_request(e.clone()))?;
+            let t = st
+                .template
+                .as_ref()
+                .map_err(|e| ApiError::bad_request(e.clone()))?;
             let text = t
                 .render(msgs, true)
                 .map_err(|e| ApiError::bad_request(e.to_string()).param("messages"))?;

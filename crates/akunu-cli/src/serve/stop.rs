@@ -94,7 +94,13 @@ mod tests {
         assert_eq!(r.text, "hello", "a newline could begin the stop string");
         assert!(!r.stopped);
         let r = m.push("\nworld");
-        assert_eq!(r, Released { text: "".into(), stopped: true });
+        assert_eq!(
+            r,
+            Released {
+                text: "".into(),
+                stopped: true
+            }
+        );
     }
 
     #[test]
@@ -105,7 +111,10 @@ mod tests {
 
     #[test]
     fn earliest_of_several_stops_wins() {
-        assert_eq!(run(&["world", "lo"], &["hello world"]), ("hel".into(), true));
+        assert_eq!(
+            run(&["world", "lo"], &["hello world"]),
+            ("hel".into(), true)
+        );
     }
 
     #[test]

@@ -126,14 +126,15 @@ fn serve_one(engine: &mut Engine, job: Job, metrics: &Metrics) {
     let mut released = 0usize;
     let mut release = |text: String, waiting: &mut Vec<(usize, TokenLogprob)>| -> bool {
         released += text.len();
-        let n = waiting.iter().take_while(|(end, _)| *end <= released).count();
+        let n = waiting
+            .iter()
+            .take_while(|(end, _)| *end <= released)
+            .count();
         let lp: Vec<TokenLogprob> = waiting.drain(..n).map(|(_, t)| t).collect();
         if text.is_empty() && lp.is_empty() {
             return true;
         }
-        events
-            .send(Event::Text { text, logprobs: lp })
-            .is_ok()
+        events.send(Event::Text { text, logprobs: lp }).is_ok()
     };
     let result = engine.generate(&prompt[kept..], &opts, &mut |id, piece| {
         if events.is_closed() {
@@ -221,12 +222,18 @@ fn token_logprob(
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let sum: f64 = logits.iter().map(|&x| ((x - max) as f64).exp()).sum();
     let lse = max + sum.ln() as f32;
-    let lp = |i: u32| logits.get(i as usize).map_or(f32::NEG_INFINITY, |&x| x - lse);
+    let lp = |i: u32| {
+        logits
+            .get(i as usize)
+            .map_or(f32::NEG_INFINITY, |&x| x - lse)
+    };
     let mut top = Vec::new();
     if k > 0 {
         let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
         let k = k.min(idx.len());
-        idx.select_nth_unstable_by(k - 1, |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+        idx.select_nth_unstable_by(k - 1, |&a, &b| {
+            logits[b as usize].total_cmp(&logits[a as usize])
+        });
         idx.truncate(k);
         idx.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
         top = idx
