@@ -123,6 +123,10 @@ def main():
             n += 1
             with lock:
                 results.append(res)
+            if res[0] != 200:
+                # A refused client waits a little before trying again, as
+                # real clients back off (and so as not to spin on 503s).
+                time.sleep(0.1)
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(a.clients)]
