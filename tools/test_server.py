@@ -27,7 +27,7 @@ import openai
 
 KEY = "sk-akunu-test"
 CTX = 512
-QUEUE = 3
+QUEUE = 4  # the concurrency test sends this many at once: they fit even before one starts
 
 failures = []
 
@@ -260,8 +260,8 @@ def test_concurrent(port, model_id):
         t.start()
     for t in threads:
         t.join()
-    check(all(got[p][0] == 200 for p in prompts), "all answered 200")
-    check(all(got[p][1]["choices"][0]["text"] == expected[p] for p in prompts),
+    check(all(got[p][0] == 200 for p in prompts), f"all answered 200: {[got[p][0] for p in prompts]}")
+    check(all(got[p][0] == 200 and got[p][1]["choices"][0]["text"] == expected[p] for p in prompts),
           "each got the text of its own prompt (as when sent alone)")
     check(len(set(expected.values())) == len(prompts), f"the prompts give different texts: {list(expected.values())}")
 

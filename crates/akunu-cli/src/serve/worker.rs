@@ -84,7 +84,21 @@ pub fn run(mut engine: Engine, jobs: std::sync::mpsc::Receiver<Job>, metrics: Ar
             continue;
         }
         metrics.generating.store(1, Ordering::SeqCst);
-        serve_one(&mut engine, job, &metrics);
+        let events = job.events.clone();
+        // A bug that panics in one request must not take the server down:
+        // the request fails, the sequence is dropped, the next one runs.
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            serve_one(&mut engine, job, &metrics)
+        }));
+        if run.is_err() {
+            engine.set_logits_probe(None);
+            engine.reset();
+            metrics.failed.fetch_add(1, Ordering::SeqCst);
+            let _ = events.send(Event::Error {
+                message: "internal error during generation (see the server log)".into(),
+                bad_request: false,
+            });
+        }
         metrics.generating.store(0, Ordering::SeqCst);
     }
 }
