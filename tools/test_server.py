@@ -417,6 +417,11 @@ def test_chat_cli(akunu, model):
     p.stdin.flush()
     first = p.stdout.readline()
     check("Paris" in first, f"first reply: {first.strip()!r}")
+    # Ctrl-C at the prompt (no reply running) does not end the program either.
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    check(p.poll() is None, "Ctrl-C at the prompt leaves the program running")
     # A long reply, interrupted after its first line of text.
     p.stdin.write("Write a very long story about a dragon, with many chapters.\n")
     p.stdin.flush()
@@ -437,6 +442,7 @@ def test_chat_cli(akunu, model):
     err = "".join(err_lines)
     check(rc == 0, f"the program went on after Ctrl-C and exited cleanly on /exit (rc {rc})")
     check("[reply stopped]" in err, "the reply was stopped")
+    check("Ctrl-C stops a reply; /exit or Ctrl-D quits" in err, "the idle Ctrl-C printed a hint")
     stats = re.findall(r"prefilled (\d+) new tokens \((\d+) reused", err)
     check(len(stats) == 2 and int(stats[1][1]) > int(stats[1][0]),
           f"the second turn reused the cache: (new, reused) = {stats}")

@@ -42,10 +42,17 @@ pub fn run(a: ChatArgs) -> Result<()> {
     let mut engine = load::engine(model.clone(), &a.engine)?;
     let sampling = a.sampling.config()?;
     let interrupted = Arc::new(AtomicBool::new(false));
+    let generating = Arc::new(AtomicBool::new(false));
     {
-        let flag = interrupted.clone();
-        ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))
-            .context("installing the Ctrl-C handler")?;
+        let (flag, busy) = (interrupted.clone(), generating.clone());
+        ctrlc::set_handler(move || {
+            if busy.load(Ordering::SeqCst) {
+                flag.store(true, Ordering::SeqCst);
+            } else {
+                eprint!("\n(Ctrl-C stops a reply; /exit or Ctrl-D quits)\n> ");
+            }
+        })
+        .context("installing the Ctrl-C handler")?;
     }
     eprintln!(
         "akunu: chatting with {} on {} (context {}); {HELP}",
@@ -131,12 +138,14 @@ pub fn run(a: ChatArgs) -> Result<()> {
             ..Default::default()
         };
         interrupted.store(false, Ordering::SeqCst);
+        generating.store(true, Ordering::SeqCst);
         let mut reply = String::new();
         let result = engine.generate(&ids[reused..], &opts, &mut |_, piece| {
             reply.push_str(piece);
             let _ = out.write_all(piece.as_bytes()).and_then(|_| out.flush());
             !interrupted.load(Ordering::SeqCst)
         });
+        generating.store(false, Ordering::SeqCst);
         println!();
         match result {
             Ok(stats) => {
