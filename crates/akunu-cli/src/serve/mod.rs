@@ -63,7 +63,7 @@ pub struct ServeArgs {
 struct AppState {
     model: Arc<Model>,
     model_id: String,
-    /// None when the model has no template: chat requests then get a 400.
+    /// Err (the reason) when there is no usable template: chat requests then get a 400.
     template: Result<ChatTemplate, String>,
     capacity: u32,
     queue_capacity: usize,
