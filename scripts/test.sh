@@ -5,7 +5,9 @@
 #     nvidia-cuda-nvrtc wheel: a compiler needs no GPU);
 #  2. the reference parity check: the default model (fetched on first use)
 #     and F16/Q8_0 files derived from it, against an independent NumPy
-#     forward pass over gguf-dequantized weights (tools/reference.py).
+#     forward pass over gguf-dequantized weights (tools/reference.py);
+#  3. `akunu serve` and `akunu chat` end to end on the default model, driven by
+#     the official openai Python package and raw HTTP (tools/test_server.py).
 # The GPU tests themselves run on a GPU machine: scripts/gpu.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,3 +29,6 @@ echo "== reference parity (NumPy) on the default model"
 cargo build --release -p akunu
 model=$(./target/release/akunu fetch)
 "$venv/bin/python" tools/parity.py --akunu target/release/akunu --model "$model" --workdir target/parity
+
+echo "== server and chat end to end (openai client, raw HTTP)"
+"$venv/bin/python" tools/test_server.py --akunu target/release/akunu --model "$model"

@@ -260,3 +260,29 @@ impl ConstraintArgs {
         })
     }
 }
+
+/// The chat template: `file` when given, else the model's own.
+pub fn chat_template(
+    model: &Model,
+    file: Option<&std::path::Path>,
+) -> Result<akunu_core::chat_template::ChatTemplate> {
+    let source = match file {
+        Some(f) => Some(
+            std::fs::read_to_string(f)
+                .with_context(|| format!("reading chat template {}", f.display()))?,
+        ),
+        None => None,
+    };
+    let t = akunu_core::chat_template::ChatTemplate::for_model(
+        &model.file,
+        &model.tokenizer,
+        source.as_deref(),
+    );
+    match (t, file) {
+        (Ok(t), _) => Ok(t),
+        (Err(e), Some(f)) => {
+            Err(anyhow::Error::new(e).context(format!("chat template {}", f.display())))
+        }
+        (Err(e), None) => Err(e.into()),
+    }
+}

@@ -1,9 +1,11 @@
 //! The `akunu` command line: generate, tokenize, inspect, bench, profile, eval.
 
 mod bench;
+mod chat;
 mod inspect;
 mod load;
 mod profile;
+mod serve;
 mod synth;
 
 use anyhow::{Context, Result, bail};
@@ -40,6 +42,10 @@ enum Cmd {
     Fetch,
     /// Write a random-weight llama GGUF in the shape of a real model (tests, benchmarks).
     Synth(synth::SynthArgs),
+    /// Chat in the terminal; the conversation's KV cache is kept between turns.
+    Chat(chat::ChatArgs),
+    /// Serve the OpenAI API (chat completions, completions, models) over HTTP.
+    Serve(serve::ServeArgs),
 }
 
 #[derive(Args)]
@@ -56,9 +62,12 @@ struct PromptArgs {
     /// Treat special-token text such as <|im_start|> as plain text.
     #[arg(long)]
     no_parse_special: bool,
-    /// Wrap the prompt as one user turn of the model's chat format (ChatML models).
+    /// Wrap the prompt as one user turn through the model's chat template.
     #[arg(long)]
     chat: bool,
+    /// Jinja chat template file to use instead of the model's (implies --chat).
+    #[arg(long, value_name = "FILE")]
+    chat_template: Option<std::path::PathBuf>,
 }
 
 #[derive(Args)]
@@ -134,6 +143,8 @@ fn main() {
         Cmd::Eval(a) => eval(a),
         Cmd::Fetch => fetch(),
         Cmd::Synth(a) => synth::run(a),
+        Cmd::Chat(a) => chat::run(a),
+        Cmd::Serve(a) => serve::run(a),
     };
     if let Err(e) = r {
         eprintln!("akunu: error: {e:#}");
@@ -164,16 +175,23 @@ fn prompt_tokens(model: &akunu_core::model::Model, p: &PromptArgs) -> Result<Vec
             bail!("no prompt: give --prompt TEXT, --prompt-file FILE or --prompt-ids IDS")
         }
     };
-    if p.chat {
-        let tmpl = model.file.get_str("tokenizer.chat_template").unwrap_or("");
-        if !tmpl.contains("<|im_start|>") {
-            bail!(
-                "--chat supports ChatML models only for now, and this model's chat template is not ChatML"
-            );
+    let mut add_special = true;
+    if p.chat || p.chat_template.is_some() {
+        let tmpl = load::chat_template(model, p.chat_template.as_deref())?;
+        let msgs = [akunu_core::chat_template::ChatMessage::new("user", &text)];
+        text = tmpl.render(&msgs, true)?;
+        // A template that writes the BOS text itself gets no second one.
+        let tok = &model.tokenizer;
+        if let Some(b) = tok.bos().map(|b| tok.decode(&[b]))
+            && !b.is_empty()
+            && text.starts_with(&b)
+        {
+            add_special = false;
         }
-        text = format!("<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n");
     }
-    Ok(model.tokenizer.encode(&text, true, !p.no_parse_special)?)
+    Ok(model
+        .tokenizer
+        .encode(&text, add_special, !p.no_parse_special)?)
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {

@@ -260,3 +260,72 @@ fn sampled_generation_reports_and_reuses_its_seed() {
     assert_eq!(run("11"), run("11"));
     assert_ne!(run("11"), run("12"));
 }
+
+#[test]
+fn chat_template_problems() {
+    let base = base_model();
+    let out = run_on(
+        base,
+        "tmpl1.gguf",
+        &["--chat-template", "/nonexistent/template.jinja"],
+    );
+    assert_clean_error(&out, "reading chat template");
+    let bad = tmp("unclosed.jinja");
+    std::fs::write(&bad, "{% for m in messages %}{{ m.content }}").unwrap();
+    let out = run_on(
+        base,
+        "tmpl2.gguf",
+        &["--chat-template", bad.to_str().unwrap()],
+    );
+    assert_clean_error(&out, "does not parse");
+    let raising = tmp("raising.jinja");
+    std::fs::write(&raising, "{{ raise_exception('system messages only') }}").unwrap();
+    let out = run_on(
+        base,
+        "tmpl3.gguf",
+        &["--chat-template", raising.to_str().unwrap()],
+    );
+    assert_clean_error(&out, "system messages only");
+}
+
+/// `--chat-template FILE` renders the prompt through the file: the prompt ids
+/// are the tokenization of the text the template writes.
+#[test]
+fn chat_template_file_renders_the_prompt() {
+    let model = tmp("tmpl-ok.gguf");
+    std::fs::write(&model, base_model()).unwrap();
+    let t = tmp("simple.jinja");
+    std::fs::write(
+        &t,
+        "{% for m in messages %}[{{ m.role }}] {{ m.content | upper }}\n{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}",
+    )
+    .unwrap();
+    let out = akunu()
+        .args([
+            "generate",
+            "-n",
+            "1",
+            "--json",
+            "-p",
+            "hello",
+            "--chat-template",
+        ])
+        .arg(&t)
+        .arg("--model")
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let expected = akunu()
+        .args(["tokenize", "--json", "[user] HELLO\n[assistant]", "--model"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    let want: serde_json::Value = serde_json::from_slice(&expected.stdout).unwrap();
+    assert_eq!(v["prompt_ids"], want);
+}

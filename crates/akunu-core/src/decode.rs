@@ -515,6 +515,45 @@ impl Engine {
         self.history.clear();
     }
 
+    /// Rolls the sequence back to its first `n` tokens. The K and V of the
+    /// kept positions stay in the cache; positions past them are simply
+    /// overwritten later (attention reads only `kv_len` entries). Kept
+    /// tokens that were not fed yet stay pending.
+    pub fn rewind(&mut self, n: usize) -> Result<(), EngineError> {
+        if n > self.history.len() {
+            return Err(EngineError::InvalidOption(format!(
+                "cannot rewind to {n} tokens: the sequence has {}",
+                self.history.len()
+            )));
+        }
+        self.history.truncate(n);
+        if n as u32 <= self.pos {
+            self.pos = n as u32;
+            self.pending.clear();
+        } else {
+            self.pending = self.history[self.pos as usize..].to_vec();
+        }
+        Ok(())
+    }
+
+    /// Prepares the engine for a request whose whole sequence is `tokens`:
+    /// keeps the longest common prefix of the sequence so far and `tokens`
+    /// (but at least one token of `tokens` left to feed, whose logits choose
+    /// the next token) and returns how many tokens were kept; the caller
+    /// then generates after `tokens[kept..]`.
+    pub fn reuse_prefix(&mut self, tokens: &[u32]) -> usize {
+        let common = self
+            .history
+            .iter()
+            .zip(tokens)
+            .take_while(|(a, b)| a == b)
+            .count();
+        let keep = common.min(tokens.len().saturating_sub(1));
+        self.rewind(keep)
+            .expect("the common prefix is within the sequence");
+        keep
+    }
+
     /// Feeds `tokens` (plus the pending generated token, if any) through the
     /// model in prefill steps; returns the argmax after the last one.
     pub(crate) fn prefill(

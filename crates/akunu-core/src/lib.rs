@@ -5,6 +5,7 @@
 pub mod arch;
 pub mod backend;
 pub mod builder;
+pub mod chat_template;
 pub mod decode;
 pub mod dtype;
 pub mod fetch;

@@ -151,6 +151,91 @@ fn multi_turn_continuation_equals_one_shot() {
     assert_eq!(e.history(), &hist[..]);
 }
 
+/// Rewinding to n tokens and generating equals generating from scratch over
+/// those n tokens plus the new prompt: kept positions are reused, later ones
+/// are overwritten, greedy and sampled, rewinding into the fed part and to
+/// the pending token.
+#[test]
+fn generation_after_rewind_equals_generation_from_scratch() {
+    let m = tiny_model(DType::F16);
+    let p1 = prompt(&m);
+    let p2 = m
+        .tokenizer
+        .encode("<|im_start|>user\nand then?<|im_end|>\n", true, true)
+        .unwrap();
+    for opts in [
+        GenerateOptions {
+            max_tokens: 10,
+            ignore_eos: true,
+            ..Default::default()
+        },
+        sampled_opts(10, 99),
+    ] {
+        let mut e = engine(&m, 4, 2);
+        let g1 = run_opts(&mut e, &p1, &opts);
+        let total = p1.len() + g1.len();
+        assert_eq!(e.history().len(), total);
+        // Into the prompt (fed tokens), and to the full sequence (whose last
+        // token is pending).
+        for keep in [p1.len() - 3, total] {
+            let mut e2 = engine(&m, 4, 2);
+            run_opts(&mut e2, &p1, &opts);
+            e2.rewind(keep).unwrap();
+            assert_eq!(e2.history().len(), keep);
+            assert!(e2.position() as usize <= keep);
+            let after = run_opts(&mut e2, &p2, &opts);
+
+            let mut whole = p1.clone();
+            whole.extend(&g1);
+            whole.truncate(keep);
+            whole.extend(&p2);
+            let scratch = run_opts(&mut engine(&m, 4, 2), &whole, &opts);
+            assert_eq!(after, scratch, "keep {keep}: tokens differ after rewind");
+        }
+        assert!(
+            e.rewind(total + 1).is_err(),
+            "rewinding past the end is an error"
+        );
+    }
+}
+
+/// `reuse_prefix` keeps the common prefix but always leaves a token to feed,
+/// and what follows equals generation from scratch.
+#[test]
+fn reuse_prefix_keeps_common_prefix() {
+    let m = tiny_model(DType::F16);
+    let p1 = prompt(&m);
+    let opts = GenerateOptions {
+        max_tokens: 6,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut e = engine(&m, 4, 2);
+    let g1 = run_opts(&mut e, &p1, &opts);
+    // A follow-up that resends the conversation and adds a turn.
+    let mut next = p1.clone();
+    next.extend(&g1);
+    next.extend(m.tokenizer.encode("more", false, true).unwrap());
+    let kept = e.reuse_prefix(&next);
+    assert_eq!(kept, p1.len() + g1.len());
+    let a = run_opts(&mut e, &next[kept..], &opts);
+    let b = run_opts(&mut engine(&m, 4, 2), &next, &opts);
+    assert_eq!(a, b);
+    // The same request again: everything but its last token is kept.
+    let mut e = engine(&m, 4, 2);
+    run_opts(&mut e, &p1, &opts);
+    assert_eq!(e.reuse_prefix(&p1), p1.len() - 1);
+    let a = run_opts(&mut e, &p1[p1.len() - 1..], &opts);
+    assert_eq!(a, g1);
+    // A diverging prompt keeps only the shared part.
+    let mut other = p1[..4].to_vec();
+    other.extend(m.tokenizer.encode("elsewhere", false, true).unwrap());
+    assert_eq!(e.reuse_prefix(&other), 4);
+    let a = run_opts(&mut e, &other[4..], &opts);
+    let b = run_opts(&mut engine(&m, 4, 2), &other, &opts);
+    assert_eq!(a, b);
+}
+
 #[test]
 fn prefill_matches_token_by_token_decode() {
     let m = tiny_model(DType::F32);

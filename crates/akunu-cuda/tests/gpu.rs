@@ -324,3 +324,54 @@ fn tokens_stream_before_their_chunk_ends() {
         "tokens are delivered {median} us after production"
     );
 }
+
+/// Prefix reuse on the GPU: after a generation, rewinding into the prompt
+/// (and to the full sequence, whose last token is pending) and generating
+/// gives the logits and tokens of a generation from scratch over the same
+/// tokens (up to the rounding of other kernel paths: the kept positions were
+/// computed partly by decode steps, the scratch run prefills them).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
+fn generation_after_rewind_equals_generation_from_scratch() {
+    let m = synth(Shape::SmolLm2_135M, DType::Q4_1);
+    let n_vocab = m.config.n_vocab;
+    let p1 = prompt(40, n_vocab);
+    let p2: Vec<u32> = prompt(9, n_vocab)
+        .iter()
+        .map(|t| (t + 101) % n_vocab)
+        .collect();
+    let opts = GenerateOptions {
+        max_tokens: 24,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut e = engine(&m, cuda(), 16, 64);
+    let (g1, _) = run(&mut e, &p1, &opts);
+    let total = p1.len() + g1.len();
+    for keep in [25, total] {
+        e.reset();
+        assert_eq!(run(&mut e, &p1, &opts).0, g1, "reset and regenerate");
+        e.rewind(keep).unwrap();
+        let (after, la) = run(&mut e, &p2, &opts);
+        let mut whole = p1.clone();
+        whole.extend(&g1);
+        whole.truncate(keep);
+        whole.extend(&p2);
+        let (scratch, ls) = run(&mut engine(&m, cuda(), 16, 64), &whole, &opts);
+        for (s, (a, b)) in after.iter().zip(&scratch).enumerate() {
+            let err = rel_l2(&la[s], &ls[s]);
+            assert!(
+                err < 1e-3,
+                "keep {keep}: step {s} logits differ by {err:.2e}"
+            );
+            if a != b {
+                let gap = top2_gap(&ls[s]);
+                assert!(
+                    gap < 1e-3 * ls[s].iter().fold(1f32, |m, v| m.max(v.abs())),
+                    "keep {keep}: step {s}: after rewind {a}, from scratch {b}, top-2 gap {gap}"
+                );
+                break;
+            }
+        }
+    }
+}
