@@ -37,7 +37,7 @@ pub enum GgufError {
     },
     #[error("{}: corrupt GGUF: {msg}", .path.display())]
     Corrupt { path: PathBuf, msg: String },
-    #[error("{}: tensor '{name}' has data type {type_name}, which akunu does not support (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)", .path.display())]
+    #[error("{}: tensor '{name}' has data type {type_name}, which akunu does not support (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)", .path.display())]
     UnsupportedType {
         path: PathBuf,
         name: String,
