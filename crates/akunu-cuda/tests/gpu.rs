@@ -52,7 +52,7 @@ fn synth(shape: Shape, dtype: DType) -> Arc<Model> {
         shape,
         dtype,
         seed: 11,
-        tokenizer_from: (shape != Shape::Tiny).then(vocab),
+        tokenizer_from: shape.needs_tokenizer().then(vocab),
     };
     write_synthetic(&path, &spec, &mut |_, _| {}).expect("writing a synthetic model");
     let m = Arc::new(Model::load(&path).expect("loading it"));
@@ -166,16 +166,27 @@ fn logits_match_cpu_for_every_type() {
         DType::Q8_0,
         DType::Q4_0,
         DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
     ] {
         let m = synth(Shape::Tiny, dt);
         compare_with_cpu(&m, &format!("tiny {}", dt.name()), 1e-4);
+    }
+    // K-quants need rows of whole 256-element super-blocks (tiny's are 64
+    // and 96 wide: they would fall back to Q5_0/Q5_1/Q8_0).
+    for dt in [DType::Q4_K, DType::Q5_K, DType::Q6_K] {
+        let m = synth(Shape::TinyK, dt);
+        assert_eq!(m.file.tensor("blk.0.ffn_down.weight").unwrap().dtype, dt);
+        compare_with_cpu(&m, &format!("tiny-k {}", dt.name()), 1e-4);
     }
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
 fn logits_match_cpu_on_real_shapes() {
-    for dt in [DType::Q4_1, DType::F16] {
+    // Q4_K: the 1536-wide ffn_down rows are Q4_K, the 576-wide rows fall
+    // back to Q5_0 (as llama.cpp does).
+    for dt in [DType::Q4_1, DType::F16, DType::Q4_K] {
         let m = synth(Shape::SmolLm2_135M, dt);
         compare_with_cpu(&m, &format!("smollm2-135m {}", dt.name()), 1e-4);
     }
