@@ -691,6 +691,39 @@ mod tests {
         assert_eq!(chars.len(), 256);
     }
 
+    /// Rows that are not whole K-quant super-blocks fall back as llama.cpp
+    /// does; tiny-k is all K-quant; every new type loads.
+    #[test]
+    fn k_quant_fallback_and_tiny_k() {
+        assert_eq!(matrix_type(DType::Q4_K, 512), DType::Q4_K);
+        assert_eq!(matrix_type(DType::Q4_K, 576), DType::Q5_0);
+        assert_eq!(matrix_type(DType::Q5_K, 576), DType::Q5_1);
+        assert_eq!(matrix_type(DType::Q6_K, 64), DType::Q8_0);
+        assert_eq!(matrix_type(DType::Q4_K, 48), DType::F16);
+        assert_eq!(matrix_type(DType::Q4_0, 576), DType::Q4_0);
+        for (shape, dtype, want) in [
+            (Shape::Tiny, DType::Q5_0, DType::Q5_0),
+            (Shape::Tiny, DType::Q5_1, DType::Q5_1),
+            (Shape::Tiny, DType::Q4_K, DType::Q5_0),
+            (Shape::TinyK, DType::Q4_K, DType::Q4_K),
+            (Shape::TinyK, DType::Q5_K, DType::Q5_K),
+            (Shape::TinyK, DType::Q6_K, DType::Q6_K),
+        ] {
+            let path = temp(&format!("{shape}-{dtype}"));
+            let s = SynthSpec {
+                shape,
+                ..spec(dtype, 3)
+            };
+            write_synthetic(&path, &s, &mut |_, _| {}).unwrap();
+            let m = Model::load(&path).unwrap_or_else(|e| panic!("{shape} {dtype}: {e}"));
+            let _ = std::fs::remove_file(&path);
+            for name in ["token_embd.weight", "blk.1.attn_q.weight", "blk.0.ffn_down.weight"] {
+                assert_eq!(m.file.tensor(name).unwrap().dtype, want, "{shape} {dtype} {name}");
+            }
+            assert_eq!(m.config.dim, shape.params().dim);
+        }
+    }
+
     #[test]
     fn parsing_and_errors() {
         for s in Shape::ALL {
@@ -709,7 +742,9 @@ mod tests {
         );
         assert_eq!(parse_dtype("q4_0").unwrap(), DType::Q4_0);
         assert_eq!(parse_dtype("BF16").unwrap(), DType::BF16);
-        assert!(parse_dtype("q4_k").is_err());
+        assert_eq!(parse_dtype("q4_k").unwrap(), DType::Q4_K);
+        assert_eq!(parse_dtype("Q6_K").unwrap(), DType::Q6_K);
+        assert!(parse_dtype("q2_k").unwrap_err().to_string().contains("q5_k"));
         for s in [Shape::SmolLm2_135M, Shape::Llama1B, Shape::Llama8B] {
             let p = s.params();
             assert_eq!(p.dim % p.n_heads, 0);
