@@ -335,8 +335,16 @@ fn quantize_kx<const NMAX: u8>(x: &[f32]) -> (f16, f16, [u8; 8], [u8; 8], [u8; Q
     let mut m = [0u8; 8];
     let mut q = [0u8; QK_K];
     for j in 0..8 {
-        sc[j] = if df > 0.0 { round_clamp(scale[j] / df, 63) } else { 0 };
-        m[j] = if dminf > 0.0 { round_clamp(neg_min[j] / dminf, 63) } else { 0 };
+        sc[j] = if df > 0.0 {
+            round_clamp(scale[j] / df, 63)
+        } else {
+            0
+        };
+        m[j] = if dminf > 0.0 {
+            round_clamp(neg_min[j] / dminf, 63)
+        } else {
+            0
+        };
         let step = df * sc[j] as f32;
         let off = dminf * m[j] as f32;
         let inv = if step > 0.0 { 1.0 / step } else { 0.0 };

@@ -133,7 +133,9 @@ impl fmt::Display for Shape {
 }
 
 #[derive(Debug, thiserror::Error)]
-#[error("unknown model shape '{0}' (choose one of: tiny, tiny-k, smollm2-135m, llama-1b, llama-8b)")]
+#[error(
+    "unknown model shape '{0}' (choose one of: tiny, tiny-k, smollm2-135m, llama-1b, llama-8b)"
+)]
 pub struct ParseShapeError(String);
 
 impl FromStr for Shape {
@@ -158,7 +160,7 @@ pub fn parse_dtype(s: &str) -> Result<DType, ParseDTypeError> {
     DType::ALL
         .into_iter()
         .find(|d| d.name().eq_ignore_ascii_case(s))
-    .ok_or_else(|| ParseDTypeError(s.to_string()))
+        .ok_or_else(|| ParseDTypeError(s.to_string()))
 }
 
 /// What to generate.
@@ -717,8 +719,16 @@ mod tests {
             write_synthetic(&path, &s, &mut |_, _| {}).unwrap();
             let m = Model::load(&path).unwrap_or_else(|e| panic!("{shape} {dtype}: {e}"));
             let _ = std::fs::remove_file(&path);
-            for name in ["token_embd.weight", "blk.1.attn_q.weight", "blk.0.ffn_down.weight"] {
-                assert_eq!(m.file.tensor(name).unwrap().dtype, want, "{shape} {dtype} {name}");
+            for name in [
+                "token_embd.weight",
+                "blk.1.attn_q.weight",
+                "blk.0.ffn_down.weight",
+            ] {
+                assert_eq!(
+                    m.file.tensor(name).unwrap().dtype,
+                    want,
+                    "{shape} {dtype} {name}"
+                );
             }
             assert_eq!(m.config.dim, shape.params().dim);
         }
@@ -744,7 +754,12 @@ mod tests {
         assert_eq!(parse_dtype("BF16").unwrap(), DType::BF16);
         assert_eq!(parse_dtype("q4_k").unwrap(), DType::Q4_K);
         assert_eq!(parse_dtype("Q6_K").unwrap(), DType::Q6_K);
-        assert!(parse_dtype("q2_k").unwrap_err().to_string().contains("q5_k"));
+        assert!(
+            parse_dtype("q2_k")
+                .unwrap_err()
+                .to_string()
+                .contains("q5_k")
+        );
         for s in [Shape::SmolLm2_135M, Shape::Llama1B, Shape::Llama8B] {
             let p = s.params();
             assert_eq!(p.dim % p.n_heads, 0);

@@ -147,11 +147,11 @@ pub(super) unsafe fn gemv(dtype: DType, w: &[u8], k: usize, x: &[f32], y: &mut [
             DType::Q4_0 => gemv_rows(w, rb, k, x, y, q4_rows::<4, false>, q4_rows::<1, false>),
             DType::Q4_1 => gemv_rows(w, rb, k, x, y, q4_rows::<4, true>, q4_rows::<1, true>),
             DType::Q8_0 => gemv_rows(w, rb, k, x, y, q8_rows::<4>, q8_rows::<1>),
-            DType::Q5_0 => gemv_rows(w, rb, k, x, y, buf_rows::<4, 6>, buf_rows::<1, 6>),
-            DType::Q5_1 => gemv_rows(w, rb, k, x, y, buf_rows::<4, 7>, buf_rows::<1, 7>),
-            DType::Q4_K => gemv_rows(w, rb, k, x, y, buf_rows::<4, 12>, buf_rows::<1, 12>),
-            DType::Q5_K => gemv_rows(w, rb, k, x, y, buf_rows::<4, 13>, buf_rows::<1, 13>),
-            DType::Q6_K => gemv_rows(w, rb, k, x, y, buf_rows::<4, 14>, buf_rows::<1, 14>),
+            // The 5-bit and K-quant types run the AVX2 kernels (AVX-512 implies
+            // AVX2+FMA+F16C; the length contract is the same).
+            DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+                super::avx2::gemv(dtype, w, k, x, y)
+            }
             DType::F32 => gemv_rows(
                 w,
                 rb,
@@ -290,59 +290,6 @@ unsafe fn q8_rows<const R: usize>(w: *const u8, rb: usize, k: usize, x: *const f
                 *a = _mm512_fmadd_ps(d, t, *a);
             }
         }
-    }
-    for (r, a) in acc.iter().enumerate() {
-        // SAFETY: r < R outputs are writable.
-        unsafe { *y.add(r) = _mm512_reduce_add_ps(*a) };
-    }
-}
-
-/// Rows of a 5-bit or K-quant type (GGML id `ID`, see [`blocks`]): each
-/// row's next chunk of up to 256 elements is dequantized into an
-/// L1-resident buffer (portable code, vectorized for this level when
-/// inlined here), then FMA'd against `x` with all `R` rows sharing the `x`
-/// loads.
-///
-/// # Safety
-/// `R` rows of `k` elements (whole blocks) at `w` (stride `rb` bytes), `k`
-/// floats at `x`, `R` writable floats at `y`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn buf_rows<const R: usize, const ID: u32>(
-    w: *const u8,
-    rb: usize,
-    k: usize,
-    x: *const f32,
-    y: *mut f32,
-) {
-    let dtype = blocks::by_id(ID);
-    let mut buf = [[0f32; blocks::CHUNK]; R];
-    let mut acc = [_mm512_setzero_ps(); R];
-    let mut k0 = 0;
-    while k0 < k {
-        // k0 and k0 + kl are multiples of the block size (CHUNK is a whole
-        // number of blocks; k is one too), so the byte range is whole blocks.
-        let kl = blocks::CHUNK.min(k - k0);
-        let (b0, b1) = (row_bytes(dtype, k0), row_bytes(dtype, k0 + kl));
-        for (r, br) in buf.iter_mut().enumerate() {
-            // SAFETY: b1 <= row_bytes(dtype, k) <= rb, so
-            // bytes b0..b1 of row r < R are inside the caller's rows.
-            let src = unsafe { core::slice::from_raw_parts(w.add(r * rb + b0), b1 - b0) };
-            prefetch(w.wrapping_add(r * rb + b1));
-            blocks::dequant(dtype, src, &mut br[..kl]);
-        }
-        let mut i = 0;
-        while i < kl {
-            // SAFETY: k0 + i + 16 <= k0 + kl <= k (kl is a multiple of
-            // 32) for x; i + 16 <= kl <= CHUNK for the buffer rows.
-            unsafe {
-                let xv = _mm512_loadu_ps(x.add(k0 + i));
-                for (a, br) in acc.iter_mut().zip(&buf) {
-                    *a = _mm512_fmadd_ps(_mm512_loadu_ps(br.as_ptr().add(i)), xv, *a);
-                }
-            }
-            i += 16;
-        }
-        k0 += kl;
     }
     for (r, a) in acc.iter().enumerate() {
         // SAFETY: r < R outputs are writable.

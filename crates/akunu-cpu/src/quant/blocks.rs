@@ -2,11 +2,12 @@
 //! block types, written once in portable Rust and shared by every SIMD
 //! level.
 //!
-//! The functions are `#[inline(always)]` and use fixed-length inner loops
-//! over 16 or 32 elements, so when they are inlined into the AVX2 or
-//! AVX-512 kernels (`#[target_feature]` functions) LLVM vectorizes them with
-//! that level's instructions; the dot products that consume the dequantized
-//! values are written with explicit intrinsics in `avx2.rs` / `avx512.rs`.
+//! These row dequantizers serve the embedding and the GEMM panels at every
+//! level: they are `#[inline(always)]` with fixed-length inner loops, so
+//! inlined into the AVX2 / AVX-512 `dequant_row` (`#[target_feature]`
+//! functions) the compiler vectorizes them for that level. The scalar GEMV
+//! dequantizes through them too; the AVX2 GEMV (also used at the AVX-512
+//! level) has its own in-register kernels in `avx2.rs`.
 //!
 //! Every value is computed with the same f32 operations, in the same order,
 //! as GGML's `dequantize_row_*` and the `gguf` Python package
@@ -30,10 +31,6 @@
 use super::f16_at;
 use akunu_core::dtype::DType;
 
-/// Elements the GEMV kernels dequantize per row before taking a dot
-/// product: one K-quant super-block, or 8 blocks of the 32-element types.
-pub(super) const CHUNK: usize = 256;
-
 #[inline(always)]
 fn u32_at(b: &[u8]) -> u32 {
     u32::from_le_bytes([b[0], b[1], b[2], b[3]])
@@ -52,14 +49,15 @@ fn q5<const WITH_MIN: bool>(b: &[u8], o: &mut [f32]) {
     let qs: &[u8; 16] = rest[4..20].try_into().expect("16 nibble bytes");
     let (lo, hi) = o[..32].split_at_mut(16);
     for j in 0..16 {
-        let q0 = (qs[j] & 15) as u32 | ((qh >> j) & 1) << 4;
-        let q1 = (qs[j] >> 4) as u32 | ((qh >> (j + 16)) & 1) << 4;
+        // i32, not u32: AVX2 converts only signed integers to floats.
+        let q0 = ((qs[j] & 15) as u32 | ((qh >> j) & 1) << 4) as i32;
+        let q1 = ((qs[j] >> 4) as u32 | ((qh >> (j + 16)) & 1) << 4) as i32;
         if WITH_MIN {
             lo[j] = d * q0 as f32 + m;
             hi[j] = d * q1 as f32 + m;
         } else {
-            lo[j] = d * (q0 as i32 - 16) as f32;
-            hi[j] = d * (q1 as i32 - 16) as f32;
+            lo[j] = d * (q0 - 16) as f32;
+            hi[j] = d * (q1 - 16) as f32;
         }
     }
 }
@@ -69,7 +67,7 @@ fn q5<const WITH_MIN: bool>(b: &[u8], o: &mut [f32]) {
 /// take their low 4 bits from bytes 8..12 and their top 2 bits from the top
 /// of bytes 0..4 (scales) / 4..8 (mins).
 #[inline(always)]
-fn scale_min_k4(s: &[u8]) -> ([f32; 8], [f32; 8]) {
+pub(super) fn scale_min_k4(s: &[u8]) -> ([f32; 8], [f32; 8]) {
     let mut sc = [0f32; 8];
     let mut m = [0f32; 8];
     for j in 0..4 {
@@ -87,25 +85,27 @@ fn qk<const FIVE: bool>(b: &[u8], o: &mut [f32]) {
     let d = f16_at(b);
     let dmin = f16_at(&b[2..]);
     let (sc, m) = scale_min_k4(&b[4..16]);
-    let (qh, qs): (&[u8], &[u8]) = if FIVE {
-        (&b[16..48], &b[48..176])
+    let qh: &[u8; 32] = if FIVE {
+        b[16..48].try_into().expect("32 bytes")
     } else {
-        (&[], &b[16..144])
+        &[0; 32]
     };
+    let qs = if FIVE { &b[48..176] } else { &b[16..144] };
+    let o: &mut [f32; 256] = (&mut o[..256]).try_into().expect("256 floats");
     for i in 0..4 {
         let q: &[u8; 32] = qs[32 * i..32 * i + 32].try_into().expect("32 bytes");
         let (j0, j1) = (2 * i, 2 * i + 1);
         let (d0, m0) = (d * sc[j0], dmin * m[j0]);
         let (d1, m1) = (d * sc[j1], dmin * m[j1]);
-        let (o0, o1) = o[64 * i..64 * i + 64].split_at_mut(32);
         for l in 0..32 {
-            let (mut a, mut c) = ((q[l] & 15) as u32, (q[l] >> 4) as u32);
+            // i32, not u32: AVX2 converts only signed integers to floats.
+            let (mut a, mut c) = ((q[l] & 15) as i32, (q[l] >> 4) as i32);
             if FIVE {
-                a |= ((qh[l] >> j0) as u32 & 1) << 4;
-                c |= ((qh[l] >> j1) as u32 & 1) << 4;
+                a |= ((qh[l] >> j0) as i32 & 1) << 4;
+                c |= ((qh[l] >> j1) as i32 & 1) << 4;
             }
-            o0[l] = d0 * a as f32 - m0;
-            o1[l] = d1 * c as f32 - m1;
+            o[64 * i + l] = d0 * a as f32 - m0;
+            o[64 * i + 32 + l] = d1 * c as f32 - m1;
         }
     }
 }
@@ -153,18 +153,5 @@ pub(super) fn dequant(dtype: DType, src: &[u8], out: &mut [f32]) {
         DType::Q5_K => blocks.for_each(|(o, b)| qk::<true>(b, o)),
         DType::Q6_K => blocks.for_each(|(o, b)| q6_k(b, o)),
         _ => unreachable!("blocks::dequant called for {dtype}"),
-    }
-}
-
-/// The type (of those above) whose GGML id is `id`, for kernels that
-/// take the type as a const generic (`{ DType::Q4_K as u32 }`).
-#[inline(always)]
-pub(super) const fn by_id(id: u32) -> DType {
-    match id {
-        6 => DType::Q5_0,
-        7 => DType::Q5_1,
-        12 => DType::Q4_K,
-        13 => DType::Q5_K,
-        _ => DType::Q6_K,
     }
 }

@@ -22,10 +22,14 @@
 //!     accumulator's start value `-8 * x` (AVX2) or into a 16-entry f32
 //!     lookup table indexed by the nibble (AVX-512 `vpermps`).
 //!   - Q4_1: `d * sum(q * x) + m * sum(x)`.
-//!   - Q5_0, Q5_1, Q4_K, Q5_K, Q6_K ([`blocks`]): each row's next chunk of
-//!     up to 256 elements (one K-quant super-block) is dequantized into an
-//!     L1 buffer by portable code that the compiler vectorizes for the
-//!     level, then multiplied with `x` by explicit FMA intrinsics.
+//!   - Q5_0/Q5_1: as Q4_0/Q4_1, the fifth bits moved into place with a
+//!     per-lane variable shift of `qh`.
+//!   - Q4_K/Q5_K: per 32-element sub-block, `(d·sc)·Σq·x` in vector
+//!     accumulators and `(dmin·m)·Σx` in a per-row scalar from sub-block
+//!     sums of `x` shared by the 4 rows; Q6_K: `(d·sc)·Σ(q − 32)·x` per
+//!     16-element group. These AVX2 kernels also serve the AVX-512 level.
+//!   - Dequantization of those types (embedding rows, GEMM panels) is
+//!     portable code in [`blocks`], vectorized by the compiler per level.
 //! * GEMM dequantizes a panel of weight rows × a chunk of `k` into an
 //!   L1-resident f32 scratch, then runs a register-blocked micro-kernel
 //!   (4 weight rows × 3 or 4 activation rows) over it.
@@ -442,7 +446,8 @@ mod tests {
                         _ => &[0, 2],
                     };
                     for _ in 0..k / dtype.block_elems() {
-                        let mut blk: Vec<u8> = (0..dtype.block_bytes()).map(|_| rng.byte()).collect();
+                        let mut blk: Vec<u8> =
+                            (0..dtype.block_bytes()).map(|_| rng.byte()).collect();
                         for &o in f16_at {
                             let h = half::f16::from_f32(rng.scale()).to_bits().to_le_bytes();
                             blk[o..o + 2].copy_from_slice(&h);
@@ -703,7 +708,10 @@ mod tests {
         let mut rng = Rng(4242);
         for dtype in ALL {
             let ks = [32, 96, 256, 576, 768, 1056];
-            for k in ks.into_iter().filter(|k: &usize| k.is_multiple_of(dtype.block_elems())) {
+            for k in ks
+                .into_iter()
+                .filter(|k: &usize| k.is_multiple_of(dtype.block_elems()))
+            {
                 let w = random_weights(&mut rng, dtype, k, 1);
                 let mut want = vec![0f32; k];
                 dequant_row_with(Level::Scalar, dtype, &w, k, &mut want);
@@ -754,7 +762,13 @@ mod tests {
             });
         eprintln!("dequantization vectors from {}", dir.display());
         let mut rng = Rng(2024);
-        for dtype in [DType::Q5_0, DType::Q5_1, DType::Q4_K, DType::Q5_K, DType::Q6_K] {
+        for dtype in [
+            DType::Q5_0,
+            DType::Q5_1,
+            DType::Q4_K,
+            DType::Q5_K,
+            DType::Q6_K,
+        ] {
             let read = |ext: &str| {
                 let p = dir.join(format!("{dtype}.{ext}"));
                 std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
@@ -789,7 +803,11 @@ mod tests {
                     for r in 0..rows {
                         let wr = &want[r * k..(r + 1) * k];
                         let dot: f64 = wr.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
-                        let mag: f64 = wr.iter().zip(&x).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+                        let mag: f64 = wr
+                            .iter()
+                            .zip(&x)
+                            .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                            .sum();
                         let what = format!("{} {dtype} k={k} row {r}", lvl.name());
                         check_close(&format!("gemv {what}"), y[r], (dot, mag));
                         for t in 0..3 {
@@ -821,7 +839,11 @@ mod tests {
             let q = akunu_core::quantize::quantize(dtype, &x).unwrap();
             let mut y = vec![0f32; x.len()];
             dequant_row_with(Level::Scalar, dtype, &q, x.len(), &mut y);
-            let err: f64 = x.iter().zip(&y).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+            let err: f64 = x
+                .iter()
+                .zip(&y)
+                .map(|(a, b)| ((a - b) as f64).powi(2))
+                .sum();
             let norm: f64 = x.iter().map(|a| (*a as f64).powi(2)).sum();
             let rel = (err / norm).sqrt();
             eprintln!("{dtype}: relative RMS round-trip error {rel:.4}");

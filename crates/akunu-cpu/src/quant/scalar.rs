@@ -58,19 +58,26 @@ pub(super) fn dequant_row(dtype: DType, src: &[u8], k: usize, out: &mut [f32]) {
     }
 }
 
+/// Elements dequantized at a time by [`dot_row_buffered`]: one K-quant
+/// super-block, or 8 blocks of the 32-element types.
+const CHUNK: usize = 256;
+
 /// Dot product of a 5-bit / K-quant row with `x`: each chunk of up to 256
 /// elements is dequantized into a buffer, then summed in 8 partial sums.
 fn dot_row_buffered(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
     let k = x.len();
-    let mut buf = [0f32; blocks::CHUNK];
+    let mut buf = [0f32; CHUNK];
     let mut acc = 0f32;
     let mut k0 = 0;
     while k0 < k {
-        let kl = blocks::CHUNK.min(k - k0);
+        let kl = CHUNK.min(k - k0);
         let src = &row[row_bytes(dtype, k0)..row_bytes(dtype, k0 + kl)];
         blocks::dequant(dtype, src, &mut buf[..kl]);
         let mut s = [0f32; 8];
-        for (w8, x8) in buf[..kl].chunks_exact(8).zip(x[k0..k0 + kl].chunks_exact(8)) {
+        for (w8, x8) in buf[..kl]
+            .chunks_exact(8)
+            .zip(x[k0..k0 + kl].chunks_exact(8))
+        {
             for i in 0..8 {
                 s[i] += w8[i] * x8[i];
             }
