@@ -130,10 +130,10 @@ fn q6_k(b: &[u8], o: &mut [f32]) {
             for half in 0..2 {
                 let s = d * (sc[8 * h + 2 * t + half] as i8) as f32;
                 let out = &mut o[128 * h + 32 * t + 16 * half..][..16];
-                for l in 0..16 {
-                    let e = 16 * half + l;
-                    let q = ((lo[e] >> shift) & 15) as i32 | (((hi[e] >> (2 * t)) & 3) as i32) << 4;
-                    out[l] = s * (q - 32) as f32;
+                let (lo, hi) = (&lo[16 * half..][..16], &hi[16 * half..][..16]);
+                for ((o, &l), &h) in out.iter_mut().zip(lo).zip(hi) {
+                    let q = ((l >> shift) & 15) as i32 | (((h >> (2 * t)) & 3) as i32) << 4;
+                    *o = s * (q - 32) as f32;
                 }
             }
         }
