@@ -33,7 +33,7 @@ model=$(./target/release/akunu fetch)
 
 echo "== dequantization vs the gguf package, fresh random blocks (seed 1)"
 "$venv/bin/python" tools/dequant_vectors.py target/dequant-vectors --seed 1
-AKUNU_DEQUANT_VECTORS=target/dequant-vectors \
+AKUNU_DEQUANT_VECTORS="$(pwd)/target/dequant-vectors" \
     cargo test --release -p akunu-cpu --lib quant::tests::gguf_dequant_vectors
 
 echo "== reference parity (NumPy) on random-weight models of the 5-bit and K-quant types"
