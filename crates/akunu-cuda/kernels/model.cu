@@ -51,8 +51,8 @@ __device__ __forceinline__ void k4_scale_min(const u8* __restrict__ s, u32 j, fl
     }
 }
 
-// Elements [e0, e0 + n) of a row of type `dt` (one of is_q5_or_k), with
-// e0 % 8 == 0 and e0 % 8 + n <= 8 (n = 8 for runs, 1 for single elements).
+// Elements [e0, e0 + N) of a row of type `dt` (one of is_q5_or_k): N = 8
+// with e0 % 8 == 0 (a run), or N = 1 with any e0 (a single element).
 template <u32 N>
 __device__ __forceinline__ void load_run_q5k(u32 dt, const u8* __restrict__ row, u32 e0, float (&v)[N]) {
     if (dt == DT_Q5_0 || dt == DT_Q5_1) {
