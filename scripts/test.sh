@@ -7,7 +7,7 @@
 #     of the gguf package's dequantization vectors (tools/dequant_vectors.py);
 #  3. the reference parity check: the default model (fetched on first use),
 #     F16/Q8_0 files derived from it, and random-weight Q5_0/Q5_1/Q4_K/Q5_K/
-#     Q6_K models, against an independent NumPy forward pass over
+#     Q6_K models (and a Q4_K/Q6_K mix), against an independent NumPy forward pass over
 #     gguf-dequantized weights (tools/reference.py).
 # The GPU tests themselves run on a GPU machine: scripts/gpu.sh.
 set -euo pipefail
@@ -45,3 +45,10 @@ for spec in tiny:q5_0 tiny:q5_1 tiny-k:q4_k tiny-k:q5_k tiny-k:q6_k; do
     "$venv/bin/python" tools/parity.py --akunu target/release/akunu --model "$file" \
         --types "" -n 8 --workdir target/parity-types
 done
+# A Q4_K_M-like mix (attn_v and ffn_down Q6_K, the rest Q4_K): fused QKV
+# products whose segments differ in type.
+"$venv/bin/python" tools/mix_types.py target/parity-types/tiny-k-q4_k.gguf \
+    target/parity-types/tiny-k-q6_k.gguf target/parity-types/tiny-k-q4_k_m.gguf \
+    --take attn_v.weight,ffn_down.weight
+"$venv/bin/python" tools/parity.py --akunu target/release/akunu \
+    --model target/parity-types/tiny-k-q4_k_m.gguf --types "" -n 8 --workdir target/parity-types
