@@ -60,6 +60,36 @@ fn synth(shape: Shape, dtype: DType) -> Arc<Model> {
     m
 }
 
+/// `base` with the tensors whose names end with one of `take` copied from
+/// `other` (same shape, another type): a Q4_K_M-like mix, whose fused QKV
+/// products have segments of different types.
+fn mixed(base: &Model, other: &Model, take: &[&str], name: &str) -> Arc<Model> {
+    let mut w = akunu_core::gguf_write::GgufWriter::new();
+    for (k, v) in &base.file.metadata {
+        if k != "general.alignment" {
+            w.kv(k.clone(), v.clone()).expect("metadata");
+        }
+    }
+    for t in &base.file.tensors {
+        let (f, t) = if take.iter().any(|s| t.name.ends_with(s)) {
+            (
+                &other.file,
+                other.file.tensor(&t.name).expect("same tensors"),
+            )
+        } else {
+            (&base.file, t)
+        };
+        w.tensor(t.name.clone(), &t.dims, t.dtype, f.tensor_data(t).to_vec())
+            .expect("tensor");
+    }
+    let path =
+        std::env::temp_dir().join(format!("akunu-gpu-test-{}-{name}.gguf", std::process::id()));
+    w.write(&path).expect("writing the mixed model");
+    let m = Arc::new(Model::load(&path).expect("loading it"));
+    let _ = std::fs::remove_file(&path);
+    m
+}
+
 fn engine(model: &Arc<Model>, be: Box<dyn Backend>, chunk: u32, prefill: u32) -> Engine {
     let opts = EngineOptions {
         ctx: Some(512),
@@ -179,6 +209,21 @@ fn logits_match_cpu_for_every_type() {
         assert_eq!(m.file.tensor("blk.0.ffn_down.weight").unwrap().dtype, dt);
         compare_with_cpu(&m, &format!("tiny-k {}", dt.name()), 1e-4);
     }
+    // attn_v and ffn_down in Q6_K, the rest Q4_K (as in Q4_K_M files).
+    let (q4k, q6k) = (
+        synth(Shape::TinyK, DType::Q4_K),
+        synth(Shape::TinyK, DType::Q6_K),
+    );
+    let m = mixed(&q4k, &q6k, &["attn_v.weight", "ffn_down.weight"], "q4_k_m");
+    assert_eq!(
+        m.file.tensor("blk.0.attn_v.weight").unwrap().dtype,
+        DType::Q6_K
+    );
+    assert_eq!(
+        m.file.tensor("blk.0.attn_q.weight").unwrap().dtype,
+        DType::Q4_K
+    );
+    compare_with_cpu(&m, "tiny-k Q4_K + Q6_K mix", 1e-4);
 }
 
 #[test]
