@@ -137,6 +137,24 @@ def tokenize_prompts(model: str) -> list[tuple[str, list[int]]]:
     return [(name, tok.encode(text, parse_special=True)) for name, text in PROMPTS]
 
 
+def fit_context(model: str, prompts, n_greedy: int):
+    """Prompts cut to the model's context length less the greedy steps (small
+    random-weight models with a byte-level vocabulary have short contexts)."""
+    r = gguf.GGUFReader(model)
+    arch = reference._field(r, "general.architecture", "llama")
+    n_ctx = int(reference._field(r, f"{arch}.context_length", 0))
+    if not n_ctx:
+        return prompts
+    room = max(1, n_ctx - n_greedy)
+    out = []
+    for name, ids in prompts:
+        if len(ids) > room:
+            print(f"# prompt {name}: {len(ids)} tokens cut to {room} (context {n_ctx})", flush=True)
+            ids = ids[:room]
+        out.append((name, ids))
+    return out
+
+
 def ids_arg(ids) -> str:
     return ",".join(str(int(i)) for i in ids)
 
@@ -338,7 +356,7 @@ def main() -> int:
                 continue
         files.append(dst)
 
-    prompts = tokenize_prompts(a.model)
+    prompts = fit_context(a.model, tokenize_prompts(a.model), a.greedy_n)
     for name, ids in prompts:
         print(f"# prompt {name}: {len(ids)} tokens: {ids_arg(ids)}", flush=True)
 

@@ -10,10 +10,13 @@ use std::time::Instant;
 
 #[derive(Args, Clone)]
 pub struct SynthArgs {
-    /// Model shape: tiny, smollm2-135m, llama-1b or llama-8b.
+    /// Model shape: tiny, tiny-k, smollm2-135m, llama-1b or llama-8b.
     #[arg(long)]
     pub shape: Shape,
-    /// Type of the weight matrices: f32, f16, bf16, q8_0, q4_0 or q4_1 (norms stay f32).
+    /// Type of the weight matrices: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0,
+    /// q5_1, q4_k, q5_k or q6_k (norms stay f32). Rows that are not whole
+    /// K-quant super-blocks (256) fall back as llama.cpp does: q4_k -> q5_0,
+    /// q5_k -> q5_1, q6_k -> q8_0.
     #[arg(long = "type", value_name = "TYPE", value_parser = parse_dtype)]
     pub dtype: DType,
     /// Seed of the random weights (the same seed gives the same file).

@@ -108,8 +108,24 @@ fn unsupported_tensor_type() {
     let mut b = base_model().to_vec();
     // Tensor info: name, n_dims (u32 = 2), dims (2 x u64), type (u32).
     let at = after(&b, b"blk.0.attn_q.weight") + 4 + 16;
+    b[at..at + 4].copy_from_slice(&10u32.to_le_bytes()); // Q2_K
+    assert_clean_error(
+        &run_on(&b, "qtype.gguf", &[]),
+        "has data type Q2_K, which akunu does not support",
+    );
+}
+
+#[test]
+fn k_quant_rows_must_be_whole_super_blocks() {
+    let mut b = base_model().to_vec();
+    // A supported type whose 256-element blocks do not tile the test
+    // model's 64-element rows.
+    let at = after(&b, b"blk.0.attn_q.weight") + 4 + 16;
     b[at..at + 4].copy_from_slice(&12u32.to_le_bytes()); // Q4_K
-    assert_clean_error(&run_on(&b, "qtype.gguf", &[]), "Q4_K");
+    assert_clean_error(
+        &run_on(&b, "qtype-rows.gguf", &[]),
+        "row length 64 is not a multiple of the Q4_K block size 256",
+    );
 }
 
 #[test]

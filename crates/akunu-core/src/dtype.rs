@@ -6,12 +6,18 @@ use std::fmt;
 /// they appear in a GGUF tensor directory.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 #[repr(u32)]
+#[allow(non_camel_case_types)] // GGML's names (Q4_K, ...)
 pub enum DType {
     F32 = 0,
     F16 = 1,
     Q4_0 = 2,
     Q4_1 = 3,
+    Q5_0 = 6,
+    Q5_1 = 7,
     Q8_0 = 8,
+    Q4_K = 12,
+    Q5_K = 13,
+    Q6_K = 14,
     BF16 = 30,
 }
 
@@ -24,7 +30,12 @@ impl DType {
             1 => DType::F16,
             2 => DType::Q4_0,
             3 => DType::Q4_1,
+            6 => DType::Q5_0,
+            7 => DType::Q5_1,
             8 => DType::Q8_0,
+            12 => DType::Q4_K,
+            13 => DType::Q5_K,
+            14 => DType::Q6_K,
             30 => DType::BF16,
             _ => return None,
         })
@@ -34,7 +45,9 @@ impl DType {
     pub const fn block_elems(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 => 1,
-            DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => 32,
+            DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 => 32,
+            // K-quants: a 256-element super-block of 8 or 16 sub-blocks
+            DType::Q4_K | DType::Q5_K | DType::Q6_K => 256,
         }
     }
 
@@ -47,8 +60,20 @@ impl DType {
             DType::Q4_0 => 18,
             // f16 scale + f16 min + 16 bytes of nibbles
             DType::Q4_1 => 20,
+            // f16 scale + u32 of fifth bits + 16 bytes of nibbles
+            DType::Q5_0 => 22,
+            // f16 scale + f16 min + u32 of fifth bits + 16 bytes of nibbles
+            DType::Q5_1 => 24,
             // f16 scale + 32 signed bytes
             DType::Q8_0 => 34,
+            // f16 d + f16 dmin + 12 bytes of packed 6-bit (scale, min)
+            // pairs + 128 bytes of nibbles
+            DType::Q4_K => 144,
+            // as Q4_K + 32 bytes of fifth bits
+            DType::Q5_K => 176,
+            // 128 bytes of low nibbles + 64 bytes of 2-bit highs + 16 i8
+            // scales + f16 d
+            DType::Q6_K => 210,
         }
     }
 
@@ -62,6 +87,21 @@ impl DType {
         (n / be).checked_mul(self.block_bytes() as u64)
     }
 
+    /// Every supported type, in GGML id order.
+    pub const ALL: [DType; 11] = [
+        DType::F32,
+        DType::F16,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q8_0,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+        DType::BF16,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             DType::F32 => "F32",
@@ -69,7 +109,12 @@ impl DType {
             DType::BF16 => "BF16",
             DType::Q4_0 => "Q4_0",
             DType::Q4_1 => "Q4_1",
+            DType::Q5_0 => "Q5_0",
+            DType::Q5_1 => "Q5_1",
             DType::Q8_0 => "Q8_0",
+            DType::Q4_K => "Q4_K",
+            DType::Q5_K => "Q5_K",
+            DType::Q6_K => "Q6_K",
         }
     }
 }

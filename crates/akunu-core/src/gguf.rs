@@ -37,7 +37,7 @@ pub enum GgufError {
     },
     #[error("{}: corrupt GGUF: {msg}", .path.display())]
     Corrupt { path: PathBuf, msg: String },
-    #[error("{}: tensor '{name}' has data type {type_name}, which akunu does not support (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)", .path.display())]
+    #[error("{}: tensor '{name}' has data type {type_name}, which akunu does not support (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)", .path.display())]
     UnsupportedType {
         path: PathBuf,
         name: String,
@@ -606,16 +606,25 @@ mod tests {
     #[test]
     fn rejects_unsupported_type_and_absurd_dims() {
         let mut b = tiny(3);
-        // tensor type field: find "t" name then dims; patch type to 12 (Q4_K).
+        // tensor type field: find "t" name then dims; patch type to 10 (Q2_K).
         let pos = b
             .windows(9)
             .position(|w| w == [1, 0, 0, 0, 0, 0, 0, 0, b't'])
             .unwrap()
             + 9;
         let ty_pos = pos + 4 + 8;
+        b[ty_pos..ty_pos + 4].copy_from_slice(&10u32.to_le_bytes());
+        let e = parse_bytes(b.clone()).err().unwrap();
+        assert!(matches!(e, GgufError::UnsupportedType { .. }), "{e}");
+        assert!(e.to_string().contains("Q2_K"), "{e}");
+        // Q4_K is supported, but a 32-element row is not a whole super-block.
         b[ty_pos..ty_pos + 4].copy_from_slice(&12u32.to_le_bytes());
         let e = parse_bytes(b).err().unwrap();
-        assert!(e.to_string().contains("Q4_K"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("row length 32 is not a multiple of the Q4_K block size 256"),
+            "{e}"
+        );
 
         let mut b = tiny(3);
         b[pos + 4..pos + 12].copy_from_slice(&u64::MAX.to_le_bytes());

@@ -7,6 +7,13 @@
 //! - Q4_0: `d: f16`, `qs: [u8; 16]`; element j in the low nibble of byte j,
 //!   element j+16 in its high nibble; x ≈ d·(q − 8).
 //! - Q4_1: `d: f16`, `m: f16`, `qs: [u8; 16]` (nibbles as Q4_0); x ≈ d·q + m.
+//! - Q5_0 / Q5_1: as Q4_0 / Q4_1 with 5-bit values: `d` (and `m`), then
+//!   `qh: u32` (bit j = fifth bit of element j), then the 16 nibble bytes;
+//!   x ≈ d·(q − 16) and x ≈ d·q + m. Bit-exact with GGML's reference.
+//! - Q4_K / Q5_K / Q6_K (256-element super-blocks): see [`quantize_row_q4_k`]
+//!   and friends. These are *not* GGML's `make_qkx` searches but a simple
+//!   min/max rounding quantizer: the layout is GGML's (any GGML reader
+//!   decodes them), the chosen scales are slightly less accurate.
 //! - F16 (IEEE half, round to nearest even) and BF16 (top 16 bits of the
 //!   f32, round to nearest even, NaN kept quiet), as GGML converts them.
 
@@ -63,6 +70,11 @@ pub fn quantize_into(dtype: DType, src: &[f32], dst: &mut [u8]) -> Result<(), Qu
         DType::Q8_0 => quantize_row_q8_0(src, dst),
         DType::Q4_0 => quantize_row_q4_0(src, dst),
         DType::Q4_1 => quantize_row_q4_1(src, dst),
+        DType::Q5_0 => quantize_row_q5_0(src, dst),
+        DType::Q5_1 => quantize_row_q5_1(src, dst),
+        DType::Q4_K => quantize_row_q4_k(src, dst),
+        DType::Q5_K => quantize_row_q5_k(src, dst),
+        DType::Q6_K => quantize_row_q6_k(src, dst),
     }
     Ok(())
 }
@@ -208,6 +220,242 @@ pub fn quantize_row_q4_1(src: &[f32], dst: &mut [u8]) {
     }
 }
 
+/// Packs the 5-bit values `q` (0..=31) of one 32-element block into
+/// (`qh`, 16 nibble bytes): element j's low nibble in byte j % 16 (low
+/// half for j < 16), its fifth bit in bit j of `qh`.
+fn pack_q5(q: &[u8; QK], qh_out: &mut [u8], qs_out: &mut [u8]) {
+    let mut qh = 0u32;
+    for j in 0..QK / 2 {
+        qs_out[j] = (q[j] & 15) | ((q[j + QK / 2] & 15) << 4);
+        qh |= (((q[j] >> 4) & 1) as u32) << j;
+        qh |= (((q[j + QK / 2] >> 4) & 1) as u32) << (j + QK / 2);
+    }
+    qh_out.copy_from_slice(&qh.to_le_bytes());
+}
+
+/// GGML's `quantize_row_q5_0_ref`: d = max / −16, q = min(31, (int8)(x/d + 16.5)).
+///
+/// # Panics
+/// If `src.len()` is not a multiple of 32 or `dst` is not 22 bytes per block.
+pub fn quantize_row_q5_0(src: &[f32], dst: &mut [u8]) {
+    check_lengths(DType::Q5_0, src, dst);
+    for (x, y) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(22)) {
+        let (mut amax, mut max) = (0f32, 0f32);
+        for &v in x {
+            if amax < v.abs() {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        let d = max / -16.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        y[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+        let mut q = [0u8; QK];
+        for (qj, &v) in q.iter_mut().zip(x) {
+            // Truncation as C's (int8_t) cast; values lie in [0.5, 32.5].
+            *qj = ((v * id + 16.5) as i8).min(31) as u8;
+        }
+        let (qh, qs) = y[2..].split_at_mut(4);
+        pack_q5(&q, qh, qs);
+    }
+}
+
+/// GGML's `quantize_row_q5_1_ref`: d = (max − min)/31, m = min,
+/// q = (uint8)((x − min)/d + 0.5).
+///
+/// # Panics
+/// If `src.len()` is not a multiple of 32 or `dst` is not 24 bytes per block.
+pub fn quantize_row_q5_1(src: &[f32], dst: &mut [u8]) {
+    check_lengths(DType::Q5_1, src, dst);
+    for (x, y) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(24)) {
+        let (mut min, mut max) = (f32::MAX, -f32::MAX);
+        for &v in x {
+            min = if v < min { v } else { min };
+            max = if v > max { v } else { max };
+        }
+        let d = (max - min) / 31.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        y[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+        y[2..4].copy_from_slice(&f16::from_f32(min).to_le_bytes());
+        let mut q = [0u8; QK];
+        for (qj, &v) in q.iter_mut().zip(x) {
+            // No clamp, as in GGML: the value lies in [0.5, 31.5].
+            *qj = ((v - min) * id + 0.5) as u8;
+        }
+        let (qh, qs) = y[4..].split_at_mut(4);
+        pack_q5(&q, qh, qs);
+    }
+}
+
+/// Elements per K-quant super-block.
+pub const QK_K: usize = 256;
+
+/// Rounds to the nearest integer in `0..=max` (NaN → 0).
+fn round_clamp(v: f32, max: u8) -> u8 {
+    v.round().clamp(0.0, max as f32) as u8
+}
+
+/// Packs 8 (scale, min) pairs of 6 bits into GGML's 12-byte K-quant layout:
+/// pairs 0..4 in the low 6 bits of bytes 0..4 (scales) and 4..8 (mins);
+/// pairs 4..8 split into a low nibble (bytes 8..12) and 2 high bits (the
+/// top bits of bytes 0..8).
+fn pack_scale_min_k4(sc: &[u8; 8], m: &[u8; 8], out: &mut [u8]) {
+    out[..12].fill(0);
+    for j in 0..4 {
+        out[j] = sc[j] & 63;
+        out[j + 4] = m[j] & 63;
+    }
+    for j in 4..8 {
+        out[j + 4] = (sc[j] & 15) | ((m[j] & 15) << 4);
+        out[j - 4] |= (sc[j] >> 4) << 6;
+        out[j] |= (m[j] >> 4) << 6;
+    }
+}
+
+/// Q4_K (`NMAX` = 15) and Q5_K (`NMAX` = 31) super-block quantizer. Each
+/// 32-element sub-block j gets x ≈ (d·sc_j)·q − dmin·m_j with 6-bit sc_j,
+/// m_j: its min (clipped to ≤ 0) and range, rounded onto the super-block's
+/// f16 `d`, `dmin` grids; then each value is rounded to the nearest level.
+/// Returns (d, dmin, sc, m, q).
+fn quantize_kx<const NMAX: u8>(x: &[f32]) -> (f16, f16, [u8; 8], [u8; 8], [u8; QK_K]) {
+    let mut scale = [0f32; 8];
+    let mut neg_min = [0f32; 8];
+    for (j, sub) in x.chunks_exact(QK).enumerate() {
+        let lo = sub.iter().fold(0f32, |a, &v| a.min(v));
+        let hi = sub.iter().fold(lo, |a, &v| a.max(v));
+        scale[j] = (hi - lo) / NMAX as f32;
+        neg_min[j] = -lo;
+    }
+    let max_scale = scale.iter().fold(0f32, |a, &v| a.max(v));
+    let max_min = neg_min.iter().fold(0f32, |a, &v| a.max(v));
+    let d = f16::from_f32(max_scale / 63.0);
+    let dmin = f16::from_f32(max_min / 63.0);
+    let (df, dminf) = (d.to_f32(), dmin.to_f32());
+    let mut sc = [0u8; 8];
+    let mut m = [0u8; 8];
+    let mut q = [0u8; QK_K];
+    for j in 0..8 {
+        sc[j] = if df > 0.0 {
+            round_clamp(scale[j] / df, 63)
+        } else {
+            0
+        };
+        m[j] = if dminf > 0.0 {
+            round_clamp(neg_min[j] / dminf, 63)
+        } else {
+            0
+        };
+        let step = df * sc[j] as f32;
+        let off = dminf * m[j] as f32;
+        let inv = if step > 0.0 { 1.0 / step } else { 0.0 };
+        for l in 0..QK {
+            q[j * QK + l] = round_clamp((x[j * QK + l] + off) * inv, NMAX);
+        }
+    }
+    (d, dmin, sc, m, q)
+}
+
+/// Q4_K: `d: f16`, `dmin: f16`, 12 bytes of packed 6-bit (scale, min)
+/// pairs, 128 bytes `qs`; sub-block 2i sits in the low nibbles of
+/// `qs[32i..32i+32]`, sub-block 2i+1 in their high nibbles.
+///
+/// # Panics
+/// If `src.len()` is not a multiple of 256 or `dst` is not 144 bytes per block.
+pub fn quantize_row_q4_k(src: &[f32], dst: &mut [u8]) {
+    check_lengths(DType::Q4_K, src, dst);
+    for (x, y) in src.chunks_exact(QK_K).zip(dst.chunks_exact_mut(144)) {
+        let (d, dmin, sc, m, q) = quantize_kx::<15>(x);
+        y[..2].copy_from_slice(&d.to_le_bytes());
+        y[2..4].copy_from_slice(&dmin.to_le_bytes());
+        pack_scale_min_k4(&sc, &m, &mut y[4..16]);
+        for i in 0..4 {
+            for l in 0..QK {
+                y[16 + 32 * i + l] = q[64 * i + l] | (q[64 * i + 32 + l] << 4);
+            }
+        }
+    }
+}
+
+/// Q5_K: as Q4_K, then 32 bytes `qh` before `qs`: bit j of `qh[l]` is the
+/// fifth bit of element l of sub-block j.
+///
+/// # Panics
+/// If `src.len()` is not a multiple of 256 or `dst` is not 176 bytes per block.
+pub fn quantize_row_q5_k(src: &[f32], dst: &mut [u8]) {
+    check_lengths(DType::Q5_K, src, dst);
+    for (x, y) in src.chunks_exact(QK_K).zip(dst.chunks_exact_mut(176)) {
+        let (d, dmin, sc, m, q) = quantize_kx::<31>(x);
+        y[..2].copy_from_slice(&d.to_le_bytes());
+        y[2..4].copy_from_slice(&dmin.to_le_bytes());
+        pack_scale_min_k4(&sc, &m, &mut y[4..16]);
+        let (qh, qs) = y[16..].split_at_mut(32);
+        qh.fill(0);
+        for j in 0..8 {
+            for l in 0..QK {
+                qh[l] |= (q[j * QK + l] >> 4) << j;
+            }
+        }
+        for i in 0..4 {
+            for l in 0..QK {
+                qs[32 * i + l] = (q[64 * i + l] & 15) | ((q[64 * i + 32 + l] & 15) << 4);
+            }
+        }
+    }
+}
+
+/// Q6_K: 128 bytes `ql`, 64 bytes `qh`, 16 `i8` scales, `d: f16`;
+/// x ≈ (d·sc_g)·(q − 32) per 16-element group g. Each group's scale is its
+/// max |x| / 31 rounded onto the f16 `d`'s grid of 127 steps. Element e of
+/// half h = e / 128 (r = e % 128, quarter t = r / 32, l = r % 32): low
+/// nibble in `ql[64h + 32(t & 1) + l]` (high half of the byte for t ≥ 2),
+/// top 2 bits at bit 2t of `qh[32h + l]`.
+///
+/// # Panics
+/// If `src.len()` is not a multiple of 256 or `dst` is not 210 bytes per block.
+pub fn quantize_row_q6_k(src: &[f32], dst: &mut [u8]) {
+    check_lengths(DType::Q6_K, src, dst);
+    for (x, y) in src.chunks_exact(QK_K).zip(dst.chunks_exact_mut(210)) {
+        let mut gscale = [0f32; 16];
+        for (g, grp) in x.chunks_exact(16).enumerate() {
+            gscale[g] = grp.iter().fold(0f32, |a, &v| a.max(v.abs())) / 31.0;
+        }
+        let max_scale = gscale.iter().fold(0f32, |a, &v| a.max(v));
+        let d = f16::from_f32(max_scale / 127.0);
+        let df = d.to_f32();
+        let mut sc = [0i8; 16];
+        let mut q = [0u8; QK_K];
+        for g in 0..16 {
+            sc[g] = if df > 0.0 {
+                (gscale[g] / df).round().clamp(0.0, 127.0) as i8
+            } else {
+                0
+            };
+            let step = df * sc[g] as f32;
+            let inv = if step > 0.0 { 1.0 / step } else { 0.0 };
+            for l in 0..16 {
+                let v = (x[16 * g + l] * inv).round().clamp(-32.0, 31.0);
+                q[16 * g + l] = (v as i32 + 32) as u8;
+            }
+        }
+        let (ql, rest) = y.split_at_mut(128);
+        let (qh, rest) = rest.split_at_mut(64);
+        let (scales, dd) = rest.split_at_mut(16);
+        ql.fill(0);
+        qh.fill(0);
+        for (e, &qe) in q.iter().enumerate() {
+            let (h, r) = (e / 128, e % 128);
+            let (t, l) = (r / 32, r % 32);
+            let b = 64 * h + 32 * (t & 1) + l;
+            ql[b] |= (qe & 15) << (4 * (t >> 1));
+            qh[32 * h + l] |= (qe >> 4) << (2 * t);
+        }
+        for (o, &s) in scales.iter_mut().zip(&sc) {
+            *o = s as u8;
+        }
+        dd.copy_from_slice(&d.to_le_bytes());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -261,6 +509,9 @@ mod tests {
                     }
                 }
             }
+            // The newer types are checked against the `gguf` package's
+            // dequantizer instead (crates/akunu-cpu/tests/gguf_dequant.rs).
+            other => panic!("no test dequantizer for {other}"),
         }
         out
     }

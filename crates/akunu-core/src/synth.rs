@@ -27,6 +27,9 @@ pub const WEIGHT_STD: f32 = 0.02;
 pub enum Shape {
     /// 2 layers, width 64: a model for unit tests (built-in vocabulary).
     Tiny,
+    /// 2 layers, width 256, FFN 512: the smallest shape whose rows are whole
+    /// 256-element K-quant super-blocks (tests of Q4_K/Q5_K/Q6_K).
+    TinyK,
     /// SmolLM2-135M: 30 layers, width 576, 9 heads / 3 KV heads.
     SmolLm2_135M,
     /// Llama-3.2-1B-like: 16 layers, width 2048, 32 heads / 8 KV heads.
@@ -60,8 +63,9 @@ impl ShapeParams {
 }
 
 impl Shape {
-    pub const ALL: [Shape; 4] = [
+    pub const ALL: [Shape; 5] = [
         Shape::Tiny,
+        Shape::TinyK,
         Shape::SmolLm2_135M,
         Shape::Llama1B,
         Shape::Llama8B,
@@ -71,6 +75,7 @@ impl Shape {
     pub fn name(self) -> &'static str {
         match self {
             Shape::Tiny => "tiny",
+            Shape::TinyK => "tiny-k",
             Shape::SmolLm2_135M => "smollm2-135m",
             Shape::Llama1B => "llama-1b",
             Shape::Llama8B => "llama-8b",
@@ -103,6 +108,11 @@ impl Shape {
                 tied: true,
                 nominal_vocab: None,
             },
+            Shape::TinyK => ShapeParams {
+                dim: 256,
+                ffn_dim: 512,
+                ..Shape::Tiny.params()
+            },
             Shape::SmolLm2_135M => big(30, 576, 9, 3, 1536, 100000.0, true),
             Shape::Llama1B => big(16, 2048, 32, 8, 8192, 500000.0, true),
             Shape::Llama8B => big(32, 4096, 32, 8, 14336, 500000.0, false),
@@ -123,7 +133,9 @@ impl fmt::Display for Shape {
 }
 
 #[derive(Debug, thiserror::Error)]
-#[error("unknown model shape '{0}' (choose one of: tiny, smollm2-135m, llama-1b, llama-8b)")]
+#[error(
+    "unknown model shape '{0}' (choose one of: tiny, tiny-k, smollm2-135m, llama-1b, llama-8b)"
+)]
 pub struct ParseShapeError(String);
 
 impl FromStr for Shape {
@@ -138,22 +150,17 @@ impl FromStr for Shape {
 }
 
 #[derive(Debug, thiserror::Error)]
-#[error("unknown tensor type '{0}' (choose one of: f32, f16, bf16, q8_0, q4_0, q4_1)")]
+#[error(
+    "unknown tensor type '{0}' (choose one of: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k)"
+)]
 pub struct ParseDTypeError(String);
 
 /// Parses a tensor type name as written on the command line (`q4_0`, `F16`...).
 pub fn parse_dtype(s: &str) -> Result<DType, ParseDTypeError> {
-    [
-        DType::F32,
-        DType::F16,
-        DType::BF16,
-        DType::Q8_0,
-        DType::Q4_0,
-        DType::Q4_1,
-    ]
-    .into_iter()
-    .find(|d| d.name().eq_ignore_ascii_case(s))
-    .ok_or_else(|| ParseDTypeError(s.to_string()))
+    DType::ALL
+        .into_iter()
+        .find(|d| d.name().eq_ignore_ascii_case(s))
+        .ok_or_else(|| ParseDTypeError(s.to_string()))
 }
 
 /// What to generate.
@@ -193,8 +200,33 @@ fn file_type(dtype: DType) -> u32 {
         DType::Q4_0 => 2,
         DType::Q4_1 => 3,
         DType::Q8_0 => 7,
+        DType::Q5_0 => 8,
+        DType::Q5_1 => 9,
+        // llama.cpp's "_M" mixes are what people download; this file is
+        // the plain (all-matrices) variant of each type.
+        DType::Q4_K => 15,
+        DType::Q5_K => 17,
+        DType::Q6_K => 18,
         DType::BF16 => 32,
     }
+}
+
+/// The type a matrix with rows of `row_len` elements is stored in when
+/// `want` is requested: `want` itself if a row is a whole number of its
+/// blocks, else llama.cpp's fallback for K-quants (Q4_K → Q5_0, Q5_K →
+/// Q5_1, Q6_K → Q8_0; e.g. SmolLM2's 576-wide rows), else F16.
+pub fn matrix_type(want: DType, row_len: u64) -> DType {
+    let fits = |d: DType| row_len.is_multiple_of(d.block_elems() as u64);
+    if fits(want) {
+        return want;
+    }
+    let fallback = match want {
+        DType::Q4_K => DType::Q5_0,
+        DType::Q5_K => DType::Q5_1,
+        DType::Q6_K => DType::Q8_0,
+        _ => DType::F16,
+    };
+    if fits(fallback) { fallback } else { DType::F16 }
 }
 
 /// Writes a random-weight `llama` model to `path`, calling
@@ -307,7 +339,7 @@ pub(crate) fn write_synthetic_threads(
     let seed = spec.seed;
     for (index, t) in plan(&p, n_vocab).into_iter().enumerate() {
         let dtype = match t.init {
-            Init::Matrix => spec.dtype,
+            Init::Matrix => matrix_type(spec.dtype, t.dims[0]),
             Init::Norm => DType::F32,
         };
         let dims = t.dims.clone();
@@ -661,6 +693,47 @@ mod tests {
         assert_eq!(chars.len(), 256);
     }
 
+    /// Rows that are not whole K-quant super-blocks fall back as llama.cpp
+    /// does; tiny-k is all K-quant; every new type loads.
+    #[test]
+    fn k_quant_fallback_and_tiny_k() {
+        assert_eq!(matrix_type(DType::Q4_K, 512), DType::Q4_K);
+        assert_eq!(matrix_type(DType::Q4_K, 576), DType::Q5_0);
+        assert_eq!(matrix_type(DType::Q5_K, 576), DType::Q5_1);
+        assert_eq!(matrix_type(DType::Q6_K, 64), DType::Q8_0);
+        assert_eq!(matrix_type(DType::Q4_K, 48), DType::F16);
+        assert_eq!(matrix_type(DType::Q4_0, 576), DType::Q4_0);
+        for (shape, dtype, want) in [
+            (Shape::Tiny, DType::Q5_0, DType::Q5_0),
+            (Shape::Tiny, DType::Q5_1, DType::Q5_1),
+            (Shape::Tiny, DType::Q4_K, DType::Q5_0),
+            (Shape::TinyK, DType::Q4_K, DType::Q4_K),
+            (Shape::TinyK, DType::Q5_K, DType::Q5_K),
+            (Shape::TinyK, DType::Q6_K, DType::Q6_K),
+        ] {
+            let path = temp(&format!("{shape}-{dtype}"));
+            let s = SynthSpec {
+                shape,
+                ..spec(dtype, 3)
+            };
+            write_synthetic(&path, &s, &mut |_, _| {}).unwrap();
+            let m = Model::load(&path).unwrap_or_else(|e| panic!("{shape} {dtype}: {e}"));
+            let _ = std::fs::remove_file(&path);
+            for name in [
+                "token_embd.weight",
+                "blk.1.attn_q.weight",
+                "blk.0.ffn_down.weight",
+            ] {
+                assert_eq!(
+                    m.file.tensor(name).unwrap().dtype,
+                    want,
+                    "{shape} {dtype} {name}"
+                );
+            }
+            assert_eq!(m.config.dim, shape.params().dim);
+        }
+    }
+
     #[test]
     fn parsing_and_errors() {
         for s in Shape::ALL {
@@ -679,7 +752,14 @@ mod tests {
         );
         assert_eq!(parse_dtype("q4_0").unwrap(), DType::Q4_0);
         assert_eq!(parse_dtype("BF16").unwrap(), DType::BF16);
-        assert!(parse_dtype("q4_k").is_err());
+        assert_eq!(parse_dtype("q4_k").unwrap(), DType::Q4_K);
+        assert_eq!(parse_dtype("Q6_K").unwrap(), DType::Q6_K);
+        assert!(
+            parse_dtype("q2_k")
+                .unwrap_err()
+                .to_string()
+                .contains("q5_k")
+        );
         for s in [Shape::SmolLm2_135M, Shape::Llama1B, Shape::Llama8B] {
             let p = s.params();
             assert_eq!(p.dim % p.n_heads, 0);

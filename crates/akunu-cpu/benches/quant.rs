@@ -49,6 +49,11 @@ fn weights(rng: &mut Rng, dtype: DType, rows: usize, k: usize) -> Vec<u8> {
                 (0..nq).for_each(|_| w.push(rng.next() as u8));
             }
         }
+        // The 5-bit and K-quant types: akunu's quantizer on random values.
+        DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+            let vals: Vec<f32> = (0..rows * k).map(|_| rng.unit() * 0.1).collect();
+            w = akunu_core::quantize::quantize(dtype, &vals).expect("whole blocks");
+        }
     }
     assert_eq!(w.len(), n);
     w
@@ -86,15 +91,29 @@ fn main() {
     let dtypes = [
         DType::Q4_0,
         DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
         DType::Q8_0,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
         DType::F16,
         DType::BF16,
         DType::F32,
     ];
     let shapes = [(576, 576), (1536, 576), (576, 1536), (49152, 576)];
+    // K-quant rows must be whole 256-element super-blocks: 512 stands in
+    // for 576 (the columns of the table below keep SmolLM2's row counts).
+    let k_shape = |dtype: DType, (r, k): (usize, usize)| {
+        if dtype.block_elems() == 256 && k % 256 != 0 {
+            (r, 512)
+        } else {
+            (r, k)
+        }
+    };
     let mut rng = Rng(0xDEAD_BEEF_1234_5678);
 
-    println!("\nGEMV (rows x k), GB/s of weight bytes, median (best):");
+    println!("\nGEMV (rows x k; K-quants: k = 512 for 576), GB/s of weight bytes, median (best):");
     print!("{:>6}", "dtype");
     for (r, k) in shapes {
         print!(" {:>15}", format!("{r}x{k}"));
@@ -108,7 +127,7 @@ fn main() {
             continue;
         }
         print!("{:>6}", dtype.name());
-        for (rows, k) in shapes {
+        for (rows, k) in shapes.map(|sh| k_shape(dtype, sh)) {
             let w = weights(&mut rng, dtype, rows, k);
             let x: Vec<f32> = (0..k).map(|_| rng.unit()).collect();
             let mut y = vec![0f32; rows];
@@ -160,8 +179,8 @@ fn main() {
         println!("  quantize k={k}: {:.0} ns", med * 1e9);
     }
 
-    let (rows, k, n_x) = (576, 576, 64);
-    println!("\nGEMM {rows}x{k}, n_x={n_x}, GFLOP/s, median (best):");
+    let n_x = 64;
+    println!("\nGEMM 576x576 (K-quants: 576x512), n_x={n_x}, GFLOP/s, median (best):");
     for dtype in dtypes {
         if filter
             .as_deref()
@@ -169,6 +188,7 @@ fn main() {
         {
             continue;
         }
+        let (rows, k) = k_shape(dtype, (576, 576));
         let w = weights(&mut rng, dtype, rows, k);
         let x: Vec<f32> = (0..k * n_x).map(|_| rng.unit()).collect();
         let mut y = vec![0f32; rows * n_x];

@@ -161,7 +161,12 @@ struct BitmaskParams { u32 n_vocab; u32 _pad[3]; };
 #define DT_F16 1
 #define DT_Q4_0 2
 #define DT_Q4_1 3
+#define DT_Q5_0 6
+#define DT_Q5_1 7
 #define DT_Q8_0 8
+#define DT_Q4_K 12
+#define DT_Q5_K 13
+#define DT_Q6_K 14
 #define DT_BF16 30
 
 __device__ __forceinline__ float f16_to_f32(u16 h) {

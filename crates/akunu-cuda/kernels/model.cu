@@ -13,14 +13,92 @@
 #define FULL_MASK 0xffffffffu
 
 // Bytes of one matrix row of `k` elements of type `dt` (k is a multiple of
-// 32 for the quantized types: the table validated it).
+// 32 for the quantized types, of 256 for the K-quants: the table validated
+// it).
 __device__ __forceinline__ u64 row_bytes_of(u32 dt, u32 k) {
     switch (dt) {
     case DT_F32: return (u64)k * 4;
     case DT_Q4_0: return (u64)(k >> 5) * 18;
     case DT_Q4_1: return (u64)(k >> 5) * 20;
+    case DT_Q5_0: return (u64)(k >> 5) * 22;
+    case DT_Q5_1: return (u64)(k >> 5) * 24;
     case DT_Q8_0: return (u64)(k >> 5) * 34;
+    case DT_Q4_K: return (u64)(k >> 8) * 144;
+    case DT_Q5_K: return (u64)(k >> 8) * 176;
+    case DT_Q6_K: return (u64)(k >> 8) * 210;
     default: return (u64)k * 2;  // F16, BF16
+    }
+}
+
+// ---- 5-bit and K-quant types (GGML layouts; see the CPU backend's
+// quant/blocks.rs for the byte map). Their kernels work on runs of 8
+// elements that start at a multiple of 8: such a run never crosses a block,
+// a K-quant sub-block (32) or a Q6_K scale group (16).
+
+__device__ __forceinline__ bool is_q5_or_k(u32 dt) {
+    return dt == DT_Q5_0 || dt == DT_Q5_1 || dt == DT_Q4_K || dt == DT_Q5_K || dt == DT_Q6_K;
+}
+
+// Scale and min (6-bit integers) of sub-block j of a Q4_K/Q5_K super-block
+// from its 12 packed bytes `s`.
+__device__ __forceinline__ void k4_scale_min(const u8* __restrict__ s, u32 j, float& sc, float& m) {
+    if (j < 4) {
+        sc = (float)(s[j] & 63);
+        m = (float)(s[j + 4] & 63);
+    } else {
+        sc = (float)((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4));
+        m = (float)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+// Elements [e0, e0 + N) of a row of type `dt` (one of is_q5_or_k): N = 8
+// with e0 % 8 == 0 (a run), or N = 1 with any e0 (a single element).
+template <u32 N>
+__device__ __forceinline__ void load_run_q5k(u32 dt, const u8* __restrict__ row, u32 e0, float (&v)[N]) {
+    if (dt == DT_Q5_0 || dt == DT_Q5_1) {
+        const bool q51 = dt == DT_Q5_1;
+        const u8* blk = row + (u64)(e0 >> 5) * (q51 ? 24 : 22);
+        const float d = f16_to_f32(ld_u16(blk));
+        const float m = q51 ? f16_to_f32(ld_u16(blk + 2)) : 0.0f;
+        const u8* qhp = blk + (q51 ? 4 : 2);
+        const u32 qh = (u32)ld_u16(qhp) | ((u32)ld_u16(qhp + 2) << 16);
+        const u8* qs = qhp + 4;
+        const u32 j0 = e0 & 31, shift = j0 < 16 ? 0 : 4;
+#pragma unroll
+        for (u32 i = 0; i < N; ++i) {
+            const u32 j = j0 + i;
+            const u32 q = ((qs[j & 15] >> shift) & 15) | (((qh >> j) & 1) << 4);
+            v[i] = q51 ? d * (float)q + m : d * (float)((int)q - 16);
+        }
+    } else if (dt == DT_Q6_K) {
+        const u8* blk = row + (u64)(e0 >> 8) * 210;
+        const u32 r = e0 & 255, h = r >> 7, t = (r >> 5) & 3, l0 = r & 31;
+        const float s = f16_to_f32(ld_u16(blk + 208)) * (float)(i8)blk[192 + 8 * h + 2 * t + (l0 >> 4)];
+        const u8* ql = blk + 64 * h + 32 * (t & 1) + l0;
+        const u8* qh = blk + 128 + 32 * h + l0;
+        const u32 lsh = 4 * (t >> 1), hsh = 2 * t;
+#pragma unroll
+        for (u32 i = 0; i < N; ++i) {
+            const int q = (int)(((ql[i] >> lsh) & 15) | (((qh[i] >> hsh) & 3) << 4));
+            v[i] = s * (float)(q - 32);
+        }
+    } else {  // Q4_K, Q5_K
+        const bool q5 = dt == DT_Q5_K;
+        const u8* blk = row + (u64)(e0 >> 8) * (q5 ? 176 : 144);
+        const u32 r = e0 & 255, j = r >> 5, l0 = r & 31;
+        float sc, mn;
+        k4_scale_min(blk + 4, j, sc, mn);
+        const float d = f16_to_f32(ld_u16(blk)) * sc;
+        const float m = f16_to_f32(ld_u16(blk + 2)) * mn;
+        const u8* qs = blk + (q5 ? 48 : 16) + 32 * (j >> 1) + l0;
+        const u8* qh = blk + 16 + l0;
+        const u32 shift = 4 * (j & 1);
+#pragma unroll
+        for (u32 i = 0; i < N; ++i) {
+            u32 q = (qs[i] >> shift) & 15;
+            if (q5) q |= ((qh[i] >> j) & 1) << 4;
+            v[i] = d * (float)q - m;
+        }
     }
 }
 
@@ -76,12 +154,17 @@ __device__ __forceinline__ float load_elem(u32 dt, WRow row, u32 e) {
         const int nib = (int)(j < 16 ? (q & 15) : (q >> 4));
         return f16_to_f32(ld_u16(row.sc + 2 * blk)) * (float)(nib - 8);
     }
-    default: {  // Q4_1
+    case DT_Q4_1: {
         const u32 blk = e >> 5, j = e & 31;
         const u32 q = row.w[16 * blk + (j & 15)];
         const u32 nib = j < 16 ? (q & 15) : (q >> 4);
         const u8* dm = row.sc + 4 * blk;
         return f16_to_f32(ld_u16(dm)) * (float)nib + f16_to_f32(ld_u16(dm + 2));
+    }
+    default: {  // Q5_0, Q5_1, Q4_K, Q5_K, Q6_K
+        float v[1];
+        load_run_q5k<1>(dt, row.w, e, v);
+        return v[0];
     }
     }
 }
@@ -444,6 +527,32 @@ __device__ __forceinline__ void gemv_q4(const WRow* __restrict__ w, const float*
     }
 }
 
+// 5-bit and K-quant types (stored as GGML lays them out): lane s of each
+// group of 4 dequantizes elements 8s..8s+7 of a 32-element column block
+// (one group per block), through the shared 8-element loader.
+template <int RPW>
+__device__ __forceinline__ void gemv_q5k(u32 dt, const WRow* __restrict__ w, const float* __restrict__ xs,
+                                         u32 k, u32 rows, u32 lane, GemvAcc& acc) {
+    constexpr u32 MAXR = RPW == 2 ? 1 : GEMV_MAX_ROWS;  // two output rows: one input row
+    const u32 nb = k >> 5, part = lane & 3, ks = xs_row(k);
+#pragma unroll 2
+    for (u32 blk = lane >> 2; blk < nb; blk += 8) {
+        const u32 e0 = blk * 32 + 8 * part;
+#pragma unroll
+        for (u32 o = 0; o < RPW; ++o) {
+            float v[8];
+            load_run_q5k<8>(dt, w[o].w, e0, v);
+#pragma unroll
+            for (u32 r = 0; r < MAXR; ++r) {
+                if (r < rows) {
+                    const float4* x4 = (const float4*)(xs + r * ks + xs_at(e0));
+                    acc[o][r] += dot4(x4[0], v[0], v[1], v[2], v[3]) + dot4(x4[1], v[4], v[5], v[6], v[7]);
+                }
+            }
+        }
+    }
+}
+
 __device__ __forceinline__ float half_to_f32(u32 h, bool bf) {
     return bf ? bf16_to_f32((u16)h) : f16_to_f32((u16)h);
 }
@@ -565,6 +674,11 @@ __device__ __forceinline__ void gemv_rows(u32 dt, const WRow* __restrict__ w, co
     case DT_Q4_1: gemv_q4<true, RPW>(w, xs, k, rows, lane, acc); break;
     case DT_F16: gemv_f16<false, RPW>(w, xs, k, rows, lane, acc); break;
     case DT_BF16: gemv_f16<true, RPW>(w, xs, k, rows, lane, acc); break;
+    case DT_Q5_0:
+    case DT_Q5_1:
+    case DT_Q4_K:
+    case DT_Q5_K:
+    case DT_Q6_K: gemv_q5k<RPW>(t, w, xs, k, rows, lane, acc); break;
     default: gemv_f32<RPW>(w, xs, k, rows, lane, acc); break;
     }
 }
@@ -753,6 +867,11 @@ GEMV_KERNEL(k_gemv_bf16, DT_BF16, 1)
 GEMV_KERNEL(k_gemv_q8_0, DT_Q8_0, 1)
 GEMV_KERNEL(k_gemv_q4_0, DT_Q4_0, 1)
 GEMV_KERNEL(k_gemv_q4_1, DT_Q4_1, 1)
+GEMV_KERNEL(k_gemv_q5_0, DT_Q5_0, 1)
+GEMV_KERNEL(k_gemv_q5_1, DT_Q5_1, 1)
+GEMV_KERNEL(k_gemv_q4_k, DT_Q4_K, 1)
+GEMV_KERNEL(k_gemv_q5_k, DT_Q5_K, 1)
+GEMV_KERNEL(k_gemv_q6_k, DT_Q6_K, 1)
 // Two output rows per warp, one input row (decode).
 GEMV_KERNEL(k_gemv_f16_r2, DT_F16, 2)
 GEMV_KERNEL(k_gemv_bf16_r2, DT_BF16, 2)
@@ -805,6 +924,8 @@ __device__ __forceinline__ void gemm_load_w(WRow w, u32 dt, u32 k, u32 k0, u32 p
             v[i] = d * ((float)((q.x >> (8 * i + shift)) & 15) - sub) + m;
             v[4 + i] = d * ((float)((q.y >> (8 * i + shift)) & 15) - sub) + m;
         }
+    } else if (is_q5_or_k(dt)) {
+        load_run_q5k<8>(dt, w.w, k0 + 8 * part, v);
     } else {
 #pragma unroll
         for (u32 i = 0; i < 8; ++i) {

@@ -67,7 +67,7 @@ pub(crate) struct Kernels {
     pub gemv: sys::CUfunction,
     /// The gemv specialised per weight type (all segments of that type):
     /// (GGML type id, one row per warp, two rows per warp for one input row).
-    pub gemv_typed: [(u32, sys::CUfunction, Option<sys::CUfunction>); 6],
+    pub gemv_typed: [(u32, sys::CUfunction, Option<sys::CUfunction>); 11],
     pub gemm: sys::CUfunction,
     pub gemm_tc: sys::CUfunction,
     pub rope_kv_write: sys::CUfunction,

@@ -52,9 +52,39 @@ fn synth(shape: Shape, dtype: DType) -> Arc<Model> {
         shape,
         dtype,
         seed: 11,
-        tokenizer_from: (shape != Shape::Tiny).then(vocab),
+        tokenizer_from: shape.needs_tokenizer().then(vocab),
     };
     write_synthetic(&path, &spec, &mut |_, _| {}).expect("writing a synthetic model");
+    let m = Arc::new(Model::load(&path).expect("loading it"));
+    let _ = std::fs::remove_file(&path);
+    m
+}
+
+/// `base` with the tensors whose names end with one of `take` copied from
+/// `other` (same shape, another type): a Q4_K_M-like mix, whose fused QKV
+/// products have segments of different types.
+fn mixed(base: &Model, other: &Model, take: &[&str], name: &str) -> Arc<Model> {
+    let mut w = akunu_core::gguf_write::GgufWriter::new();
+    for (k, v) in &base.file.metadata {
+        if k != "general.alignment" {
+            w.kv(k.clone(), v.clone()).expect("metadata");
+        }
+    }
+    for t in &base.file.tensors {
+        let (f, t) = if take.iter().any(|s| t.name.ends_with(s)) {
+            (
+                &other.file,
+                other.file.tensor(&t.name).expect("same tensors"),
+            )
+        } else {
+            (&base.file, t)
+        };
+        w.tensor(t.name.clone(), &t.dims, t.dtype, f.tensor_data(t).to_vec())
+            .expect("tensor");
+    }
+    let path =
+        std::env::temp_dir().join(format!("akunu-gpu-test-{}-{name}.gguf", std::process::id()));
+    w.write(&path).expect("writing the mixed model");
     let m = Arc::new(Model::load(&path).expect("loading it"));
     let _ = std::fs::remove_file(&path);
     m
@@ -166,16 +196,42 @@ fn logits_match_cpu_for_every_type() {
         DType::Q8_0,
         DType::Q4_0,
         DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
     ] {
         let m = synth(Shape::Tiny, dt);
         compare_with_cpu(&m, &format!("tiny {}", dt.name()), 1e-4);
     }
+    // K-quants need rows of whole 256-element super-blocks (tiny's are 64
+    // and 96 wide: they would fall back to Q5_0/Q5_1/Q8_0).
+    for dt in [DType::Q4_K, DType::Q5_K, DType::Q6_K] {
+        let m = synth(Shape::TinyK, dt);
+        assert_eq!(m.file.tensor("blk.0.ffn_down.weight").unwrap().dtype, dt);
+        compare_with_cpu(&m, &format!("tiny-k {}", dt.name()), 1e-4);
+    }
+    // attn_v and ffn_down in Q6_K, the rest Q4_K (as in Q4_K_M files).
+    let (q4k, q6k) = (
+        synth(Shape::TinyK, DType::Q4_K),
+        synth(Shape::TinyK, DType::Q6_K),
+    );
+    let m = mixed(&q4k, &q6k, &["attn_v.weight", "ffn_down.weight"], "q4_k_m");
+    assert_eq!(
+        m.file.tensor("blk.0.attn_v.weight").unwrap().dtype,
+        DType::Q6_K
+    );
+    assert_eq!(
+        m.file.tensor("blk.0.attn_q.weight").unwrap().dtype,
+        DType::Q4_K
+    );
+    compare_with_cpu(&m, "tiny-k Q4_K + Q6_K mix", 1e-4);
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
 fn logits_match_cpu_on_real_shapes() {
-    for dt in [DType::Q4_1, DType::F16] {
+    // Q4_K: the 1536-wide ffn_down rows are Q4_K, the 576-wide rows fall
+    // back to Q5_0 (as llama.cpp does).
+    for dt in [DType::Q4_1, DType::F16, DType::Q4_K] {
         let m = synth(Shape::SmolLm2_135M, dt);
         compare_with_cpu(&m, &format!("smollm2-135m {}", dt.name()), 1e-4);
     }

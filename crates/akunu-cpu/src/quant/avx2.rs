@@ -7,7 +7,7 @@
 //! (checked with `assert!` in `mod.rs` before the call). Inner loops then
 //! read through raw pointers whose offsets stay inside those lengths.
 
-use super::{QK, row_bytes};
+use super::{QK, blocks, row_bytes};
 use akunu_core::dtype::DType;
 use core::arch::x86_64::*;
 
@@ -135,6 +135,11 @@ pub(super) unsafe fn gemv(dtype: DType, w: &[u8], k: usize, x: &[f32], y: &mut [
             DType::Q4_0 => gemv_rows(w, rb, k, x, y, q4_rows::<4, false>, q4_rows::<1, false>),
             DType::Q4_1 => gemv_rows(w, rb, k, x, y, q4_rows::<4, true>, q4_rows::<1, true>),
             DType::Q8_0 => gemv_rows(w, rb, k, x, y, q8_rows::<4>, q8_rows::<1>),
+            DType::Q5_0 => gemv_rows(w, rb, k, x, y, q5_rows::<4, false>, q5_rows::<1, false>),
+            DType::Q5_1 => gemv_rows(w, rb, k, x, y, q5_rows::<4, true>, q5_rows::<1, true>),
+            DType::Q4_K => gemv_rows(w, rb, k, x, y, qk_rows::<4, false>, qk_rows::<1, false>),
+            DType::Q5_K => gemv_rows(w, rb, k, x, y, qk_rows::<4, true>, qk_rows::<1, true>),
+            DType::Q6_K => gemv_rows(w, rb, k, x, y, q6k_rows::<4>, q6k_rows::<1>),
             DType::F32 => gemv_rows(
                 w,
                 rb,
@@ -308,6 +313,221 @@ unsafe fn q8_rows<const R: usize>(w: *const u8, rb: usize, k: usize, x: *const f
     }
 }
 
+/// Sum of the 32 floats at `p`, as one f32.
+///
+/// # Safety
+/// `p..p+32` readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn sum32(p: *const f32) -> f32 {
+    // SAFETY: the caller guarantees 32 readable floats.
+    unsafe {
+        let a = _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)));
+        let b = _mm256_add_ps(_mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24)));
+        hsum(_mm256_add_ps(a, b))
+    }
+}
+
+/// Q5_0 (`Q51 == false`) or Q5_1 rows: as the Q4 kernels, with the fifth
+/// bit of element e taken from `qh >> e` by a variable shift per lane.
+///
+/// # Safety
+/// `R` rows of `k / 32` blocks at `w` (stride `rb`), `k` floats at `x`,
+/// `R` writable floats at `y`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_rows<const R: usize, const Q51: bool>(
+    w: *const u8,
+    rb: usize,
+    k: usize,
+    x: *const f32,
+    y: *mut f32,
+) {
+    let (bs, hoff) = if Q51 { (24, 4) } else { (22, 2) };
+    let nb = k / QK;
+    let mask = _mm256_set1_epi32(15);
+    let one = _mm256_set1_epi32(1);
+    let bias = _mm256_set1_epi32(if Q51 { 0 } else { 16 });
+    // Lane shifts for elements 0..8, 8..16, 16..24, 24..32.
+    let sh = [0, 8, 16, 24]
+        .map(|o| _mm256_setr_epi32(o, o + 1, o + 2, o + 3, o + 4, o + 5, o + 6, o + 7));
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b in 0..nb {
+        // SAFETY: b < nb: x block b and each row's block b are in bounds.
+        unsafe {
+            let xb = x.add(b * QK);
+            let xv = [0, 8, 16, 24].map(|o| _mm256_loadu_ps(xb.add(o)));
+            let xsum = _mm256_add_ps(_mm256_add_ps(xv[0], xv[1]), _mm256_add_ps(xv[2], xv[3]));
+            for (r, a) in acc.iter_mut().enumerate() {
+                let p = w.add(r * rb + b * bs);
+                prefetch(p.wrapping_add(PF_DIST.max(R * rb)));
+                let qh = _mm256_set1_epi32((p.add(hoff) as *const i32).read_unaligned());
+                let qs = p.add(hoff + 4);
+                let mut t = _mm256_setzero_ps();
+                for c in 0..2 {
+                    let v = widen_u8(qs.add(8 * c));
+                    for (half, nib) in [_mm256_and_si256(v, mask), _mm256_srli_epi32::<4>(v)]
+                        .into_iter()
+                        .enumerate()
+                    {
+                        let e = 2 * half + c; // which 8 of the 32 elements
+                        let hb = _mm256_and_si256(_mm256_srlv_epi32(qh, sh[e]), one);
+                        let q = _mm256_or_si256(nib, _mm256_slli_epi32::<4>(hb));
+                        let q = _mm256_cvtepi32_ps(_mm256_sub_epi32(q, bias));
+                        t = _mm256_fmadd_ps(q, xv[e], t);
+                    }
+                }
+                *a = _mm256_fmadd_ps(bcast_f16(p), t, *a);
+                if Q51 {
+                    *a = _mm256_fmadd_ps(bcast_f16(p.add(2)), xsum, *a);
+                }
+            }
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        // SAFETY: r < R outputs are writable.
+        unsafe { *y.add(r) = hsum(*a) };
+    }
+}
+
+/// Q4_K (`FIVE == false`) or Q5_K rows, in registers. Per super-block the
+/// product is `Σ_j (d·sc_j)·Σ q·x − Σ_j (dmin·m_j)·Σ x` over the 8
+/// sub-blocks j: the first sum in vector accumulators (the sub-block sums
+/// of `q·x` scaled once per sub-block), the second, per row, in scalars
+/// from the per-sub-block sums of `x` that all rows share.
+///
+/// # Safety
+/// `R` rows of `k / 256` super-blocks at `w` (stride `rb`), `k` floats at
+/// `x`, `R` writable floats at `y`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn qk_rows<const R: usize, const FIVE: bool>(
+    w: *const u8,
+    rb: usize,
+    k: usize,
+    x: *const f32,
+    y: *mut f32,
+) {
+    let (bs, qoff) = if FIVE { (176, 48) } else { (144, 16) };
+    let nsb = k / 256;
+    let mask = _mm256_set1_epi32(15);
+    let one = _mm256_set1_epi32(1);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut mins = [0f32; R];
+    for b in 0..nsb {
+        // SAFETY: b < nsb: x[b*256 .. b*256+256] and each row's super-block
+        // b (bytes b*bs .. b*bs+bs <= rb) are in bounds.
+        unsafe {
+            let xs = x.add(b * 256);
+            let mut xsum = [0f32; 8];
+            for (j, s) in xsum.iter_mut().enumerate() {
+                *s = sum32(xs.add(32 * j));
+            }
+            let mut dsc = [[0f32; 8]; R];
+            for r in 0..R {
+                let p = w.add(r * rb + b * bs);
+                prefetch(p.wrapping_add(PF_DIST.max(R * rb)));
+                let blk = core::slice::from_raw_parts(p, bs);
+                let (d, dmin) = (super::f16_at(blk), super::f16_at(&blk[2..]));
+                let (sc, m) = blocks::scale_min_k4(&blk[4..16]);
+                for j in 0..8 {
+                    dsc[r][j] = d * sc[j];
+                    mins[r] += dmin * m[j] * xsum[j];
+                }
+            }
+            for i in 0..4 {
+                let mut s_lo = [_mm256_setzero_ps(); R];
+                let mut s_hi = [_mm256_setzero_ps(); R];
+                for c in 0..4 {
+                    let xl = _mm256_loadu_ps(xs.add(64 * i + 8 * c));
+                    let xh = _mm256_loadu_ps(xs.add(64 * i + 32 + 8 * c));
+                    for r in 0..R {
+                        let p = w.add(r * rb + b * bs);
+                        let v = widen_u8(p.add(qoff + 32 * i + 8 * c));
+                        let mut lo = _mm256_and_si256(v, mask);
+                        let mut hi = _mm256_srli_epi32::<4>(v);
+                        if FIVE {
+                            let h = widen_u8(p.add(16 + 8 * c));
+                            let j0 = _mm_cvtsi32_si128(2 * i as i32);
+                            let j1 = _mm_cvtsi32_si128(2 * i as i32 + 1);
+                            let b0 = _mm256_and_si256(_mm256_srl_epi32(h, j0), one);
+                            let b1 = _mm256_and_si256(_mm256_srl_epi32(h, j1), one);
+                            lo = _mm256_or_si256(lo, _mm256_slli_epi32::<4>(b0));
+                            hi = _mm256_or_si256(hi, _mm256_slli_epi32::<4>(b1));
+                        }
+                        s_lo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), xl, s_lo[r]);
+                        s_hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), xh, s_hi[r]);
+                    }
+                }
+                for r in 0..R {
+                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dsc[r][2 * i]), s_lo[r], acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dsc[r][2 * i + 1]), s_hi[r], acc[r]);
+                }
+            }
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        // SAFETY: r < R outputs are writable.
+        unsafe { *y.add(r) = hsum(*a) - mins[r] };
+    }
+}
+
+/// Q6_K rows, in registers: per 16-element group g, `(d·sc_g)·Σ (q − 32)·x`.
+///
+/// # Safety
+/// As for [`qk_rows`] (210-byte super-blocks).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6k_rows<const R: usize>(w: *const u8, rb: usize, k: usize, x: *const f32, y: *mut f32) {
+    let nsb = k / 256;
+    let mask = _mm256_set1_epi32(15);
+    let three = _mm256_set1_epi32(3);
+    let bias = _mm256_set1_epi32(32);
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b in 0..nsb {
+        // SAFETY: b < nsb: x[b*256 .. b*256+256] and each row's 210-byte
+        // super-block b are in bounds.
+        unsafe {
+            let xs = x.add(b * 256);
+            let mut ds = [0f32; R];
+            for (r, dv) in ds.iter_mut().enumerate() {
+                let p = w.add(r * rb + b * 210);
+                prefetch(p.wrapping_add(PF_DIST.max(R * rb)));
+                *dv = super::f16_at(core::slice::from_raw_parts(p.add(208), 2));
+            }
+            for h in 0..2 {
+                for t in 0..4 {
+                    let lsh = _mm_cvtsi32_si128(4 * (t as i32 >> 1));
+                    let hsh = _mm_cvtsi32_si128(2 * t as i32);
+                    // Elements 128h + 32t + 8c + lane; groups c / 2.
+                    let mut sg = [[_mm256_setzero_ps(); 2]; R];
+                    for c in 0..4 {
+                        let xv = _mm256_loadu_ps(xs.add(128 * h + 32 * t + 8 * c));
+                        for (r, s) in sg.iter_mut().enumerate() {
+                            let p = w.add(r * rb + b * 210);
+                            let ql = widen_u8(p.add(64 * h + 32 * (t & 1) + 8 * c));
+                            let qh = widen_u8(p.add(128 + 32 * h + 8 * c));
+                            let lo = _mm256_and_si256(_mm256_srl_epi32(ql, lsh), mask);
+                            let hi = _mm256_and_si256(_mm256_srl_epi32(qh, hsh), three);
+                            let q = _mm256_or_si256(lo, _mm256_slli_epi32::<4>(hi));
+                            let q = _mm256_cvtepi32_ps(_mm256_sub_epi32(q, bias));
+                            s[c / 2] = _mm256_fmadd_ps(q, xv, s[c / 2]);
+                        }
+                    }
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let sc = w.add(r * rb + b * 210 + 192 + 8 * h + 2 * t) as *const i8;
+                        let s0 = ds[r] * *sc as f32;
+                        let s1 = ds[r] * *sc.add(1) as f32;
+                        *a = _mm256_fmadd_ps(_mm256_set1_ps(s0), sg[r][0], *a);
+                        *a = _mm256_fmadd_ps(_mm256_set1_ps(s1), sg[r][1], *a);
+                    }
+                }
+            }
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        // SAFETY: r < R outputs are writable.
+        unsafe { *y.add(r) = hsum(*a) };
+    }
+}
+
 /// F32/F16/BF16 rows (any `k`).
 ///
 /// # Safety
@@ -419,6 +639,10 @@ pub(super) unsafe fn dequant_row(dtype: DType, src: &[u8], k: usize, out: &mut [
                         _mm256_storeu_ps(o.add(b * QK + j * 8), _mm256_mul_ps(d, q));
                     }
                 }
+            }
+            DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+                // Portable code, vectorized for this level once inlined.
+                blocks::dequant(dtype, src, out)
             }
             DType::F32 => dequant_float::<T_F32>(s, k, o),
             DType::F16 => dequant_float::<T_F16>(s, k, o),

@@ -12,7 +12,7 @@
 //! `vpermps` (`_mm512_permutexvar_ps` only looks at the low 4 bits of each
 //! index lane, so the low nibble needs no masking).
 
-use super::{QK, row_bytes};
+use super::{QK, blocks, row_bytes};
 use akunu_core::dtype::DType;
 use core::arch::x86_64::*;
 
@@ -147,6 +147,11 @@ pub(super) unsafe fn gemv(dtype: DType, w: &[u8], k: usize, x: &[f32], y: &mut [
             DType::Q4_0 => gemv_rows(w, rb, k, x, y, q4_rows::<4, false>, q4_rows::<1, false>),
             DType::Q4_1 => gemv_rows(w, rb, k, x, y, q4_rows::<4, true>, q4_rows::<1, true>),
             DType::Q8_0 => gemv_rows(w, rb, k, x, y, q8_rows::<4>, q8_rows::<1>),
+            // The 5-bit and K-quant types run the AVX2 kernels (AVX-512 implies
+            // AVX2+FMA+F16C; the length contract is the same).
+            DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+                super::avx2::gemv(dtype, w, k, x, y)
+            }
             DType::F32 => gemv_rows(
                 w,
                 rb,
@@ -388,6 +393,10 @@ pub(super) unsafe fn dequant_row(dtype: DType, src: &[u8], k: usize, out: &mut [
                     _mm512_storeu_ps(o.add(b * QK), _mm512_mul_ps(d, q0));
                     _mm512_storeu_ps(o.add(b * QK + 16), _mm512_mul_ps(d, q1));
                 }
+            }
+            DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+                // Portable code, vectorized for this level once inlined.
+                blocks::dequant(dtype, src, out)
             }
             DType::F32 => dequant_float::<T_F32>(s, k, o),
             DType::F16 => dequant_float::<T_F16>(s, k, o),

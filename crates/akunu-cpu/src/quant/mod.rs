@@ -22,6 +22,14 @@
 //!     accumulator's start value `-8 * x` (AVX2) or into a 16-entry f32
 //!     lookup table indexed by the nibble (AVX-512 `vpermps`).
 //!   - Q4_1: `d * sum(q * x) + m * sum(x)`.
+//!   - Q5_0/Q5_1: as Q4_0/Q4_1, the fifth bits moved into place with a
+//!     per-lane variable shift of `qh`.
+//!   - Q4_K/Q5_K: per 32-element sub-block, `(d·sc)·Σq·x` in vector
+//!     accumulators and `(dmin·m)·Σx` in a per-row scalar from sub-block
+//!     sums of `x` shared by the 4 rows; Q6_K: `(d·sc)·Σ(q − 32)·x` per
+//!     16-element group. These AVX2 kernels also serve the AVX-512 level.
+//!   - Dequantization of those types (embedding rows, GEMM panels) is
+//!     portable code in [`blocks`], vectorized by the compiler per level.
 //! * GEMM dequantizes a panel of weight rows × a chunk of `k` into an
 //!   L1-resident f32 scratch, then runs a register-blocked micro-kernel
 //!   (4 weight rows × 3 or 4 activation rows) over it.
@@ -29,6 +37,7 @@
 use akunu_core::dtype::DType;
 use std::sync::OnceLock;
 
+mod blocks;
 mod scalar;
 
 #[cfg(target_arch = "x86_64")]
@@ -41,7 +50,7 @@ mod neon;
 pub mod q8act;
 pub use q8act::{Q8Act, gemv_q8, supports_q8};
 
-/// Elements per quantization block (Q4_0, Q4_1, Q8_0).
+/// Elements per quantization block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
 const QK: usize = 32;
 
 /// An instruction-set level the kernels can run at.
@@ -136,7 +145,8 @@ pub fn simd_level() -> &'static str {
 
 /// Bytes of one row of `k` elements.
 ///
-/// Panics if `dtype` is block-quantized and `k` is not a multiple of 32.
+/// Panics if `k` is not a whole number of `dtype` blocks (32 elements, or
+/// 256 for the K-quants).
 pub fn row_bytes(dtype: DType, k: usize) -> usize {
     let be = dtype.block_elems();
     assert!(
@@ -204,7 +214,7 @@ pub fn gemm(dtype: DType, w: &[u8], k: usize, n_rows: usize, x: &[f32], n_x: usi
 
 /// Weight rows dequantized together into the scratch panel.
 const PANEL_ROWS: usize = 8;
-/// Columns (elements of `k`) per scratch chunk; a multiple of 32 so chunks
+/// Columns (elements of `k`) per scratch chunk; a multiple of 256 so chunks
 /// start on block boundaries. PANEL_ROWS * KC * 4 B = 16 KiB (L1-resident).
 const KC: usize = 512;
 
@@ -248,7 +258,7 @@ pub(crate) fn gemm_with(
         let mut k0 = 0;
         while k0 < k {
             let kl = KC.min(k - k0);
-            // k0 and k0 + kl are multiples of 32 (or k itself), so the byte
+            // k0 and k0 + kl are multiples of 256 (or k itself), so the byte
             // range below starts and ends on block boundaries.
             let b0 = row_bytes(dtype, k0);
             let b1 = row_bytes(dtype, k0 + kl);
@@ -427,20 +437,43 @@ mod tests {
                         }
                     }
                 }
+                DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+                    // Random quants, scales and mins; the f16 fields get
+                    // finite values from `scale()`.
+                    let f16_at: &[usize] = match dtype {
+                        DType::Q5_0 => &[0],
+                        DType::Q6_K => &[208],
+                        _ => &[0, 2],
+                    };
+                    for _ in 0..k / dtype.block_elems() {
+                        let mut blk: Vec<u8> =
+                            (0..dtype.block_bytes()).map(|_| rng.byte()).collect();
+                        for &o in f16_at {
+                            let h = half::f16::from_f32(rng.scale()).to_bits().to_le_bytes();
+                            blk[o..o + 2].copy_from_slice(&h);
+                        }
+                        w.extend_from_slice(&blk);
+                    }
+                }
             }
         }
         assert_eq!(w.len(), rows * row_bytes(dtype, k));
         w
     }
 
-    const ALL: [DType; 6] = [
-        DType::F32,
-        DType::F16,
-        DType::BF16,
-        DType::Q4_0,
-        DType::Q4_1,
-        DType::Q8_0,
-    ];
+    const ALL: [DType; 11] = DType::ALL;
+
+    /// The row lengths tested for `dtype`: whole blocks only.
+    fn test_ks(dtype: DType, float_extra: &[usize]) -> Vec<usize> {
+        let mut ks: Vec<usize> = [32, 64, 256, 576, 1536, 2048]
+            .into_iter()
+            .filter(|k: &usize| k.is_multiple_of(dtype.block_elems()))
+            .collect();
+        if dtype.block_elems() == 1 {
+            ks.extend(float_extra);
+        }
+        ks
+    }
 
     /// f64 reference rows: scalar dequantization, then exact-ish dot in f64.
     /// Returns (dot, sum |w||x|) per (row, x-row).
@@ -484,11 +517,7 @@ mod tests {
         let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
         for lvl in supported_levels() {
             for dtype in ALL {
-                let mut ks = vec![32, 64, 576, 1536, 2048];
-                if dtype.block_elems() == 1 {
-                    ks.extend([1, 7, 15, 17, 33, 100, 577]);
-                }
-                for &k in &ks {
+                for k in test_ks(dtype, &[1, 7, 15, 17, 33, 100, 577]) {
                     for rows in [1, 3, 7, 130] {
                         let w = random_weights(&mut rng, dtype, k, rows);
                         let x: Vec<f32> = (0..k).map(|_| rng.unit()).collect();
@@ -511,11 +540,7 @@ mod tests {
         let mut rng = Rng(0x1234_5678_9ABC_DEF1);
         for lvl in supported_levels() {
             for dtype in ALL {
-                let mut ks = vec![32, 64, 576, 1536, 2048];
-                if dtype.block_elems() == 1 {
-                    ks.extend([1, 7, 33, 300, 1100]);
-                }
-                for &k in &ks {
+                for k in test_ks(dtype, &[1, 7, 33, 300, 1100]) {
                     for rows in [1, 3, 7, 130] {
                         let w = random_weights(&mut rng, dtype, k, rows);
                         for n_x in [1, 2, 5, 17] {
@@ -546,7 +571,7 @@ mod tests {
         let mut rng = Rng(77);
         for lvl in supported_levels() {
             for dtype in ALL {
-                let k = 64;
+                let k = dtype.block_elems().max(64);
                 let w = random_weights(&mut rng, dtype, k, 9);
                 let x: Vec<f32> = (0..k).map(|_| rng.unit()).collect();
                 let want = reference(dtype, &w, k, 5, &x, 1);
@@ -571,13 +596,14 @@ mod tests {
                 gemm_with(lvl, dtype, &[], 0, 3, &[], 2, &mut y);
                 assert_eq!(y, [0.0; 6]);
                 // no rows / no activations.
-                gemv_with(lvl, dtype, &[], 32, &[0.0; 32], &mut []);
-                gemm_with(lvl, dtype, &[], 32, 0, &[0.0; 64], 2, &mut []);
+                let k = dtype.block_elems().max(32);
+                gemv_with(lvl, dtype, &[], k, &vec![0.0; k], &mut []);
+                gemm_with(lvl, dtype, &[], k, 0, &vec![0.0; 2 * k], 2, &mut []);
                 gemm_with(
                     lvl,
                     dtype,
-                    &vec![0u8; row_bytes(dtype, 32)],
-                    32,
+                    &vec![0u8; row_bytes(dtype, k)],
+                    k,
                     1,
                     &[],
                     0,
@@ -681,7 +707,11 @@ mod tests {
     fn dequant_levels_bit_identical() {
         let mut rng = Rng(4242);
         for dtype in ALL {
-            for k in [32, 96, 576, 1056] {
+            let ks = [32, 96, 256, 576, 768, 1056];
+            for k in ks
+                .into_iter()
+                .filter(|k: &usize| k.is_multiple_of(dtype.block_elems()))
+            {
                 let w = random_weights(&mut rng, dtype, k, 1);
                 let mut want = vec![0f32; k];
                 dequant_row_with(Level::Scalar, dtype, &w, k, &mut want);
@@ -711,5 +741,120 @@ mod tests {
         assert_eq!(row_bytes(DType::Q8_0, 64), 68);
         assert_eq!(row_bytes(DType::F16, 7), 14);
         assert_eq!(row_bytes(DType::F32, 7), 28);
+        assert_eq!(row_bytes(DType::Q5_0, 64), 44);
+        assert_eq!(row_bytes(DType::Q5_1, 64), 48);
+        assert_eq!(row_bytes(DType::Q4_K, 512), 288);
+        assert_eq!(row_bytes(DType::Q5_K, 512), 352);
+        assert_eq!(row_bytes(DType::Q6_K, 512), 420);
+    }
+
+    /// Dequantization of random blocks against the `gguf` Python package's
+    /// dequantizer (vectors written by tools/dequant_vectors.py): bit for
+    /// bit at every level; and GEMV over those blocks against the f64 dot
+    /// product of gguf's floats. `AKUNU_DEQUANT_VECTORS` points at a fresh
+    /// set (scripts/test.sh writes one); the committed set is the default.
+    #[test]
+    fn gguf_dequant_vectors() {
+        let dir = std::env::var_os("AKUNU_DEQUANT_VECTORS")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| {
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/gguf_dequant")
+            });
+        eprintln!("dequantization vectors from {}", dir.display());
+        let mut rng = Rng(2024);
+        for dtype in [
+            DType::Q5_0,
+            DType::Q5_1,
+            DType::Q4_K,
+            DType::Q5_K,
+            DType::Q6_K,
+        ] {
+            let read = |ext: &str| {
+                let p = dir.join(format!("{dtype}.{ext}"));
+                std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+            };
+            let blocks = read("blocks");
+            let want: Vec<f32> = read("f32")
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            let n = want.len();
+            assert_eq!(blocks.len(), row_bytes(dtype, n), "{dtype}: file sizes");
+            for lvl in supported_levels() {
+                let mut got = vec![f32::NAN; n];
+                dequant_row_with(lvl, dtype, &blocks, n, &mut got);
+                for (j, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        g.to_bits(),
+                        w.to_bits(),
+                        "{} {dtype} element {j}: akunu {g} vs gguf {w}",
+                        lvl.name()
+                    );
+                }
+                // The same bytes as a matrix of rows of k elements.
+                for k in [dtype.block_elems(), 1024.min(n), n] {
+                    let rows = n / k;
+                    let x: Vec<f32> = (0..k).map(|_| rng.unit()).collect();
+                    let mut y = vec![f32::NAN; rows];
+                    gemv_with(lvl, dtype, &blocks, k, &x, &mut y);
+                    let mut y2 = vec![f32::NAN; rows * 3];
+                    let x3: Vec<f32> = x.iter().cycle().take(3 * k).copied().collect();
+                    gemm_with(lvl, dtype, &blocks, k, rows, &x3, 3, &mut y2);
+                    for r in 0..rows {
+                        let wr = &want[r * k..(r + 1) * k];
+                        let dot: f64 = wr.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
+                        let mag: f64 = wr
+                            .iter()
+                            .zip(&x)
+                            .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                            .sum();
+                        let what = format!("{} {dtype} k={k} row {r}", lvl.name());
+                        check_close(&format!("gemv {what}"), y[r], (dot, mag));
+                        for t in 0..3 {
+                            check_close(&format!("gemm {what} t={t}"), y2[r * 3 + t], (dot, mag));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// akunu_core's quantizers for the 5-bit and K-quant types, read back
+    /// by the dequantizers here: the round trip keeps the values within the
+    /// error of a `bits`-bit grid (relative RMS error over uniform values
+    /// in [-1, 1); an ideal uniform grid of 2^bits levels over the range
+    /// gives 1 / (sqrt(3) * (2^bits - 1)): 0.038 at 4 bits).
+    #[test]
+    fn quantizer_round_trip() {
+        let mut rng = Rng(99);
+        let x: Vec<f32> = (0..4096).map(|_| rng.unit()).collect();
+        for (dtype, bound) in [
+            (DType::Q4_0, 0.08),
+            (DType::Q5_0, 0.04),
+            (DType::Q5_1, 0.04),
+            (DType::Q4_K, 0.08),
+            (DType::Q5_K, 0.04),
+            (DType::Q6_K, 0.02),
+        ] {
+            let q = akunu_core::quantize::quantize(dtype, &x).unwrap();
+            let mut y = vec![0f32; x.len()];
+            dequant_row_with(Level::Scalar, dtype, &q, x.len(), &mut y);
+            let err: f64 = x
+                .iter()
+                .zip(&y)
+                .map(|(a, b)| ((a - b) as f64).powi(2))
+                .sum();
+            let norm: f64 = x.iter().map(|a| (*a as f64).powi(2)).sum();
+            let rel = (err / norm).sqrt();
+            eprintln!("{dtype}: relative RMS round-trip error {rel:.4}");
+            assert!(rel < bound, "{dtype}: relative RMS error {rel} >= {bound}");
+        }
+        // Constant and all-zero super-blocks come back exactly (or as 0).
+        for dtype in [DType::Q4_K, DType::Q5_K, DType::Q6_K] {
+            let q = akunu_core::quantize::quantize(dtype, &[0f32; 256]).unwrap();
+            let mut y = vec![f32::NAN; 256];
+            dequant_row_with(Level::Scalar, dtype, &q, 256, &mut y);
+            assert!(y.iter().all(|v| *v == 0.0), "{dtype}: zeros");
+        }
     }
 }

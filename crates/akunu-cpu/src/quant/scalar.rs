@@ -2,7 +2,7 @@
 //! reference for the SIMD paths. Callers (in `mod.rs`) have already checked
 //! all lengths; slices are indexed normally here (no `unsafe`).
 
-use super::{QK, bf16_at, f16_at};
+use super::{QK, bf16_at, blocks, f16_at, row_bytes};
 use akunu_core::dtype::DType;
 
 pub(super) fn dequant_row(dtype: DType, src: &[u8], k: usize, out: &mut [f32]) {
@@ -52,7 +52,40 @@ pub(super) fn dequant_row(dtype: DType, src: &[u8], k: usize, out: &mut [f32]) {
                 }
             }
         }
+        DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+            blocks::dequant(dtype, src, out)
+        }
     }
+}
+
+/// Elements dequantized at a time by [`dot_row_buffered`]: one K-quant
+/// super-block, or 8 blocks of the 32-element types.
+const CHUNK: usize = 256;
+
+/// Dot product of a 5-bit / K-quant row with `x`: each chunk of up to 256
+/// elements is dequantized into a buffer, then summed in 8 partial sums.
+fn dot_row_buffered(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
+    let k = x.len();
+    let mut buf = [0f32; CHUNK];
+    let mut acc = 0f32;
+    let mut k0 = 0;
+    while k0 < k {
+        let kl = CHUNK.min(k - k0);
+        let src = &row[row_bytes(dtype, k0)..row_bytes(dtype, k0 + kl)];
+        blocks::dequant(dtype, src, &mut buf[..kl]);
+        let mut s = [0f32; 8];
+        for (w8, x8) in buf[..kl]
+            .chunks_exact(8)
+            .zip(x[k0..k0 + kl].chunks_exact(8))
+        {
+            for i in 0..8 {
+                s[i] += w8[i] * x8[i];
+            }
+        }
+        acc += ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+        k0 += kl;
+    }
+    acc
 }
 
 /// Dot product of one row (exactly `row_bytes(dtype, k)` bytes) with `x`.
@@ -111,6 +144,9 @@ fn dot_row(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
                 acc += f16_at(blk) * s;
             }
             acc
+        }
+        DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+            dot_row_buffered(dtype, row, x)
         }
     }
 }
