@@ -5,7 +5,9 @@
 #     nvidia-cuda-nvrtc wheel: a compiler needs no GPU);
 #  2. the reference parity check: the default model (fetched on first use)
 #     and F16/Q8_0 files derived from it, against an independent NumPy
-#     forward pass over gguf-dequantized weights (tools/reference.py).
+#     forward pass over gguf-dequantized weights (tools/reference.py);
+#  3. the same reference on tiny random-weight models of every architecture
+#     (llama, qwen2, qwen3, gemma3) in F32/F16/Q8_0 (tools/arch_parity.py).
 # The GPU tests themselves run on a GPU machine: scripts/gpu.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,3 +29,6 @@ echo "== reference parity (NumPy) on the default model"
 cargo build --release -p akunu
 model=$(./target/release/akunu fetch)
 "$venv/bin/python" tools/parity.py --akunu target/release/akunu --model "$model" --workdir target/parity
+
+echo "== architecture parity (NumPy) on tiny random-weight models"
+"$venv/bin/python" tools/arch_parity.py --akunu target/release/akunu --workdir target/arch-parity

@@ -10,7 +10,7 @@ use akunu_core::decode::{
 use akunu_core::dtype::DType;
 use akunu_core::model::Model;
 use akunu_core::sampling::SamplingConfig;
-use akunu_core::synth::{Shape, SynthSpec, write_synthetic};
+use akunu_core::synth::{Shape, SynthArch, SynthSpec, write_synthetic};
 use akunu_cpu::CpuBackend;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -32,6 +32,7 @@ fn tiny_model(dtype: DType) -> Arc<Model> {
     ));
     let spec = SynthSpec {
         shape: Shape::Tiny,
+        arch: SynthArch::Llama,
         dtype,
         seed: 7,
         tokenizer_from: None,

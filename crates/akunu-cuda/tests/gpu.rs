@@ -11,7 +11,7 @@ use akunu_core::decode::{Engine, EngineOptions, GenerateOptions};
 use akunu_core::dtype::DType;
 use akunu_core::model::Model;
 use akunu_core::sampling::SamplingConfig;
-use akunu_core::synth::{Shape, SynthSpec, write_synthetic};
+use akunu_core::synth::{Shape, SynthArch, SynthSpec, write_synthetic};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
@@ -43,13 +43,18 @@ fn vocab() -> PathBuf {
 }
 
 fn synth(shape: Shape, dtype: DType) -> Arc<Model> {
+    synth_arch(SynthArch::Llama, shape, dtype)
+}
+
+fn synth_arch(arch: SynthArch, shape: Shape, dtype: DType) -> Arc<Model> {
     let path = std::env::temp_dir().join(format!(
-        "akunu-gpu-test-{}-{shape}-{}.gguf",
+        "akunu-gpu-test-{}-{arch}-{shape}-{}.gguf",
         std::process::id(),
         dtype.name()
     ));
     let spec = SynthSpec {
         shape,
+        arch,
         dtype,
         seed: 11,
         tokenizer_from: (shape != Shape::Tiny).then(vocab),
