@@ -177,6 +177,24 @@ fn logits_match_cpu_for_every_type() {
     }
 }
 
+/// Qwen2 (QKV biases), Qwen3 (QK norm, wide heads) and Gemma 3 (post-norms,
+/// GeGLU, embedding scale, sliding windows with their own RoPE base,
+/// soft-caps): the 40-token prompt runs well past Gemma's 8-position window,
+/// in prefill chunks of 16 and then in decode.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
+fn logits_match_cpu_for_every_architecture() {
+    for arch in [SynthArch::Qwen2, SynthArch::Qwen3, SynthArch::Gemma3] {
+        for dt in [DType::F32, DType::Q8_0, DType::Q4_1] {
+            let m = synth_arch(arch, Shape::Tiny, dt);
+            compare_with_cpu(&m, &format!("{arch} tiny {}", dt.name()), 1e-4);
+        }
+        // Real widths (576, 9 heads of 64; Gemma 3 with a 512 window).
+        let m = synth_arch(arch, Shape::SmolLm2_135M, DType::Q8_0);
+        compare_with_cpu(&m, &format!("{arch} smollm2-135m q8_0"), 1e-4);
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
 fn logits_match_cpu_on_real_shapes() {
