@@ -730,6 +730,48 @@ mod tests {
     }
 
     #[test]
+    fn every_architecture_loads_with_its_features() {
+        for arch in SynthArch::ALL {
+            let path = temp(&format!("arch-{arch}"));
+            let s = SynthSpec {
+                arch,
+                ..spec(DType::F16, 3)
+            };
+            write_synthetic(&path, &s, &mut |_, _| {}).unwrap();
+            let m = Model::load(&path).unwrap_or_else(|e| panic!("{arch}: {e}"));
+            let c = &m.config;
+            assert_eq!(c.arch.name, arch.name());
+            assert_eq!(arch.name().parse::<SynthArch>().unwrap(), arch);
+            let has = |n: &str| m.file.tensor(n).is_some();
+            assert_eq!(has("blk.0.attn_q.bias"), arch == SynthArch::Qwen2);
+            assert_eq!(
+                has("blk.0.attn_k_norm.weight"),
+                matches!(arch, SynthArch::Qwen3 | SynthArch::Gemma3)
+            );
+            assert_eq!(has("blk.0.post_ffw_norm.weight"), arch == SynthArch::Gemma3);
+            let wide = matches!(arch, SynthArch::Qwen3 | SynthArch::Gemma3);
+            assert_eq!(c.head_dim, if wide { 32 } else { 16 });
+            assert_eq!(c.attn_scale, 1.0 / (c.head_dim as f32).sqrt());
+            if arch == SynthArch::Gemma3 {
+                assert_eq!((c.n_layers, c.sliding_window), (6, 8));
+                let local: Vec<bool> = (0..6).map(|l| c.layer_is_local(l)).collect();
+                assert_eq!(local, [true, true, true, true, true, false]);
+                assert_eq!(c.layer_rope(0), (10000.0, 1.0));
+                assert_eq!(c.layer_rope(5), (1_000_000.0, 1.0));
+                assert_eq!((c.attn_softcap, c.final_softcap), (2.0, 0.5));
+                assert_eq!(c.rms_eps, 1e-6);
+            } else {
+                assert_eq!(c.sliding_window, 0);
+                assert!((0..c.n_layers).all(|l| !c.layer_is_local(l)));
+                assert_eq!((c.attn_softcap, c.final_softcap), (0.0, 0.0));
+            }
+            drop(m);
+            let _ = std::fs::remove_file(&path);
+        }
+        assert!("mamba".parse::<SynthArch>().is_err());
+    }
+
+    #[test]
     fn deterministic_and_thread_independent() {
         let (a, b, c, d) = (temp("det-a"), temp("det-b"), temp("det-c"), temp("det-d"));
         let s = spec(DType::Q4_1, 42);
