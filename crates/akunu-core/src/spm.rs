@@ -20,7 +20,7 @@ pub struct SpmModel {
     ids: HashMap<String, u32>,
     scores: Vec<f32>,
     /// The `<0xNN>` token of every byte, where the vocabulary has one.
-    byte_tokens: [Option<u32>; 256],
+    byte_tokens: Vec<Option<u32>>,
     unk: Option<u32>,
 }
 
@@ -71,7 +71,7 @@ impl SpmModel {
             // Later duplicates win, as in llama.cpp's token_to_id.
             ids.insert(p.clone(), i as u32);
         }
-        let mut byte_tokens = [None; 256];
+        let mut byte_tokens = vec![None; 256];
         for (b, slot) in byte_tokens.iter_mut().enumerate() {
             // As llama.cpp: the `<0xNN>` token, else the byte as a string.
             *slot = ids.get(&format!("<0x{b:02X}>")).copied().or_else(|| {

@@ -234,7 +234,7 @@ pub struct Tokenizer {
 /// What turns a fragment of plain text into ids.
 enum Pipeline {
     /// Byte-level BPE through the `tokenizers` crate.
-    Bpe(tokenizers::Tokenizer),
+    Bpe(Box<tokenizers::Tokenizer>),
     /// SentencePiece-style merges.
     Spm {
         model: SpmModel,
@@ -397,12 +397,12 @@ impl Tokenizer {
                     Some((m[..pos].to_string(), m[pos + 1..].to_string()))
                 })
                 .collect();
-            Pipeline::Bpe(build_pipeline(
+            Pipeline::Bpe(Box::new(build_pipeline(
                 &pieces,
                 merges,
                 cfg.regexes,
                 cfg.ignore_merges,
-            )?)
+            )?))
         };
         Ok(Self::assemble(
             pieces, types, pipeline, bos, eos, extra_eog, add_bos, add_eos,
@@ -538,7 +538,7 @@ impl Tokenizer {
         Ok(Self::assemble(
             pieces,
             types,
-            Pipeline::Bpe(pipeline),
+            Pipeline::Bpe(Box::new(pipeline)),
             bos,
             eos,
             Vec::new(),
