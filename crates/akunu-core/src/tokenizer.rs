@@ -605,12 +605,30 @@ impl Tokenizer {
         add_special: bool,
         parse_special: bool,
     ) -> Result<Vec<u32>, TokenizerError> {
+        self.encode_inner(text, add_special, parse_special, true)
+    }
+
+    /// Tokenizes text that continues a sequence (text a grammar forces in
+    /// the middle of a generation): no BOS/EOS, special-token text not
+    /// parsed, and no SentencePiece space prefix, which only text that
+    /// starts a sequence (or follows a special token) gets.
+    pub fn encode_continuation(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        self.encode_inner(text, false, false, false)
+    }
+
+    fn encode_inner(
+        &self,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+        starts_sequence: bool,
+    ) -> Result<Vec<u32>, TokenizerError> {
         let mut out = Vec::new();
         if add_special && self.add_bos {
             out.extend(self.bos);
         }
         // SentencePiece: a space before text at the start or after a special.
-        let mut after_special = true;
+        let mut after_special = starts_sequence;
         for frag in self.partition(text, parse_special) {
             match frag {
                 Fragment::Token(id) => {

@@ -130,6 +130,19 @@ fn tokenizer_spm_specials_bos_and_byte_fallback() {
     assert_eq!(tok.token_piece(hello[0]), Some("\u{2581}Hello"));
     assert_eq!(tok.decode(&hello), "Hello");
     assert_eq!(tok.decode(&[hello[0], hello[0]]), "Hello Hello");
+    // Continuation text (forced mid-generation) gets no space prefix.
+    let cont = tok.encode_continuation("Hello").unwrap();
+    assert_ne!(tok.token_piece(cont[0]), Some("\u{2581}Hello"));
+    assert_eq!(tok.decode(&[hello[0]]), "Hello");
+    let mut both = hello.clone();
+    both.extend(&cont);
+    assert_eq!(tok.decode(&both), "HelloHello");
+    // Byte-level BPE vocabularies have no prefix: the same ids either way.
+    let bpe = load("qwen2");
+    assert_eq!(
+        bpe.encode_continuation("Hello world").unwrap(),
+        bpe.encode("Hello world", false, false).unwrap()
+    );
     // A character without a token falls back to one byte token per UTF-8
     // byte; the stream decoder emits it whole once the last byte arrives.
     let ids = tok.encode("\u{1F999}", false, false).unwrap();
