@@ -207,6 +207,14 @@ impl ModelConfig {
             Some(_) => int("attention.key_length", 2, 1024)?,
             None => dim / n_heads,
         };
+        if let Some(v) = f.get_i64(&key("attention.value_length"))
+            && v != head_dim as i64
+        {
+            return Err(ConfigError::Invalid {
+                key: key("attention.value_length"),
+                why: format!("{v} differs from the key length {head_dim}, which akunu needs"),
+            });
+        }
         if head_dim % 2 != 0 {
             return Err(ConfigError::Invalid {
                 key: key("attention.key_length"),
