@@ -10,7 +10,9 @@
 #     Q6_K models (and a Q4_K/Q6_K mix), against an independent NumPy forward pass over
 #     gguf-dequantized weights (tools/reference.py);
 #  4. `akunu serve` and `akunu chat` end to end on the default model, driven by
-#     the official openai Python package and raw HTTP (tools/test_server.py).
+#     the official openai Python package and raw HTTP (tools/test_server.py);
+#  5. the same reference on tiny random-weight models of every architecture
+#     (llama, qwen2, qwen3, gemma3) in F32/F16/Q8_0 (tools/arch_parity.py).
 # The GPU tests themselves run on a GPU machine: scripts/gpu.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,3 +59,6 @@ done
 
 echo "== server and chat end to end (openai client, raw HTTP)"
 "$venv/bin/python" tools/test_server.py --akunu target/release/akunu --model "$model"
+
+echo "== architecture parity (NumPy) on tiny random-weight models"
+"$venv/bin/python" tools/arch_parity.py --akunu target/release/akunu --workdir target/arch-parity

@@ -69,6 +69,44 @@ pub fn run(a: InspectArgs) -> Result<()> {
             "output.weight"
         }
     );
+    let d = &c.arch;
+    let act = if d.ffn_act == akunu_core::ops::ACT_GEGLU {
+        "GeGLU (tanh)"
+    } else {
+        "SwiGLU"
+    };
+    let rope = if d.rope_style == akunu_core::ops::ROPE_NEOX {
+        "neox"
+    } else {
+        "normal"
+    };
+    let mut parts = vec![format!("rope {rope}"), format!("ffn {act}")];
+    for (on, what) in [
+        (d.qkv_bias, "QKV bias"),
+        (d.qk_norm, "per-head QK norm"),
+        (d.post_attn_norm, "post-attention norm"),
+        (d.post_ffn_norm, "post-FFN norm"),
+        (d.embed_scale_sqrt_dim, "embedding x sqrt(dim)"),
+    ] {
+        if on {
+            parts.push(what.into());
+        }
+    }
+    parts.push(format!("attention scale {}", c.attn_scale));
+    if c.sliding_window > 0 {
+        let local = (0..c.n_layers).filter(|&l| c.layer_is_local(l)).count();
+        parts.push(format!(
+            "sliding window {} on {local} of {} layers (rope base {})",
+            c.sliding_window, c.n_layers, c.swa_rope_theta
+        ));
+    }
+    if c.attn_softcap > 0.0 {
+        parts.push(format!("attention soft-cap {}", c.attn_softcap));
+    }
+    if c.final_softcap > 0.0 {
+        parts.push(format!("logit soft-cap {}", c.final_softcap));
+    }
+    println!("block: {}", parts.join(" | "));
     println!(
         "weight bytes read per token: {:.2} MiB",
         c.weight_bytes_per_token(f) as f64 / (1u64 << 20) as f64

@@ -1,8 +1,8 @@
-//! `akunu synth`: write a random-weight llama GGUF in the shape of a real
-//! model, for tests and benchmarks.
+//! `akunu synth`: write a random-weight GGUF (llama, qwen2, qwen3 or gemma3)
+//! in the shape of a real model, for tests and benchmarks.
 
 use akunu_core::dtype::DType;
-use akunu_core::synth::{Shape, SynthSpec, parse_dtype, write_synthetic};
+use akunu_core::synth::{Shape, SynthArch, SynthSpec, parse_dtype, write_synthetic};
 use anyhow::{Context, Result};
 use clap::Args;
 use std::path::PathBuf;
@@ -13,6 +13,9 @@ pub struct SynthArgs {
     /// Model shape: tiny, tiny-k, smollm2-135m, llama-1b or llama-8b.
     #[arg(long)]
     pub shape: Shape,
+    /// Architecture: llama, qwen2, qwen3 or gemma3.
+    #[arg(long, default_value = "llama")]
+    pub arch: SynthArch,
     /// Type of the weight matrices: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0,
     /// q5_1, q4_k, q5_k or q6_k (norms stay f32). Rows that are not whole
     /// K-quant super-blocks (256) fall back as llama.cpp does: q4_k -> q5_0,
@@ -47,6 +50,7 @@ pub fn run(a: SynthArgs) -> Result<()> {
     };
     let spec = SynthSpec {
         shape: a.shape,
+        arch: a.arch,
         dtype: a.dtype,
         seed: a.seed,
         tokenizer_from,
@@ -71,8 +75,9 @@ pub fn run(a: SynthArgs) -> Result<()> {
 
     let size = std::fs::metadata(&a.out).map(|m| m.len()).unwrap_or(0);
     eprintln!(
-        "akunu: wrote {} ({} {}, seed {}): {:.1} MiB in {:.1} s",
+        "akunu: wrote {} ({} {} {}, seed {}): {:.1} MiB in {:.1} s",
         a.out.display(),
+        spec.arch,
         spec.shape,
         spec.dtype,
         spec.seed,

@@ -27,6 +27,14 @@ pub struct ArchDescriptor {
     pub embed_scale_sqrt_dim: bool,
     /// Gated FFN activation: `ACT_SWIGLU` or `ACT_GEGLU`.
     pub ffn_act: u32,
+    /// Layer pattern of sliding-window attention when the metadata sets
+    /// `attention.sliding_window`: every `swa_period`-th layer (1-based) is
+    /// global, the others attend over the window only (Gemma 3: 6). 0: no
+    /// sliding-window layers.
+    pub swa_period: u32,
+    /// RoPE base of the sliding-window layers when the metadata has no
+    /// `rope.freq_base_swa` (Gemma 3: 10000; their RoPE is never scaled).
+    pub swa_rope_base: f32,
     /// Whether akunu's kernels implement every flag above for this
     /// architecture yet. Descriptors that are only data wait for their kernels.
     pub supported: bool,
@@ -41,25 +49,25 @@ const LLAMA: ArchDescriptor = ArchDescriptor {
     post_ffn_norm: false,
     embed_scale_sqrt_dim: false,
     ffn_act: ACT_SWIGLU,
+    swa_period: 0,
+    swa_rope_base: 10000.0,
     supported: true,
 };
 
-/// Every architecture akunu knows. Qwen and Gemma variants are declared so
-/// their metadata is recognised; they run once their kernels land.
+/// Every architecture akunu knows and runs: each is the Llama block plus
+/// the optional pieces its flags switch on.
 pub const ARCHITECTURES: &[ArchDescriptor] = &[
     LLAMA,
     ArchDescriptor {
         name: "qwen2",
         rope_style: ROPE_NEOX,
         qkv_bias: true,
-        supported: false,
         ..LLAMA
     },
     ArchDescriptor {
         name: "qwen3",
         rope_style: ROPE_NEOX,
         qk_norm: true,
-        supported: false,
         ..LLAMA
     },
     ArchDescriptor {
@@ -70,7 +78,8 @@ pub const ARCHITECTURES: &[ArchDescriptor] = &[
         post_ffn_norm: true,
         embed_scale_sqrt_dim: true,
         ffn_act: ACT_GEGLU,
-        supported: false,
+        swa_period: 6,
+        swa_rope_base: 10000.0,
         ..LLAMA
     },
 ];
@@ -129,6 +138,18 @@ pub struct ModelConfig {
     pub rms_eps: f32,
     /// The logits reuse the token embedding matrix.
     pub tied_output: bool,
+    /// Scale of the attention scores (1/sqrt(head_dim) unless the
+    /// architecture says otherwise).
+    pub attn_scale: f32,
+    /// Keys a sliding-window layer attends over (its own position
+    /// included); 0 when the model has no such layers.
+    pub sliding_window: u32,
+    /// RoPE base of the sliding-window layers.
+    pub swa_rope_theta: f32,
+    /// Tanh soft-cap of the attention scores (0 = none).
+    pub attn_softcap: f32,
+    /// Tanh soft-cap of the final logits (0 = none).
+    pub final_softcap: f32,
 }
 
 // Sanity bounds: far beyond any real model, small enough that products of
@@ -186,6 +207,14 @@ impl ModelConfig {
             Some(_) => int("attention.key_length", 2, 1024)?,
             None => dim / n_heads,
         };
+        if let Some(v) = f.get_i64(&key("attention.value_length"))
+            && v != head_dim as i64
+        {
+            return Err(ConfigError::Invalid {
+                key: key("attention.value_length"),
+                why: format!("{v} differs from the key length {head_dim}, which akunu needs"),
+            });
+        }
         if head_dim % 2 != 0 {
             return Err(ConfigError::Invalid {
                 key: key("attention.key_length"),
@@ -251,6 +280,37 @@ impl ModelConfig {
             });
         }
         let tied_output = f.tensor("output.weight").is_none();
+        let opt_f32 = |k: &str, default: f32, lo: f32| -> Result<f32, ConfigError> {
+            let v = f.get_f64(&key(k)).map_or(default, |v| v as f32);
+            if v.is_finite() && v >= lo {
+                Ok(v)
+            } else {
+                Err(ConfigError::Invalid {
+                    key: key(k),
+                    why: format!("{v}"),
+                })
+            }
+        };
+        let sliding_window = if arch.swa_period > 0 {
+            match f.get_i64(&key("attention.sliding_window")) {
+                Some(_) => int("attention.sliding_window", 1, 1 << 24)?,
+                None => 0,
+            }
+        } else {
+            0
+        };
+        let swa_rope_theta = opt_f32("rope.freq_base_swa", arch.swa_rope_base, f32::MIN_POSITIVE)?;
+        let attn_softcap = opt_f32("attn_logit_softcapping", 0.0, 0.0)?;
+        let final_softcap = opt_f32("final_logit_softcapping", 0.0, 0.0)?;
+        // Gemma 3 27B scales by the width per head rather than the head
+        // dimension (llama.cpp recognises it by its 62 layers); every other
+        // model by 1/sqrt(head_dim).
+        let scale_dim = if arch.name == "gemma3" && n_layers == 62 {
+            dim / n_heads
+        } else {
+            head_dim
+        };
+        let attn_scale = 1.0 / (scale_dim as f32).sqrt();
         let cfg = ModelConfig {
             arch,
             n_layers,
@@ -266,9 +326,30 @@ impl ModelConfig {
             rope_freq_scale,
             rms_eps,
             tied_output,
+            attn_scale,
+            sliding_window,
+            swa_rope_theta,
+            attn_softcap,
+            final_softcap,
         };
         cfg.check_tensors(f)?;
         Ok(cfg)
+    }
+
+    /// Whether layer `l` attends over the sliding window only.
+    pub fn layer_is_local(&self, l: u32) -> bool {
+        self.sliding_window > 0
+            && self.arch.swa_period > 0
+            && !(l + 1).is_multiple_of(self.arch.swa_period)
+    }
+
+    /// RoPE base and position scale of layer `l`.
+    pub fn layer_rope(&self, l: u32) -> (f32, f32) {
+        if self.layer_is_local(l) {
+            (self.swa_rope_theta, 1.0)
+        } else {
+            (self.rope_theta, self.rope_freq_scale)
+        }
     }
 
     pub fn q_dim(&self) -> u32 {

@@ -3,10 +3,16 @@
 //! Per layer the table holds eight commands:
 //!
 //! ```text
-//! gemv(QKV, fused) -> rope_kv_write -> attention -> gemv(O) ->
-//! residual_rmsnorm(ffn_norm) -> gemv(gate|up, fused) -> gemv(SwiGLU+down) ->
-//! residual_rmsnorm(next layer's attn_norm, or output_norm after the last)
+//! gemv(QKV, fused[, biases]) -> rope_kv_write([QK norm]) -> attention([window]) ->
+//! gemv(O) -> residual_rmsnorm([post-attn norm], ffn_norm) -> gemv(gate|up, fused) ->
+//! gemv(SwiGLU|GeGLU + down) ->
+//! residual_rmsnorm([post-FFN norm], next layer's attn_norm, or output_norm after the last)
 //! ```
+//!
+//! The bracketed parts are switched on by the architecture descriptor's
+//! flags and the model's hyper-parameters (`arch::ModelConfig`): every
+//! architecture has the same eight commands per layer, with different
+//! parameters and bindings.
 //!
 //! framed by the embedding lookup and first RMSNorm before, and the logits
 //! projection and argmax after. The same table serves decode (one row per
@@ -165,35 +171,54 @@ pub fn build_dispatch_table(inp: &BuildInputs) -> Result<DispatchTable, MissingW
             input_act: ACT_NONE,
             accumulate: 0,
             bias: cfg.arch.qkv_bias as u32,
+            softcap: 0.0,
         })
         .label(format!("layer.{l}.qkv"))
         .emit();
 
-        // 3b. RoPE on Q and K, K and V written to the cache.
+        // 3b. (Per-head QK norm,) RoPE on Q and K, K and V written to the
+        // cache. Sliding-window layers have their own RoPE base.
+        let (theta, freq_scale) = cfg.layer_rope(l);
         let rope = RopeParams {
             pos: 0,
             n_heads: cfg.n_heads,
             n_kv_heads: cfg.n_kv_heads,
             head_dim: cfg.head_dim,
             rope_dim: cfg.rope_dim,
-            theta: cfg.rope_theta,
-            freq_scale: cfg.rope_freq_scale,
+            theta,
+            freq_scale,
             style: cfg.arch.rope_style,
             qkv_stride: qkv_dim,
             capacity: inp.kv.capacity,
             freq_factors: 0,
+            qk_norm: cfg.arch.qk_norm as u32,
+            norm_eps: cfg.rms_eps,
             _pad: 0,
         };
-        CmdBuilder::new(&mut t, KernelId::RopeKvWrite, cfg.n_heads + cfg.n_kv_heads)
-            .buf(s.qkv, 0)
-            .buf(inp.kv.k[l as usize], 0)
-            .buf(inp.kv.v[l as usize], 0)
+        let mut rope_cmd =
+            CmdBuilder::new(&mut t, KernelId::RopeKvWrite, cfg.n_heads + cfg.n_kv_heads)
+                .buf(s.qkv, 0)
+                .buf(inp.kv.k[l as usize], 0)
+                .buf(inp.kv.v[l as usize], 0);
+        if cfg.arch.qk_norm {
+            rope_cmd = rope_cmd
+                .buf(w(&b("attn_q_norm.weight"))?.buf, 0)
+                .buf(w(&b("attn_k_norm.weight"))?.buf, 0);
+        }
+        rope_cmd
             .params(&rope)
             .patch(PatchType::Position, offset_of!(RopeParams, pos), 0)
             .label(format!("layer.{l}.rope_kv_write"))
             .emit();
 
-        // 3c. Attention over the cache.
+        // 3c. Attention over the cache (over the last `sliding_window`
+        // positions only on local layers: the kernel derives each row's
+        // position from kv_len, so the KV_SEQ_LEN patch suffices).
+        let window = if cfg.layer_is_local(l) {
+            cfg.sliding_window
+        } else {
+            0
+        };
         let attn = AttnParams {
             pos: 0,
             kv_len: 0,
@@ -201,11 +226,11 @@ pub fn build_dispatch_table(inp: &BuildInputs) -> Result<DispatchTable, MissingW
             n_kv_heads: cfg.n_kv_heads,
             head_dim: cfg.head_dim,
             capacity: inp.kv.capacity,
-            scale: 1.0 / (cfg.head_dim as f32).sqrt(),
-            window: 0,
+            scale: cfg.attn_scale,
+            window,
             qkv_stride: qkv_dim,
             out_stride: q_dim,
-            softcap: 0.0,
+            softcap: cfg.attn_softcap,
             _pad: 0,
         };
         CmdBuilder::new(&mut t, KernelId::Attention, cfg.n_heads)
@@ -215,7 +240,11 @@ pub fn build_dispatch_table(inp: &BuildInputs) -> Result<DispatchTable, MissingW
             .buf(s.attn, 0)
             .params(&attn)
             .patch(PatchType::KvSeqLen, offset_of!(AttnParams, kv_len), 0)
-            .label(format!("layer.{l}.attention"))
+            .label(if window > 0 {
+                format!("layer.{l}.attention.window{window}")
+            } else {
+                format!("layer.{l}.attention")
+            })
             .emit();
 
         // 3d. Output projection.
@@ -233,15 +262,18 @@ pub fn build_dispatch_table(inp: &BuildInputs) -> Result<DispatchTable, MissingW
             format!("layer.{l}.attn_output"),
         );
 
-        // 3e. Residual add + FFN norm.
-        CmdBuilder::new(&mut t, KernelId::ResidualRmsNorm, 1)
-            .buf(s.h, 0)
-            .buf(s.delta, 0)
-            .buf(w(&b("ffn_norm.weight"))?.buf, 0)
-            .buf(s.xn, 0)
-            .params(&norm)
-            .label(format!("layer.{l}.residual_ffn_norm"))
-            .emit();
+        // 3e. (Post-attention norm,) residual add, FFN norm.
+        residual_norm(
+            &mut t,
+            s,
+            w(&b("ffn_norm.weight"))?,
+            cfg.arch
+                .post_attn_norm
+                .then(|| w(&b("post_attention_norm.weight")))
+                .transpose()?,
+            norm,
+            format!("layer.{l}.residual_ffn_norm"),
+        );
 
         // 3f. Fused gate|up projection.
         let (wg, wu) = (w(&b("ffn_gate.weight"))?, w(&b("ffn_up.weight"))?);
@@ -260,6 +292,7 @@ pub fn build_dispatch_table(inp: &BuildInputs) -> Result<DispatchTable, MissingW
                 input_act: ACT_NONE,
                 accumulate: 0,
                 bias: 0,
+                softcap: 0.0,
             })
             .label(format!("layer.{l}.gate_up"))
             .emit();
@@ -289,14 +322,17 @@ pub fn build_dispatch_table(inp: &BuildInputs) -> Result<DispatchTable, MissingW
         } else {
             ("output_norm.weight".to_string(), "output_norm".to_string())
         };
-        CmdBuilder::new(&mut t, KernelId::ResidualRmsNorm, 1)
-            .buf(s.h, 0)
-            .buf(s.delta, 0)
-            .buf(w(&next_norm)?.buf, 0)
-            .buf(s.xn, 0)
-            .params(&norm)
-            .label(label)
-            .emit();
+        residual_norm(
+            &mut t,
+            s,
+            w(&next_norm)?,
+            cfg.arch
+                .post_ffn_norm
+                .then(|| w(&b("post_ffw_norm.weight")))
+                .transpose()?,
+            norm,
+            label,
+        );
     }
 
     // 5. Logits of the last row.
@@ -319,6 +355,7 @@ pub fn build_dispatch_table(inp: &BuildInputs) -> Result<DispatchTable, MissingW
             input_act: ACT_NONE,
             accumulate: 0,
             bias: 0,
+            softcap: cfg.final_softcap,
         })
         .last_row()
         .label("logits")
@@ -337,6 +374,31 @@ pub fn build_dispatch_table(inp: &BuildInputs) -> Result<DispatchTable, MissingW
         .label("argmax")
         .emit();
     Ok(t)
+}
+
+/// `h += [post_norm](delta)`, then `xn = rmsnorm(h) * norm_w`.
+fn residual_norm(
+    t: &mut DispatchTable,
+    s: Scratch,
+    norm_w: WeightBuf,
+    post: Option<WeightBuf>,
+    norm: NormParams,
+    label: String,
+) {
+    let mut c = CmdBuilder::new(t, KernelId::ResidualRmsNorm, 1)
+        .buf(s.h, 0)
+        .buf(s.delta, 0)
+        .buf(norm_w.buf, 0)
+        .buf(s.xn, 0);
+    if let Some(pw) = post {
+        c = c.buf(pw.buf, 0);
+    }
+    c.params(&NormParams {
+        post_norm: post.is_some() as u32,
+        ..norm
+    })
+    .label(label)
+    .emit();
 }
 
 /// A single-segment projection.
@@ -367,6 +429,7 @@ fn gemv1(
             input_act: act,
             accumulate: 0,
             bias: 0,
+            softcap: 0.0,
         })
         .label(label)
         .emit();

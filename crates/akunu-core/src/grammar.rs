@@ -69,7 +69,7 @@ impl TokenizerEnv for AkunuTokEnv {
         self.trie.tokenize_with_greedy_fallback(s, |text| {
             self.model
                 .tokenizer
-                .encode(text, false, false)
+                .encode_continuation(text)
                 .unwrap_or_default()
         })
     }

@@ -17,6 +17,7 @@ pub mod ops;
 pub mod quantize;
 pub mod sampling;
 pub mod speculative;
+pub mod spm;
 pub mod synth;
 pub mod table;
 pub mod tokenizer;

@@ -30,11 +30,12 @@ pub enum KernelId {
     /// rows, 1 output rows, 2..2+n_seg weights, then n_seg biases if `bias`.
     /// Params: [`GemvParams`]. Grid: total output rows.
     Gemv = 3,
-    /// RoPE on the Q and K parts of the QKV rows, then K and V written into
-    /// the layer's cache at positions `pos..pos+rows`. Bindings: 0 QKV rows
-    /// (Q and K rotated in place), 1 K cache, 2 V cache, 3 optional RoPE
-    /// frequency factors (f32). Params: [`RopeParams`] (`pos` patched
-    /// POSITION). Grid: heads.
+    /// Optional per-head RMSNorm of Q and K, RoPE on the Q and K parts of
+    /// the QKV rows, then K and V written into the layer's cache at
+    /// positions `pos..pos+rows`. Bindings: 0 QKV rows (Q and K normed and
+    /// rotated in place), 1 K cache, 2 V cache, then the optional RoPE
+    /// frequency factors (f32), then with `qk_norm` the Q-norm and K-norm
+    /// weights. Params: [`RopeParams`] (`pos` patched POSITION). Grid: heads.
     RopeKvWrite = 4,
     /// Causal attention of the step's query rows over the cache. Bindings:
     /// 0 QKV rows (Q read), 1 K cache, 2 V cache, 3 output rows. Params:
@@ -160,6 +161,9 @@ pub struct GemvParams {
     pub accumulate: u32,
     /// 1: each segment has an f32 bias bound after the weights.
     pub bias: u32,
+    /// Tanh soft-cap of the outputs, `cap * tanh(y / cap)`, applied after
+    /// the bias (final logits of Gemma-style models); 0 = none.
+    pub softcap: f32,
 }
 
 impl GemvParams {
@@ -192,6 +196,12 @@ pub struct RopeParams {
     pub capacity: u32,
     /// 1 when binding 3 holds per-frequency divisors (Llama 3.1 `rope_freqs`).
     pub freq_factors: u32,
+    /// 1: every Q and K head is RMS-normalised (over `head_dim`, epsilon
+    /// `norm_eps`) with its own weight before the rotation (Qwen3, Gemma 3).
+    /// The Q-norm and K-norm weights (`head_dim` f32 each) are the two
+    /// bindings after the optional frequency factors.
+    pub qk_norm: u32,
+    pub norm_eps: f32,
     pub _pad: u32,
 }
 
@@ -383,7 +393,9 @@ pub fn extents(c: &DispatchCmd, max_rows: u32) -> Result<Vec<(usize, u64)>, Stri
         }
         KernelId::RopeKvWrite => {
             let p: RopeParams = c.params();
-            need_buffers(if p.freq_factors != 0 { 4 } else { 3 })?;
+            let ff = (p.freq_factors != 0) as usize;
+            let qkn = (p.qk_norm != 0) as usize;
+            need_buffers(3 + ff + 2 * qkn)?;
             if p.rope_dim > p.head_dim
                 || !p.rope_dim.is_multiple_of(2)
                 || p.n_kv_heads == 0
@@ -396,8 +408,12 @@ pub fn extents(c: &DispatchCmd, max_rows: u32) -> Result<Vec<(usize, u64)>, Stri
             }
             let slab = p.n_kv_heads as u64 * p.capacity as u64 * p.head_dim as u64 * F;
             let mut v = vec![(0, r * p.qkv_stride as u64 * F), (1, slab), (2, slab)];
-            if p.freq_factors != 0 {
+            if ff != 0 {
                 v.push((3, p.rope_dim as u64 / 2 * F));
+            }
+            if qkn != 0 {
+                v.push((3 + ff, p.head_dim as u64 * F));
+                v.push((4 + ff, p.head_dim as u64 * F));
             }
             v
         }

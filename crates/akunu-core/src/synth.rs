@@ -1,6 +1,7 @@
-//! Synthetic models: `llama` GGUF files with random weights, in the shapes
-//! of real models, for tests and benchmarks that need a model of a given
-//! size without downloading one.
+//! Synthetic models: GGUF files with random weights, in the shapes of real
+//! models and of any architecture akunu runs (`llama`, `qwen2`, `qwen3`,
+//! `gemma3`), for tests and benchmarks that need a model of a given size
+//! without downloading one.
 //!
 //! Matrices are drawn from N(0, 0.02²) and stored in the requested type
 //! (quantized as GGML's reference quantizers do); norm weights are
@@ -21,6 +22,60 @@ use std::str::FromStr;
 
 /// Standard deviation of the random matrices (and of the norm-weight noise).
 pub const WEIGHT_STD: f32 = 0.02;
+
+/// Architectures [`write_synthetic`] can write: the metadata keys and
+/// tensors llama.cpp's converter writes for each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SynthArch {
+    Llama,
+    /// Q/K/V biases, NEOX RoPE.
+    Qwen2,
+    /// Per-head QK norm, NEOX RoPE, head dimension set apart from the width.
+    Qwen3,
+    /// Embedding scale, QK norm, post-attention and post-FFN norms, GeGLU,
+    /// sliding-window layers (five of every six) with their own RoPE base.
+    Gemma3,
+}
+
+impl SynthArch {
+    pub const ALL: [SynthArch; 4] = [
+        SynthArch::Llama,
+        SynthArch::Qwen2,
+        SynthArch::Qwen3,
+        SynthArch::Gemma3,
+    ];
+
+    /// `general.architecture` (and what [`FromStr`] accepts).
+    pub fn name(self) -> &'static str {
+        match self {
+            SynthArch::Llama => "llama",
+            SynthArch::Qwen2 => "qwen2",
+            SynthArch::Qwen3 => "qwen3",
+            SynthArch::Gemma3 => "gemma3",
+        }
+    }
+}
+
+impl fmt::Display for SynthArch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("unknown architecture '{0}' (choose one of: llama, qwen2, qwen3, gemma3)")]
+pub struct ParseArchError(String);
+
+impl FromStr for SynthArch {
+    type Err = ParseArchError;
+    fn from_str(s: &str) -> Result<SynthArch, ParseArchError> {
+        let lower = s.to_ascii_lowercase();
+        SynthArch::ALL
+            .into_iter()
+            .find(|a| a.name() == lower)
+            .ok_or_else(|| ParseArchError(s.to_string()))
+    }
+}
 
 /// Model shapes [`write_synthetic`] can produce.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -54,11 +109,19 @@ pub struct ShapeParams {
     /// The vocabulary size of the real model (the tokenizer copied in
     /// decides the actual size); `None` for the built-in tokenizer.
     pub nominal_vocab: Option<u32>,
+    /// Head dimension when it is not `dim / n_heads` (written as
+    /// `attention.key_length`).
+    pub key_length: Option<u32>,
+    /// `attention.sliding_window` (Gemma 3), 0 for none.
+    pub sliding_window: u32,
+    /// `attn_logit_softcapping` and `final_logit_softcapping`, 0 for none.
+    pub attn_softcap: f32,
+    pub final_softcap: f32,
 }
 
 impl ShapeParams {
     pub fn head_dim(&self) -> u32 {
-        self.dim / self.n_heads
+        self.key_length.unwrap_or(self.dim / self.n_heads)
     }
 }
 
@@ -94,6 +157,10 @@ impl Shape {
             rms_eps: 1e-5,
             tied,
             nominal_vocab: Some(49152),
+            key_length: None,
+            sliding_window: 0,
+            attn_softcap: 0.0,
+            final_softcap: 0.0,
         };
         match self {
             Shape::Tiny => ShapeParams {
@@ -107,6 +174,10 @@ impl Shape {
                 rms_eps: 1e-5,
                 tied: true,
                 nominal_vocab: None,
+                key_length: None,
+                sliding_window: 0,
+                attn_softcap: 0.0,
+                final_softcap: 0.0,
             },
             Shape::TinyK => ShapeParams {
                 dim: 256,
@@ -117,6 +188,39 @@ impl Shape {
             Shape::Llama1B => big(16, 2048, 32, 8, 8192, 500000.0, true),
             Shape::Llama8B => big(32, 4096, 32, 8, 14336, 500000.0, false),
         }
+    }
+
+    /// The shape's parameters as `arch` has them. For the tiny shape the
+    /// variants exercise what sets each architecture apart: Qwen3 and Gemma
+    /// 3 get heads wider than `dim / n_heads`; Gemma 3 gets six layers (so
+    /// one is global), an 8-position window, RMS epsilon 1e-6 and small
+    /// soft-caps that bite on random weights (real Gemma 3 files set
+    /// none; Gemma 2 did). Larger shapes get Gemma 3's 512-position window.
+    pub fn params_for(self, arch: SynthArch) -> ShapeParams {
+        let mut p = self.params();
+        let tiny = self == Shape::Tiny;
+        match arch {
+            SynthArch::Llama | SynthArch::Qwen2 => {}
+            SynthArch::Qwen3 => {
+                if tiny {
+                    p.key_length = Some(32);
+                }
+            }
+            SynthArch::Gemma3 => {
+                p.rms_eps = 1e-6;
+                p.rope_base = 1_000_000.0;
+                if tiny {
+                    p.n_layers = 6;
+                    p.key_length = Some(32);
+                    p.sliding_window = 8;
+                    p.attn_softcap = 2.0;
+                    p.final_softcap = 0.5;
+                } else {
+                    p.sliding_window = 512;
+                }
+            }
+        }
+        p
     }
 
     /// Whether the shape needs a tokenizer copied from a real model (its
@@ -167,6 +271,7 @@ pub fn parse_dtype(s: &str) -> Result<DType, ParseDTypeError> {
 #[derive(Clone, Debug)]
 pub struct SynthSpec {
     pub shape: Shape,
+    pub arch: SynthArch,
     /// Type of the matrices (token embedding and output included); norm
     /// weights stay F32.
     pub dtype: DType,
@@ -247,7 +352,13 @@ enum Init {
     Matrix,
     /// 1 + N(0, WEIGHT_STD²), stored as F32.
     Norm,
+    /// N(0, BIAS_STD²), stored as F32.
+    Bias,
 }
+
+/// Standard deviation of the random biases: large enough that they matter
+/// next to the products of random weights.
+pub const BIAS_STD: f32 = 0.5;
 
 struct TensorPlan {
     name: String,
@@ -256,7 +367,7 @@ struct TensorPlan {
     init: Init,
 }
 
-fn plan(p: &ShapeParams, n_vocab: u64) -> Vec<TensorPlan> {
+fn plan(p: &ShapeParams, arch: SynthArch, n_vocab: u64) -> Vec<TensorPlan> {
     let (d, ff) = (p.dim as u64, p.ffn_dim as u64);
     let q = (p.n_heads * p.head_dim()) as u64;
     let kv = (p.n_kv_heads * p.head_dim()) as u64;
@@ -277,6 +388,20 @@ fn plan(p: &ShapeParams, n_vocab: u64) -> Vec<TensorPlan> {
         v.push(t(b("ffn_gate.weight"), &[d, ff], Init::Matrix));
         v.push(t(b("ffn_up.weight"), &[d, ff], Init::Matrix));
         v.push(t(b("ffn_down.weight"), &[ff, d], Init::Matrix));
+        if arch == SynthArch::Qwen2 {
+            v.push(t(b("attn_q.bias"), &[q], Init::Bias));
+            v.push(t(b("attn_k.bias"), &[kv], Init::Bias));
+            v.push(t(b("attn_v.bias"), &[kv], Init::Bias));
+        }
+        if matches!(arch, SynthArch::Qwen3 | SynthArch::Gemma3) {
+            let hd = p.head_dim() as u64;
+            v.push(t(b("attn_q_norm.weight"), &[hd], Init::Norm));
+            v.push(t(b("attn_k_norm.weight"), &[hd], Init::Norm));
+        }
+        if arch == SynthArch::Gemma3 {
+            v.push(t(b("post_attention_norm.weight"), &[d], Init::Norm));
+            v.push(t(b("post_ffw_norm.weight"), &[d], Init::Norm));
+        }
     }
     v.push(t("output_norm.weight".into(), &[d], Init::Norm));
     if !p.tied {
@@ -293,7 +418,7 @@ pub(crate) fn write_synthetic_threads(
     threads: usize,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<(), SynthError> {
-    let p = spec.shape.params();
+    let p = spec.shape.params_for(spec.arch);
     let tokenizer = match (&spec.tokenizer_from, p.nominal_vocab) {
         (Some(src), _) => copy_tokenizer(src)?,
         (None, None) => builtin_tokenizer(),
@@ -311,11 +436,12 @@ pub(crate) fn write_synthetic_threads(
         .map_or(0, |a| a.len() as u64);
 
     let mut w = GgufWriter::new();
-    let arch = |k: &str| format!("llama.{k}");
-    w.kv("general.architecture", Value::String("llama".into()))?
+    let name = spec.arch.name();
+    let arch = |k: &str| format!("{name}.{k}");
+    w.kv("general.architecture", Value::String(name.into()))?
         .kv(
             "general.name",
-            Value::String(format!("akunu synthetic {}", spec.shape)),
+            Value::String(format!("akunu synthetic {} {}", spec.arch, spec.shape)),
         )?
         .kv("general.file_type", Value::U32(file_type(spec.dtype)))?
         .kv("akunu.synthetic.seed", Value::U64(spec.seed))?
@@ -332,15 +458,31 @@ pub(crate) fn write_synthetic_threads(
             Value::F32(p.rms_eps),
         )?
         .kv(arch("rope.dimension_count"), Value::U32(p.head_dim()))?;
+    if let Some(kl) = p.key_length {
+        w.kv(arch("attention.key_length"), Value::U32(kl))?
+            .kv(arch("attention.value_length"), Value::U32(kl))?;
+    }
+    if p.sliding_window > 0 {
+        w.kv(
+            arch("attention.sliding_window"),
+            Value::U32(p.sliding_window),
+        )?;
+    }
+    if p.attn_softcap > 0.0 {
+        w.kv(arch("attn_logit_softcapping"), Value::F32(p.attn_softcap))?;
+    }
+    if p.final_softcap > 0.0 {
+        w.kv(arch("final_logit_softcapping"), Value::F32(p.final_softcap))?;
+    }
     for (k, v) in tokenizer {
         w.kv(k, v)?;
     }
 
     let seed = spec.seed;
-    for (index, t) in plan(&p, n_vocab).into_iter().enumerate() {
+    for (index, t) in plan(&p, spec.arch, n_vocab).into_iter().enumerate() {
         let dtype = match t.init {
             Init::Matrix => matrix_type(spec.dtype, t.dims[0]),
-            Init::Norm => DType::F32,
+            Init::Norm | Init::Bias => DType::F32,
         };
         let dims = t.dims.clone();
         w.tensor_stream(t.name, &t.dims, dtype, move |out: &mut dyn Write| {
@@ -378,6 +520,7 @@ fn generate_tensor(
         match init {
             Init::Matrix => vals.iter_mut().for_each(|v| *v *= WEIGHT_STD),
             Init::Norm => vals.iter_mut().for_each(|v| *v = 1.0 + *v * WEIGHT_STD),
+            Init::Bias => vals.iter_mut().for_each(|v| *v *= BIAS_STD),
         }
         let mut bytes = vec![0u8; dtype.bytes_for(n as u64).expect("whole blocks") as usize];
         quantize_into(dtype, &vals, &mut bytes).expect("chunk holds whole blocks");
@@ -541,6 +684,7 @@ mod tests {
     fn spec(dtype: DType, seed: u64) -> SynthSpec {
         SynthSpec {
             shape: Shape::Tiny,
+            arch: SynthArch::Llama,
             dtype,
             seed,
             tokenizer_from: None,
@@ -615,6 +759,48 @@ mod tests {
             drop(m);
             let _ = std::fs::remove_file(&path);
         }
+    }
+
+    #[test]
+    fn every_architecture_loads_with_its_features() {
+        for arch in SynthArch::ALL {
+            let path = temp(&format!("arch-{arch}"));
+            let s = SynthSpec {
+                arch,
+                ..spec(DType::F16, 3)
+            };
+            write_synthetic(&path, &s, &mut |_, _| {}).unwrap();
+            let m = Model::load(&path).unwrap_or_else(|e| panic!("{arch}: {e}"));
+            let c = &m.config;
+            assert_eq!(c.arch.name, arch.name());
+            assert_eq!(arch.name().parse::<SynthArch>().unwrap(), arch);
+            let has = |n: &str| m.file.tensor(n).is_some();
+            assert_eq!(has("blk.0.attn_q.bias"), arch == SynthArch::Qwen2);
+            assert_eq!(
+                has("blk.0.attn_k_norm.weight"),
+                matches!(arch, SynthArch::Qwen3 | SynthArch::Gemma3)
+            );
+            assert_eq!(has("blk.0.post_ffw_norm.weight"), arch == SynthArch::Gemma3);
+            let wide = matches!(arch, SynthArch::Qwen3 | SynthArch::Gemma3);
+            assert_eq!(c.head_dim, if wide { 32 } else { 16 });
+            assert_eq!(c.attn_scale, 1.0 / (c.head_dim as f32).sqrt());
+            if arch == SynthArch::Gemma3 {
+                assert_eq!((c.n_layers, c.sliding_window), (6, 8));
+                let local: Vec<bool> = (0..6).map(|l| c.layer_is_local(l)).collect();
+                assert_eq!(local, [true, true, true, true, true, false]);
+                assert_eq!(c.layer_rope(0), (10000.0, 1.0));
+                assert_eq!(c.layer_rope(5), (1_000_000.0, 1.0));
+                assert_eq!((c.attn_softcap, c.final_softcap), (2.0, 0.5));
+                assert_eq!(c.rms_eps, 1e-6);
+            } else {
+                assert_eq!(c.sliding_window, 0);
+                assert!((0..c.n_layers).all(|l| !c.layer_is_local(l)));
+                assert_eq!((c.attn_softcap, c.final_softcap), (0.0, 0.0));
+            }
+            drop(m);
+            let _ = std::fs::remove_file(&path);
+        }
+        assert!("mamba".parse::<SynthArch>().is_err());
     }
 
     #[test]
@@ -768,6 +954,7 @@ mod tests {
                 &temp("never"),
                 &SynthSpec {
                     shape: s,
+                    arch: SynthArch::Llama,
                     dtype: DType::Q4_0,
                     seed: 0,
                     tokenizer_from: None,
@@ -807,6 +994,7 @@ mod tests {
         let path = temp("smollm2");
         let s = SynthSpec {
             shape: Shape::SmolLm2_135M,
+            arch: SynthArch::Llama,
             dtype: DType::Q4_0,
             seed: 3,
             tokenizer_from: Some(src.clone()),

@@ -1,6 +1,8 @@
 //! Tokenizer: byte-level BPE vocabularies (GGUF `tokenizer.ggml.model =
-//! "gpt2"`, and Hugging Face `tokenizer.json` BPE files), with llama.cpp's
-//! semantics for special tokens, BOS/EOS and end-of-generation tokens.
+//! "gpt2"`, and Hugging Face `tokenizer.json` BPE files) and
+//! SentencePiece-style vocabularies (`tokenizer.ggml.model = "llama"`:
+//! Llama 2, Gemma; see [`crate::spm`]), with llama.cpp's semantics for
+//! special tokens, BOS/EOS and end-of-generation tokens.
 //!
 //! Encoding works in two stages, as llama.cpp's `llama_tokenize` does:
 //!
@@ -14,10 +16,17 @@
 //!    crate. Special tokens are deliberately not registered with that
 //!    pipeline, so that `parse_special` is honoured.
 //!
-//! Decoding maps each token's piece back to bytes (byte-level decoding);
-//! special tokens are rendered as their text.
+//! SentencePiece vocabularies replace stage 2 by the score-ranked merges of
+//! [`crate::spm`], and, when `tokenizer.ggml.add_space_prefix` is true (the
+//! default), put a space before a fragment that starts the text or follows
+//! a special token, as llama.cpp does.
+//!
+//! Decoding maps each token's piece back to bytes (byte-level decoding, or
+//! `▁` to a space and `<0xNN>` byte tokens to their byte); special tokens
+//! are rendered as their text.
 
 use crate::gguf::GgufFile;
+use crate::spm::{self, SpmModel};
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use tokenizers::models::bpe::{BPE, Vocab};
@@ -31,7 +40,7 @@ pub enum TokenizerError {
     #[error("tokenizer metadata key '{0}' is missing")]
     MissingKey(String),
     #[error(
-        "unsupported tokenizer model '{0}' (tokenizer.ggml.model): akunu supports \"gpt2\" (byte-level BPE)"
+        "unsupported tokenizer model '{0}' (tokenizer.ggml.model): akunu supports \"gpt2\" (byte-level BPE) and \"llama\" (SentencePiece)"
     )]
     UnsupportedModel(String),
     #[error("unsupported pre-tokenizer type '{0}' (tokenizer.ggml.pre)")]
@@ -214,12 +223,25 @@ pub struct Tokenizer {
     /// longest text first: the order of llama.cpp's partition.
     specials: Vec<u32>,
     special_by_text: HashMap<String, u32>,
-    pipeline: tokenizers::Tokenizer,
+    pipeline: Pipeline,
     bos: Option<u32>,
     eos: Option<u32>,
     eog: HashSet<u32>,
     add_bos: bool,
     add_eos: bool,
+}
+
+/// What turns a fragment of plain text into ids.
+enum Pipeline {
+    /// Byte-level BPE through the `tokenizers` crate.
+    Bpe(Box<tokenizers::Tokenizer>),
+    /// SentencePiece-style merges.
+    Spm {
+        model: SpmModel,
+        /// Whether a space goes before a fragment at the start of the text
+        /// or after a special token (`tokenizer.ggml.add_space_prefix`).
+        add_space_prefix: bool,
+    },
 }
 
 enum Fragment {
@@ -272,16 +294,28 @@ impl Tokenizer {
                 )
             })?,
         };
-        if model != "gpt2" {
-            return Err(TokenizerError::UnsupportedModel(model.to_string()));
-        }
+        let spm = match model {
+            "gpt2" => false,
+            "llama" => true,
+            _ => return Err(TokenizerError::UnsupportedModel(model.to_string())),
+        };
         let pre = match f.get(K_PRE) {
             None => "default",
             Some(v) => v.as_str().ok_or_else(|| {
                 malformed(K_PRE, format!("expected a string, found {}", v.type_name()))
             })?,
         };
-        let cfg = pre_config(pre).ok_or_else(|| TokenizerError::UnsupportedPre(pre.to_string()))?;
+        // SentencePiece vocabularies have no pre-tokenizer: the key, if any,
+        // is ignored (llama.cpp's converter writes "default").
+        let cfg = if spm {
+            PreConfig {
+                regexes: &[],
+                ignore_merges: false,
+                add_bos: true,
+            }
+        } else {
+            pre_config(pre).ok_or_else(|| TokenizerError::UnsupportedPre(pre.to_string()))?
+        };
 
         let pieces: Vec<String> = string_array(f, K_TOKENS)?
             .ok_or_else(|| TokenizerError::MissingKey(K_TOKENS.into()))?
@@ -323,17 +357,6 @@ impl Tokenizer {
                     .collect::<Result<Vec<_>, _>>()?
             }
         };
-        let merges = string_array(f, K_MERGES)?
-            .ok_or_else(|| TokenizerError::MissingKey(K_MERGES.into()))?;
-        let merges: Vec<(String, String)> = merges
-            .iter()
-            .filter_map(|m| {
-                // As llama.cpp: split at the first space after the first byte.
-                let pos = m.as_bytes().iter().skip(1).position(|&b| b == b' ')? + 1;
-                Some((m[..pos].to_string(), m[pos + 1..].to_string()))
-            })
-            .collect();
-
         let id = |key: &str| check_id(f.get_i64(key), n);
         let bos = id("tokenizer.ggml.bos_token_id");
         let eos = id("tokenizer.ggml.eos_token_id");
@@ -352,7 +375,35 @@ impl Tokenizer {
             .unwrap_or(cfg.add_bos);
         let add_eos = f.get_bool("tokenizer.ggml.add_eos_token").unwrap_or(false);
 
-        let pipeline = build_pipeline(&pieces, merges, cfg.regexes, cfg.ignore_merges)?;
+        let pipeline = if spm {
+            Pipeline::Spm {
+                model: SpmModel::new(
+                    &pieces,
+                    spm_scores(f, n)?,
+                    id("tokenizer.ggml.unknown_token_id"),
+                ),
+                add_space_prefix: f
+                    .get_bool("tokenizer.ggml.add_space_prefix")
+                    .unwrap_or(true),
+            }
+        } else {
+            let merges = string_array(f, K_MERGES)?
+                .ok_or_else(|| TokenizerError::MissingKey(K_MERGES.into()))?;
+            let merges: Vec<(String, String)> = merges
+                .iter()
+                .filter_map(|m| {
+                    // As llama.cpp: split at the first space after the first byte.
+                    let pos = m.as_bytes().iter().skip(1).position(|&b| b == b' ')? + 1;
+                    Some((m[..pos].to_string(), m[pos + 1..].to_string()))
+                })
+                .collect();
+            Pipeline::Bpe(Box::new(build_pipeline(
+                &pieces,
+                merges,
+                cfg.regexes,
+                cfg.ignore_merges,
+            )?))
+        };
         Ok(Self::assemble(
             pieces, types, pipeline, bos, eos, extra_eog, add_bos, add_eos,
         ))
@@ -487,7 +538,7 @@ impl Tokenizer {
         Ok(Self::assemble(
             pieces,
             types,
-            pipeline,
+            Pipeline::Bpe(Box::new(pipeline)),
             bos,
             eos,
             Vec::new(),
@@ -500,7 +551,7 @@ impl Tokenizer {
     fn assemble(
         pieces: Vec<String>,
         mut types: Vec<TokenType>,
-        pipeline: tokenizers::Tokenizer,
+        pipeline: Pipeline,
         bos: Option<u32>,
         eos: Option<u32>,
         extra_eog: Vec<u32>,
@@ -554,19 +605,56 @@ impl Tokenizer {
         add_special: bool,
         parse_special: bool,
     ) -> Result<Vec<u32>, TokenizerError> {
+        self.encode_inner(text, add_special, parse_special, true)
+    }
+
+    /// Tokenizes text that continues a sequence (text a grammar forces in
+    /// the middle of a generation): no BOS/EOS, special-token text not
+    /// parsed, and no SentencePiece space prefix, which only text that
+    /// starts a sequence (or follows a special token) gets.
+    pub fn encode_continuation(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        self.encode_inner(text, false, false, false)
+    }
+
+    fn encode_inner(
+        &self,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+        starts_sequence: bool,
+    ) -> Result<Vec<u32>, TokenizerError> {
         let mut out = Vec::new();
         if add_special && self.add_bos {
             out.extend(self.bos);
         }
+        // SentencePiece: a space before text at the start or after a special.
+        let mut after_special = starts_sequence;
         for frag in self.partition(text, parse_special) {
             match frag {
-                Fragment::Token(id) => out.push(id),
+                Fragment::Token(id) => {
+                    out.push(id);
+                    after_special = true;
+                }
                 Fragment::Raw(s, e) => {
-                    let enc = self
-                        .pipeline
-                        .encode_fast(&text[s..e], false)
-                        .map_err(|err| TokenizerError::Encode(err.to_string()))?;
-                    out.extend_from_slice(enc.get_ids());
+                    match &self.pipeline {
+                        Pipeline::Bpe(bpe) => {
+                            let enc = bpe
+                                .encode_fast(&text[s..e], false)
+                                .map_err(|err| TokenizerError::Encode(err.to_string()))?;
+                            out.extend_from_slice(enc.get_ids());
+                        }
+                        Pipeline::Spm {
+                            model,
+                            add_space_prefix,
+                        } => {
+                            if *add_space_prefix && after_special {
+                                model.encode(&format!(" {}", &text[s..e]), &mut out);
+                            } else {
+                                model.encode(&text[s..e], &mut out);
+                            }
+                        }
+                    }
+                    after_special = false;
                 }
             }
         }
@@ -617,16 +705,22 @@ impl Tokenizer {
     }
 
     /// Appends the bytes token `id` renders to (nothing for an unknown id or
-    /// for UNUSED / BYTE typed tokens, as llama.cpp's BPE `token_to_piece`).
+    /// for UNUSED tokens; BYTE tokens only in SentencePiece vocabularies, as
+    /// llama.cpp's `token_to_piece`).
     fn append_bytes(&self, id: u32, out: &mut Vec<u8>) {
         let Some(piece) = self.pieces.get(id as usize) else {
             return;
         };
+        let spm = matches!(self.pipeline, Pipeline::Spm { .. });
         match self.types[id as usize] {
             TokenType::Control | TokenType::UserDefined | TokenType::Unknown => {
                 out.extend_from_slice(piece.as_bytes())
             }
+            TokenType::Normal | TokenType::Undefined if spm => {
+                out.extend_from_slice(piece.replace(spm::SPACE, " ").as_bytes())
+            }
             TokenType::Normal | TokenType::Undefined => byte_level_decode(piece, out),
+            TokenType::Byte if spm => out.extend(SpmModel::byte_of_piece(piece)),
             TokenType::Unused | TokenType::Byte => {}
         }
     }
@@ -640,10 +734,23 @@ impl Tokenizer {
 
     /// Decodes ids to text; special tokens are rendered as their text.
     /// Invalid UTF-8 (e.g. a character cut off at the end) becomes U+FFFD.
+    /// With a SentencePiece space prefix, the first token's leading space
+    /// (the one encoding added) is dropped, as llama.cpp's detokenizer does.
     pub fn decode(&self, ids: &[u32]) -> String {
         let mut bytes = Vec::new();
-        for &id in ids {
+        for (i, &id) in ids.iter().enumerate() {
+            let at = bytes.len();
             self.append_bytes(id, &mut bytes);
+            let prefixed = matches!(
+                self.pipeline,
+                Pipeline::Spm {
+                    add_space_prefix: true,
+                    ..
+                }
+            );
+            if i == 0 && prefixed && bytes.get(at) == Some(&b' ') {
+                bytes.remove(at);
+            }
         }
         String::from_utf8_lossy(&bytes).into_owned()
     }
@@ -705,6 +812,29 @@ impl Tokenizer {
     pub fn special_token_id(&self, text: &str) -> Option<u32> {
         self.special_by_text.get(text).copied()
     }
+}
+
+/// `tokenizer.ggml.scores` (all 0 when absent): the merge priorities of a
+/// SentencePiece vocabulary.
+fn spm_scores(f: &GgufFile, n: usize) -> Result<Vec<f32>, TokenizerError> {
+    const K: &str = "tokenizer.ggml.scores";
+    let Some(v) = f.get(K) else {
+        return Ok(vec![0.0; n]);
+    };
+    let arr = v
+        .as_array()
+        .ok_or_else(|| malformed(K, format!("expected an array, found {}", v.type_name())))?;
+    if arr.len() != n {
+        return Err(malformed(K, format!("{} scores for {n} tokens", arr.len())));
+    }
+    arr.iter()
+        .enumerate()
+        .map(|(i, e)| {
+            e.as_f64()
+                .map(|x| x as f32)
+                .ok_or_else(|| malformed(K, format!("element {i} is not a number")))
+        })
+        .collect()
 }
 
 fn by_id_text(pieces: &[String], s: &str) -> Option<u32> {

@@ -4,7 +4,7 @@
 //! and decoding must give the text back.
 
 use akunu_core::gguf::GgufFile;
-use akunu_core::tokenizer::Tokenizer;
+use akunu_core::tokenizer::{TokenType, Tokenizer};
 use std::path::PathBuf;
 
 fn data_dir() -> PathBuf {
@@ -102,6 +102,68 @@ fn tokenizer_vectors_deepseek_coder() {
 #[test]
 fn tokenizer_vectors_llama_bpe() {
     check_vocab("llama-bpe");
+}
+
+/// SentencePiece (`tokenizer.ggml.model = llama`, Llama 2's vocabulary):
+/// score-ranked merges, byte fallback, the space prefix.
+#[test]
+fn tokenizer_vectors_llama_spm() {
+    check_vocab("llama-spm");
+}
+
+#[test]
+fn tokenizer_spm_specials_bos_and_byte_fallback() {
+    let tok = load("llama-spm");
+    // BOS 1 is added by default (add_bos_token true), EOS 2 ends generation.
+    assert!(tok.add_bos());
+    let hello = tok.encode("Hello", false, false).unwrap();
+    assert_eq!(tok.encode("Hello", true, false).unwrap()[0], 1);
+    assert_eq!(tok.encode("Hello", true, false).unwrap()[1..], hello[..]);
+    assert!(tok.is_eog(2));
+    // After a special token the text gets the space prefix again, as at the
+    // start: "</s>Hello" is </s> then the tokens of "Hello".
+    let ids = tok.encode("</s>Hello", false, true).unwrap();
+    assert_eq!(ids[0], 2);
+    assert_eq!(ids[1..], hello[..]);
+    // The piece of "Hello" starts with the space marker; decoding drops the
+    // prefix space of the first token only.
+    assert_eq!(tok.token_piece(hello[0]), Some("\u{2581}Hello"));
+    assert_eq!(tok.decode(&hello), "Hello");
+    assert_eq!(tok.decode(&[hello[0], hello[0]]), "Hello Hello");
+    // Continuation text (forced mid-generation) gets no space prefix.
+    let cont = tok.encode_continuation("Hello").unwrap();
+    assert_ne!(tok.token_piece(cont[0]), Some("\u{2581}Hello"));
+    assert_eq!(tok.decode(&[hello[0]]), "Hello");
+    let mut both = hello.clone();
+    both.extend(&cont);
+    assert_eq!(tok.decode(&both), "HelloHello");
+    // Byte-level BPE vocabularies have no prefix: the same ids either way.
+    let bpe = load("qwen2");
+    assert_eq!(
+        bpe.encode_continuation("Hello world").unwrap(),
+        bpe.encode("Hello world", false, false).unwrap()
+    );
+    // A character without a token falls back to one byte token per UTF-8
+    // byte; the stream decoder emits it whole once the last byte arrives.
+    let ids = tok.encode("\u{1F999}", false, false).unwrap();
+    let bytes: Vec<u32> = ids
+        .iter()
+        .copied()
+        .filter(|&i| tok.token_type(i) == Some(TokenType::Byte))
+        .collect();
+    assert_eq!(bytes.len(), 4, "{ids:?}");
+    let mut stream = tok.stream();
+    let mut pieces = Vec::new();
+    for &i in &ids {
+        pieces.push(stream.push(i));
+    }
+    assert!(
+        pieces[..ids.len() - 1]
+            .iter()
+            .all(|p| p.as_deref().unwrap_or(" ") == " ")
+    );
+    let text: String = pieces.into_iter().flatten().collect();
+    assert_eq!(text, " \u{1F999}");
 }
 
 #[test]

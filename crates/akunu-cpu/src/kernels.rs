@@ -124,6 +124,7 @@ pub fn run(
                     prm.capacity
                 ));
             }
+            let ff = (prm.freq_factors != 0) as usize;
             rope_kv_write(
                 pool,
                 &prm,
@@ -131,7 +132,8 @@ pub fn run(
                 p(0),
                 p(1),
                 p(2),
-                (prm.freq_factors != 0).then(|| p(3)),
+                (ff != 0).then(|| p(3)),
+                (prm.qk_norm != 0).then(|| (p(3 + ff), p(4 + ff))),
             );
             Ok(())
         }
@@ -582,6 +584,11 @@ fn gemv(
                             Some(bs) => v + bs[c0 + i],
                             None => v,
                         };
+                        let v = if p.softcap > 0.0 {
+                            p.softcap * (v / p.softcap).tanh()
+                        } else {
+                            v
+                        };
                         *d = if acc { *d + v } else { v };
                     }
                 };
@@ -637,6 +644,7 @@ fn rope_kv_write(
     kc: Ptr,
     vc: Ptr,
     factors: Option<Ptr>,
+    qk_norm: Option<(Ptr, Ptr)>,
 ) {
     let hd = p.head_dim as usize;
     let half = p.rope_dim as usize / 2;
@@ -682,6 +690,12 @@ fn rope_kv_write(
             let row = unsafe { slice_mut(qkv.f32().add(t * stride), (nh + 2 * nkv) * hd) };
             for h in 0..nh + nkv {
                 let x = &mut row[h * hd..(h + 1) * hd];
+                if let Some((qn, kn)) = qk_norm {
+                    // SAFETY: extents validated head_dim weights for each.
+                    let wn = unsafe { slice(if h < nh { qn } else { kn }.f32(), hd) };
+                    let sc = rms_scale(x, p.norm_eps);
+                    x.iter_mut().zip(wn).for_each(|(v, &g)| *v = *v * sc * g);
+                }
                 for i in 0..half {
                     let (a, b) = if p.style == ROPE_NEOX {
                         (i, i + half)

@@ -10,35 +10,41 @@ use akunu_core::decode::{
 use akunu_core::dtype::DType;
 use akunu_core::model::Model;
 use akunu_core::sampling::SamplingConfig;
-use akunu_core::synth::{Shape, SynthSpec, write_synthetic};
+use akunu_core::synth::{Shape, SynthArch, SynthSpec, write_synthetic};
 use akunu_cpu::CpuBackend;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
-/// Synthetic models already written by this test process, by type.
-type ModelCache = Mutex<Vec<(DType, Arc<Model>)>>;
+/// Synthetic models already written by this test process, by architecture
+/// and type.
+type ModelCache = Mutex<Vec<((SynthArch, DType), Arc<Model>)>>;
 
 fn tiny_model(dtype: DType) -> Arc<Model> {
+    tiny_arch_model(SynthArch::Llama, dtype)
+}
+
+fn tiny_arch_model(arch: SynthArch, dtype: DType) -> Arc<Model> {
     static MODELS: OnceLock<ModelCache> = OnceLock::new();
     let cache = MODELS.get_or_init(|| Mutex::new(Vec::new()));
     let mut c = cache.lock().unwrap();
-    if let Some((_, m)) = c.iter().find(|(d, _)| *d == dtype) {
+    if let Some((_, m)) = c.iter().find(|(k, _)| *k == (arch, dtype)) {
         return m.clone();
     }
     let path: PathBuf = std::env::temp_dir().join(format!(
-        "akunu-engine-test-{}-{}.gguf",
+        "akunu-engine-test-{}-{arch}-{}.gguf",
         std::process::id(),
         dtype.name()
     ));
     let spec = SynthSpec {
         shape: Shape::Tiny,
+        arch,
         dtype,
         seed: 7,
         tokenizer_from: None,
     };
     write_synthetic(&path, &spec, &mut |_, _| {}).expect("writing the synthetic model");
     let m = Arc::new(Model::load(&path).expect("loading the synthetic model"));
-    c.push((dtype, m.clone()));
+    c.push(((arch, dtype), m.clone()));
     m
 }
 
@@ -110,6 +116,49 @@ fn chain_of_n_equals_n_single_steps() {
                 );
             }
         }
+    }
+}
+
+/// The engine properties above on the other architectures: chains equal
+/// single steps bit for bit, prefill equals token-by-token decode, and a
+/// second turn equals one-shot generation, with prompts and generations
+/// longer than Gemma 3's 8-position window.
+#[test]
+fn every_architecture_keeps_the_engine_properties() {
+    for arch in [SynthArch::Qwen2, SynthArch::Qwen3, SynthArch::Gemma3] {
+        let m = tiny_arch_model(arch, DType::Q8_0);
+        let p = prompt(&m);
+        assert!(p.len() > 8);
+        let (ref_ids, ref_logits) = run(&mut engine(&m, 1, 2), &p, 20);
+        for chunk in [5, 16] {
+            let (ids, logits) = run(&mut engine(&m, chunk, 2), &p, 20);
+            assert_eq!(ids, ref_ids, "{arch} chunk {chunk}: tokens differ");
+            assert!(
+                logits == ref_logits,
+                "{arch} chunk {chunk}: logits not bit-identical"
+            );
+        }
+        let batched = engine(&m, 1, 2).eval_logits(&p).unwrap();
+        let mut e = engine(&m, 1, 2);
+        let mut last = Vec::new();
+        for &t in &p {
+            last = e.eval_logits(&[t]).unwrap();
+        }
+        let num: f64 = batched
+            .iter()
+            .zip(&last)
+            .map(|(a, b)| ((a - b) as f64).powi(2))
+            .sum();
+        let den: f64 = last.iter().map(|&b| (b as f64).powi(2)).sum();
+        let rel = (num / den).sqrt();
+        assert!(rel < 1e-5, "{arch}: prefill vs stepwise relative L2 {rel}");
+        let mut e = engine(&m, 4, 2);
+        let (g1, _) = run(&mut e, &p, 6);
+        let (g2, _) = run(&mut e, &p, 7);
+        let mut whole = p.clone();
+        whole.extend(&g1);
+        whole.extend(&p);
+        assert_eq!(run(&mut engine(&m, 4, 2), &whole, 7).0, g2, "{arch}: turns");
     }
 }
 

@@ -17,7 +17,7 @@ use akunu_core::decode::{
 use akunu_core::dtype::DType;
 use akunu_core::model::Model;
 use akunu_core::sampling::SamplingConfig;
-use akunu_core::synth::{Shape, SynthSpec, write_synthetic};
+use akunu_core::synth::{Shape, SynthArch, SynthSpec, write_synthetic};
 use akunu_cpu::CpuBackend;
 use regex::Regex;
 use serde_json::Value;
@@ -30,6 +30,7 @@ fn tiny_model() -> Arc<Model> {
             std::env::temp_dir().join(format!("akunu-grammar-test-{}.gguf", std::process::id()));
         let spec = SynthSpec {
             shape: Shape::Tiny,
+            arch: SynthArch::Llama,
             dtype: DType::F32,
             seed: 11,
             tokenizer_from: None,

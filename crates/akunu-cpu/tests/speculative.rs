@@ -9,7 +9,7 @@ use akunu_core::dtype::DType;
 use akunu_core::model::Model;
 use akunu_core::sampling::SamplingConfig;
 use akunu_core::speculative::SpecOptions;
-use akunu_core::synth::{Shape, SynthSpec, write_synthetic};
+use akunu_core::synth::{Shape, SynthArch, SynthSpec, write_synthetic};
 use akunu_cpu::CpuBackend;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -29,6 +29,7 @@ fn tiny_model(dtype: DType) -> Arc<Model> {
     ));
     let spec = SynthSpec {
         shape: Shape::Tiny,
+        arch: SynthArch::Llama,
         dtype,
         seed: 11,
         tokenizer_from: None,

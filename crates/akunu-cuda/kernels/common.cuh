@@ -129,14 +129,14 @@ struct NormParams { u32 dim; float eps; u32 post_norm; u32 _pad; };
 struct GemvParams {
     u32 k; u32 x_stride; u32 out_stride; u32 n_seg;
     u32 n[3]; u32 dtype[3];
-    u32 input_act; u32 accumulate; u32 bias;
+    u32 input_act; u32 accumulate; u32 bias; float softcap;
 };
 #define ROPE_NORM 0
 #define ROPE_NEOX 1
 struct RopeParams {
     u32 pos; u32 n_heads; u32 n_kv_heads; u32 head_dim; u32 rope_dim;
     float theta; float freq_scale; u32 style; u32 qkv_stride; u32 capacity;
-    u32 freq_factors; u32 _pad;
+    u32 freq_factors; u32 qk_norm; float norm_eps; u32 _pad;
 };
 struct AttnParams {
     u32 pos; u32 kv_len; u32 n_heads; u32 n_kv_heads; u32 head_dim;

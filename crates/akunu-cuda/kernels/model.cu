@@ -846,7 +846,7 @@ __device__ __forceinline__ void gemv_body(const Bind& b, const GemvParams& p, co
                 const float v = warp_sum(acc[q][r]);
                 if (lane == 0 && r < rows) {
                     float* dst = (float*)b.p[1] + (u64)r * p.out_stride + o0 + q;
-                    const float t = v + (g[q].bias ? *g[q].bias : 0.0f);
+                    const float t = softcap_score(v + (g[q].bias ? *g[q].bias : 0.0f), p.softcap);
                     *dst = p.accumulate ? *dst + t : t;
                 }
             }
@@ -1013,7 +1013,7 @@ k_gemm(Bind b, GemvParams p, StepArg a) {
             const u32 r = r0 + 4 * ty + j;
             if (r < rows) {
                 float* dst = out + (u64)r * p.out_stride + o;
-                const float v = c[i][j] + bias;
+                const float v = softcap_score(c[i][j] + bias, p.softcap);
                 *dst = p.accumulate ? *dst + v : v;
             }
         }
@@ -1240,7 +1240,7 @@ k_gemm_tc(Bind b, GemvParams p, StepArg a) {
                     const u32 r = r0 + wn * 32 + j * 8 + tq + e;
                     if (r < rows) {
                         float* dst = out + (u64)r * p.out_stride + o;
-                        const float v = acc[i][j][2 * half + e] + bias;
+                        const float v = softcap_score(acc[i][j][2 * half + e] + bias, p.softcap);
                         *dst = p.accumulate ? *dst + v : v;
                     }
                 }
@@ -1273,6 +1273,21 @@ k_rope_kv_write(Bind b, RopeParams p, StepArg a) {
     const float* __restrict__ ff = (const float*)b.p[3];
     const double ppos = (double)pos * (double)p.freq_scale;
     const bool neox = p.style == ROPE_NEOX;
+
+    if (p.qk_norm) {
+        // Per-head RMSNorm (Qwen3, Gemma 3) before the rotation: the Q-norm
+        // and K-norm weights follow the optional frequency factors.
+        __shared__ float red[32];
+        const float* __restrict__ nw =
+            (const float*)bind_at(b, 3 + (p.freq_factors ? 1u : 0u) + (is_k ? 1u : 0u));
+        float ss = 0.0f;
+        for (u32 d = threadIdx.x; d < hd; d += blockDim.x) ss += x[d] * x[d];
+        // block_sum's barriers also order every read above before the
+        // writes below.
+        const float sc = rms_inv(block_sum(ss, red), hd, p.norm_eps);
+        for (u32 d = threadIdx.x; d < hd; d += blockDim.x) x[d] = x[d] * sc * nw[d];
+        __syncthreads();
+    }
 
     for (u32 i = threadIdx.x; i < half; i += blockDim.x) {
         double inv = pow((double)p.theta, -2.0 * (double)i / (double)p.rope_dim);

@@ -52,8 +52,8 @@ fn gemv_reads(cmd: &DispatchCmd, x: &Binding, dim: u32) -> bool {
     p.input_act == 0 && p.k == dim && same(&cmd.bindings()[0], x)
 }
 
-/// A gemv that writes exactly `delta` (one segment, no bias, not itself
-/// accumulating) and nothing else.
+/// A gemv that writes exactly `delta` (one segment, no bias, no soft-cap,
+/// not itself accumulating) and nothing else.
 fn gemv_writes(cmd: &DispatchCmd, delta: &Binding, dim: u32) -> bool {
     if cmd.kernel != KernelId::Gemv {
         return false;
@@ -62,6 +62,7 @@ fn gemv_writes(cmd: &DispatchCmd, delta: &Binding, dim: u32) -> bool {
     p.n_seg == 1
         && p.bias == 0
         && p.accumulate == 0
+        && p.softcap == 0.0
         && p.n[0] == dim
         && same(&cmd.bindings()[1], delta)
 }

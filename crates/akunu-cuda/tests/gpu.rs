@@ -11,7 +11,7 @@ use akunu_core::decode::{Engine, EngineOptions, GenerateOptions};
 use akunu_core::dtype::DType;
 use akunu_core::model::Model;
 use akunu_core::sampling::SamplingConfig;
-use akunu_core::synth::{Shape, SynthSpec, write_synthetic};
+use akunu_core::synth::{Shape, SynthArch, SynthSpec, write_synthetic};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
@@ -43,13 +43,18 @@ fn vocab() -> PathBuf {
 }
 
 fn synth(shape: Shape, dtype: DType) -> Arc<Model> {
+    synth_arch(SynthArch::Llama, shape, dtype)
+}
+
+fn synth_arch(arch: SynthArch, shape: Shape, dtype: DType) -> Arc<Model> {
     let path = std::env::temp_dir().join(format!(
-        "akunu-gpu-test-{}-{shape}-{}.gguf",
+        "akunu-gpu-test-{}-{arch}-{shape}-{}.gguf",
         std::process::id(),
         dtype.name()
     ));
     let spec = SynthSpec {
         shape,
+        arch,
         dtype,
         seed: 11,
         tokenizer_from: shape.needs_tokenizer().then(vocab),
@@ -224,6 +229,24 @@ fn logits_match_cpu_for_every_type() {
         DType::Q4_K
     );
     compare_with_cpu(&m, "tiny-k Q4_K + Q6_K mix", 1e-4);
+}
+
+/// Qwen2 (QKV biases), Qwen3 (QK norm, wide heads) and Gemma 3 (post-norms,
+/// GeGLU, embedding scale, sliding windows with their own RoPE base,
+/// soft-caps): the 40-token prompt runs well past Gemma's 8-position window,
+/// in prefill chunks of 16 and then in decode.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
+fn logits_match_cpu_for_every_architecture() {
+    for arch in [SynthArch::Qwen2, SynthArch::Qwen3, SynthArch::Gemma3] {
+        for dt in [DType::F32, DType::Q8_0, DType::Q4_1] {
+            let m = synth_arch(arch, Shape::Tiny, dt);
+            compare_with_cpu(&m, &format!("{arch} tiny {}", dt.name()), 1e-4);
+        }
+        // Real widths (576, 9 heads of 64; Gemma 3 with a 512 window).
+        let m = synth_arch(arch, Shape::SmolLm2_135M, DType::Q8_0);
+        compare_with_cpu(&m, &format!("{arch} smollm2-135m q8_0"), 1e-4);
+    }
 }
 
 #[test]
