@@ -356,7 +356,6 @@ k_residual_rmsnorm(Bind b, NormParams p, StepArg a) {
 // ---------------------------------------------------------------------------
 
 #define GEMV_MAX_ROWS 4
-#define GEMV_MAX_WARPS 16
 #define GEMV_RPW 2  // most output rows per warp
 
 // Launch extras of k_gemv (launch.rs `GemvExtra`).
@@ -422,7 +421,7 @@ typedef float GemvAcc[GEMV_RPW][GEMV_MAX_ROWS];  // [output row][input row]
 template <int RPW>
 __device__ __forceinline__ void gemv_q8_0(const WRow* __restrict__ w, const float* __restrict__ xs,
                                           u32 k, u32 rows, u32 lane, GemvAcc& acc) {
-    constexpr u32 U = Q8_U / RPW > 0 ? Q8_U / RPW : 1;
+    constexpr u32 U = Q8_U / RPW;
     constexpr u32 MAXR = RPW == 2 ? 1 : GEMV_MAX_ROWS;  // two output rows: one input row
     const u32 nb = k >> 5, ks = xs_row(k);
     for (u32 b0 = 0; b0 < nb; b0 += 32 * U) {
@@ -473,7 +472,7 @@ template <bool Q41, int RPW>
 __device__ __forceinline__ void gemv_q4(const WRow* __restrict__ w, const float* __restrict__ xs,
                                         u32 k, u32 rows, u32 lane, GemvAcc& acc) {
     // Q4_1 carries the input sums too: fewer loads in flight, no spills.
-    constexpr u32 U = (Q41 ? Q4_U / 2 : Q4_U) / RPW > 0 ? (Q41 ? Q4_U / 2 : Q4_U) / RPW : 1;
+    constexpr u32 U = (Q41 ? Q4_U / 2 : Q4_U) / RPW;
     constexpr u32 MAXR = RPW == 2 ? 1 : GEMV_MAX_ROWS;  // two output rows: one input row
     const u32 nb = k >> 5, ks = xs_row(k);
     for (u32 b0 = 0; b0 < nb; b0 += 32 * U) {
@@ -788,7 +787,7 @@ template <int DT, int RPW>
 __device__ __forceinline__ void gemv_body(const Bind& b, const GemvParams& p, const StepArg& a,
                                           const GemvExtra& ex) {
     extern __shared__ float4 gemv_smem[];
-    __shared__ float red[GEMV_MAX_WARPS][GEMV_MAX_ROWS];
+    __shared__ float red[32];  // the norm fusion's block reduction
     float* xs = (float*)gemv_smem;
     const u32 k = p.k;
     const u32 rows = a.rows < GEMV_MAX_ROWS ? a.rows : GEMV_MAX_ROWS;
@@ -813,7 +812,7 @@ __device__ __forceinline__ void gemv_body(const Bind& b, const GemvParams& p, co
     }
     AKUNU_PROLOGUE(a);
 
-    gemv_stage(b, p, ex, rows, xs, &red[0][0]);
+    gemv_stage(b, p, ex, rows, xs, red);
     __syncthreads();
 
     // Blocks walk row groups blockIdx.x, + gridDim.x, ...; warp w computes
@@ -1530,7 +1529,8 @@ k_attn_decode(Bind b, AttnParams p, StepArg a, float* part, u32 n_split) {
     __shared__ float sm_acc[DEC_WARPS * 256];
     __shared__ u32 sm_last;
     const u32 kv = attn_kv_len(p, a);
-    const u32 n_active = (kv + attn_chunk(kv, n_split) - 1) / attn_chunk(kv, n_split);
+    const u32 chunk = attn_chunk(kv, n_split);
+    const u32 n_active = (kv + chunk - 1) / chunk;
     if (blockIdx.y >= n_active) return;
     // One active split writes the output itself (no partials, no merge).
     float* pp = n_active == 1 ? nullptr : part;

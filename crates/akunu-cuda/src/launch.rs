@@ -49,21 +49,6 @@ pub struct GemvExtra {
     pub _pad: u32,
 }
 
-/// Blocks of `f` that fit on one SM at once with this block size and
-/// dynamic shared memory (0 if the query fails).
-fn occupancy(f: sys::CUfunction, block: u32, smem: u32) -> u32 {
-    let mut n: std::ffi::c_int = 0;
-    // SAFETY: `f` is a loaded kernel and `n` an out-parameter.
-    let r = unsafe {
-        sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, f, block as i32, smem as usize)
-    };
-    if r == sys::CUresult::CUDA_SUCCESS {
-        n.max(0) as u32
-    } else {
-        0
-    }
-}
-
 /// The arguments some kernels take after `StepArg`.
 #[derive(Copy, Clone, Debug)]
 pub enum Tail {
@@ -399,7 +384,7 @@ pub fn plan(
                 // A resident grid: blocks loop over row groups, so the input
                 // is staged once per block rather than once per group.
                 let groups = total.div_ceil(8 * rpw);
-                let resident = be.sm_count() * occupancy(l.f, l.block, l.smem).max(1);
+                let resident = be.sm_count() * be.occupancy(l.f, l.block, l.smem);
                 l.grid = (groups.min(resident), 1, 1);
                 l.tail = Tail::Gemv(extra);
             } else if gemm_on_tensor_cores(&p) {

@@ -100,6 +100,10 @@ pub struct CudaBackend {
     prof_events: Vec<Event>,
     /// Programmatic dependent launch (see `pdl()`).
     pdl: bool,
+    /// Resident blocks per SM of (kernel, block size, dynamic shared
+    /// memory), asked of the driver once: step-by-step replays plan every
+    /// command of every token.
+    occupancy: std::sync::Mutex<HashMap<(usize, u32, u32), u32>>,
 }
 
 // SAFETY: the raw handles (streams, module, functions, device pointers,
@@ -163,6 +167,7 @@ impl CudaBackend {
             profile: None,
             prof_events: Vec::new(),
             pdl,
+            occupancy: std::sync::Mutex::new(HashMap::new()),
         })
     }
 
@@ -640,6 +645,30 @@ impl CudaBackend {
     /// `AKUNU_CUDA_PDL=0` turns it off (for comparisons).
     pub(crate) fn pdl(&self) -> bool {
         self.pdl
+    }
+
+    /// Blocks of kernel `f` that fit on one SM at once with this block size
+    /// and dynamic shared memory (at least 1), cached per configuration.
+    pub(crate) fn occupancy(&self, f: sys::CUfunction, block: u32, smem: u32) -> u32 {
+        let key = (f as usize, block, smem);
+        let mut cache = self.occupancy.lock().unwrap_or_else(|e| e.into_inner());
+        *cache.entry(key).or_insert_with(|| {
+            let mut n: std::ffi::c_int = 0;
+            // SAFETY: `f` is a loaded kernel and `n` an out-parameter.
+            let r = unsafe {
+                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    &mut n,
+                    f,
+                    block as i32,
+                    smem as usize,
+                )
+            };
+            if r == sys::CUresult::CUDA_SUCCESS {
+                n.max(1) as u32
+            } else {
+                1
+            }
+        })
     }
 
     pub(crate) fn sm_count(&self) -> u32 {
