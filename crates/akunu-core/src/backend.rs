@@ -196,6 +196,21 @@ pub trait Backend: BufferRead + Send {
         })
     }
 
+    /// One speculative verification step: a step of `first.rows` rows of
+    /// `table` (the current token and the draft), every row's token written
+    /// to its conveyor slot. Device backends override it to run the step as
+    /// one captured submission.
+    fn verify_step(&mut self, table: &DispatchTable, first: StepInfo) -> Result<(), BackendError> {
+        self.replay(table, first, 1, None).map(|_| ())
+    }
+
+    /// Most rows of a step of `table` whose every row is computed bit for
+    /// bit as a one-row step at its position would be (the limit of lossless
+    /// speculative verification on this backend).
+    fn exact_rows(&self, _table: &DispatchTable) -> u32 {
+        u32::MAX
+    }
+
     /// Steps per chain submission suited to this device (the chapter's
     /// `ChipConfig`): what `--chunk` defaults to.
     fn preferred_chunk(&self) -> u32 {

@@ -408,6 +408,13 @@ impl Engine {
         let verify_sampler_cmd = verify_sampler_cmd.expect("the sampled table has a sampler");
         backend.validate(&verify)?;
         backend.validate(&verify_sampled)?;
+        // Drafts only as long as the backend verifies exactly (every row as
+        // a one-row step would compute it): that is what makes speculation
+        // lossless. One row left means no drafting at all.
+        let verify_rows = verify_rows
+            .min(backend.exact_rows(&verify))
+            .min(backend.exact_rows(&verify_sampled))
+            .max(1);
         backend.validate(&grammar.forward)?;
         backend.validate(&grammar.greedy_tail)?;
         backend.validate(&grammar.sampled_tail)?;
@@ -717,6 +724,12 @@ impl Engine {
         let mut delivery: Vec<f32> = Vec::new();
         let mut spec =
             (path == DecodePath::Speculative).then(|| SpecState::new(&opts.spec, &self.history));
+        if let Some(sp) = spec.as_mut()
+            && self.verify_rows < 2
+        {
+            // The backend cannot verify a draft exactly: plain decode only.
+            sp.pause_left = u32::MAX;
+        }
         let t1 = Instant::now();
         while going {
             let Some(&input) = self.pending.last() else {
@@ -742,9 +755,16 @@ impl Engine {
                         .min(self.verify_rows - 1);
                     sp.pred.propose(k as usize, &mut sp.draft);
                 }
-                if sp.pause_left > 0 || sp.draft.is_empty() {
-                    plain_cap = Some(sp.pause_left.max(1));
+                if sp.pause_left > 0 {
+                    plain_cap = Some(sp.pause_left);
+                } else if sp.draft.is_empty() {
+                    // Nothing to draft from: a short plain run, longer
+                    // while drafts stay absent (each run is a submission
+                    // with its own round trip, which a device notices).
+                    plain_cap = Some(sp.idle_run);
+                    sp.idle_run = (sp.idle_run * 2).min(SPEC_IDLE_MAX);
                 } else {
+                    sp.idle_run = 1;
                     let draft = std::mem::take(&mut sp.draft);
                     let k = draft.len() as u32;
                     let rows = k + 1;
@@ -770,7 +790,7 @@ impl Engine {
                     } else {
                         &self.verify
                     };
-                    self.backend.replay(table, step, 1, None)?;
+                    self.backend.verify_step(table, step)?;
                     let mut out = vec![0u8; rows as usize * 4];
                     self.backend.read(self.scratch.token_ids, 4, &mut out)?;
                     let outs: Vec<u32> = out
@@ -987,6 +1007,9 @@ struct SpecState {
     pause_left: u32,
     /// The next pause's length (doubles while drafts keep missing).
     pause_len: u32,
+    /// Plain steps to run when the predictor has no draft (doubles, up to
+    /// `SPEC_IDLE_MAX`, while it keeps having none).
+    idle_run: u32,
     stats: SpecStats,
 }
 
@@ -994,6 +1017,8 @@ struct SpecState {
 const SPEC_MISSES: u32 = 2;
 const SPEC_PAUSE_MIN: u32 = 4;
 const SPEC_PAUSE_MAX: u32 = 128;
+/// Longest plain run between two attempts to draft.
+const SPEC_IDLE_MAX: u32 = 4;
 
 impl SpecStats {
     fn finish(mut self) -> Self {
@@ -1015,6 +1040,7 @@ impl SpecState {
             misses: 0,
             pause_left: 0,
             pause_len: SPEC_PAUSE_MIN,
+            idle_run: 1,
             stats: SpecStats::default(),
         }
     }

@@ -125,6 +125,10 @@ impl BufferRead for CpuBackend {
 }
 
 impl Backend for CpuBackend {
+    fn exact_rows(&self, _table: &DispatchTable) -> u32 {
+        kernels::EXACT_ROWS as u32
+    }
+
     fn describe(&self) -> String {
         format!(
             "cpu: {} threads, {}, {} activations",

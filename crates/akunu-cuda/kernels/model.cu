@@ -736,8 +736,11 @@ __device__ __forceinline__ float stage_row_vec(const float* __restrict__ xr, flo
 // Stages the gemv's input rows in shared memory `xs` (rows of xs_row(k)
 // floats, padded: element e at xs_at(e)):
 // the activation applied (gated FFN input [gate | up]), or, with the norm
-// fusion, rmsnorm(x) * norm_w (one row). Every thread of the block must
-// call it (it contains barriers when normalising).
+// fusion, rmsnorm(x) * norm_w per row (x rows of stride k). A row's
+// arithmetic does not depend on how many rows the step has, so a row of a
+// multi-row step (speculative verification) is staged bit-identically to a
+// one-row step. Every thread of the block must call it (it contains
+// barriers when normalising).
 __device__ __forceinline__ void gemv_stage(const Bind& b, const GemvParams& p, const GemvExtra& ex,
                                            u32 rows, float* __restrict__ xs, float* red) {
     const u32 k = p.k, tid = threadIdx.x, bd = blockDim.x;
@@ -746,13 +749,13 @@ __device__ __forceinline__ void gemv_stage(const Bind& b, const GemvParams& p, c
     const bool vec = (k & 3) == 0 && (p.x_stride & 3) == 0 && ((u64)x & 15) == 0 &&
                      (!norm || ((u64)ex.norm_w & 15) == 0);
     const u32 act = norm ? ACT_NONE : p.input_act;
-    float ss = 0.0f;
     for (u32 r = 0; r < rows; ++r) {
         const float* __restrict__ xr = x + (u64)r * p.x_stride;
         float* __restrict__ dst = xs + r * xs_row(k);
+        float ss = 0.0f;
         if (vec) {
-            ss += act != ACT_NONE ? stage_row_vec<true>(xr, dst, k, act)
-                                  : stage_row_vec<false>(xr, dst, k, act);
+            ss = act != ACT_NONE ? stage_row_vec<true>(xr, dst, k, act)
+                                 : stage_row_vec<false>(xr, dst, k, act);
         } else {
             for (u32 j = tid; j < k; j += bd) {
                 const float t = gemv_input(xr, j, k, act);
@@ -760,23 +763,23 @@ __device__ __forceinline__ void gemv_stage(const Bind& b, const GemvParams& p, c
                 dst[xs_at(j)] = t;
             }
         }
-    }
-    if (!norm) return;
-    // One row: rescale the elements this thread staged (same index walk).
-    const float sc = rms_inv(block_sum(ss, red), k, ex.norm_eps);
-    const float* __restrict__ w = ex.norm_w;
-    if (vec) {
-        for (u32 j = tid * 4; j < k; j += bd * 4) {
-            float4 t = *(float4*)(xs + xs_at(j));
-            const float4 wv = *(const float4*)(w + j);
-            t.x = t.x * sc * wv.x;
-            t.y = t.y * sc * wv.y;
-            t.z = t.z * sc * wv.z;
-            t.w = t.w * sc * wv.w;
-            *(float4*)(xs + xs_at(j)) = t;
+        if (!norm) continue;
+        // Rescale the elements this thread staged (same index walk).
+        const float sc = rms_inv(block_sum(ss, red), k, ex.norm_eps);
+        const float* __restrict__ w = ex.norm_w;
+        if (vec) {
+            for (u32 j = tid * 4; j < k; j += bd * 4) {
+                float4 t = *(float4*)(dst + xs_at(j));
+                const float4 wv = *(const float4*)(w + j);
+                t.x = t.x * sc * wv.x;
+                t.y = t.y * sc * wv.y;
+                t.z = t.z * sc * wv.z;
+                t.w = t.w * sc * wv.w;
+                *(float4*)(dst + xs_at(j)) = t;
+            }
+        } else {
+            for (u32 j = tid; j < k; j += bd) dst[xs_at(j)] = dst[xs_at(j)] * sc * w[j];
         }
-    } else {
-        for (u32 j = tid; j < k; j += bd) xs[xs_at(j)] = xs[xs_at(j)] * sc * w[j];
     }
 }
 
@@ -1513,37 +1516,45 @@ __device__ __forceinline__ void attn_combine_head(const float* ph, u32 hd, u32 n
     }
 }
 
-// Split-KV decode attention (one query row). grid = (n_heads, n_split),
+// Split-KV decode attention. grid = (n_heads, n_split, query rows),
 // block 128. Splits take attn_chunk(kv_len) keys each, clipped to the
 // window; the first n_active = ceil(kv_len / chunk) write
 // part[(h*n_split + s)*(head_dim+2) + {0: m, 1: l, 2+d: acc[d]}] (an empty
 // range writes m = -inf, l = 0, acc = 0) and the rest return. The last
 // active block of a head to finish (per-head ticket counters in the
 // ATTN_TICKET_BYTES before `part`, which it resets for the next launch)
-// merges the head's splits into row 0 of the output, so decode attention
-// is one kernel.
+// merges the head's splits into the row's output, so decode attention is
+// one kernel.
 extern "C" __global__ void __launch_bounds__(128)
 k_attn_decode(Bind b, AttnParams p, StepArg a, float* part, u32 n_split) {
     AKUNU_PROLOGUE(a);
     __shared__ float sm_m[DEC_WARPS], sm_l[DEC_WARPS];
     __shared__ float sm_acc[DEC_WARPS * 256];
     __shared__ u32 sm_last;
-    const u32 kv = attn_kv_len(p, a);
+    // grid.z = query rows (speculative verification): row z is the query at
+    // position pos + z, computed exactly as a one-row step there (same
+    // split layout), with its own tickets and partials.
+    const u32 z = blockIdx.z, hd = p.head_dim;
+    Bind bz = b;
+    bz.p[0] += (u64)z * p.qkv_stride * sizeof(float);
+    bz.p[3] += (u64)z * p.out_stride * sizeof(float);
+    const u32 kv = attn_kv_len(p, a) - (gridDim.z - 1 - z);
+    u32* tickets = (u32*)((char*)part - ATTN_TICKET_BYTES) + z * p.n_heads;
+    part += (u64)z * p.n_heads * n_split * (hd + 2);
     const u32 chunk = attn_chunk(kv, n_split);
     const u32 n_active = (kv + chunk - 1) / chunk;
     if (blockIdx.y >= n_active) return;
     // One active split writes the output itself (no partials, no merge).
     float* pp = n_active == 1 ? nullptr : part;
-    if (p.head_dim <= 64)
-        attn_decode_body<2>(b, p, kv, pp, n_split, sm_m, sm_l, sm_acc);
-    else if (p.head_dim <= 128)
-        attn_decode_body<4>(b, p, kv, pp, n_split, sm_m, sm_l, sm_acc);
+    if (hd <= 64)
+        attn_decode_body<2>(bz, p, kv, pp, n_split, sm_m, sm_l, sm_acc);
+    else if (hd <= 128)
+        attn_decode_body<4>(bz, p, kv, pp, n_split, sm_m, sm_l, sm_acc);
     else
-        attn_decode_body<8>(b, p, kv, pp, n_split, sm_m, sm_l, sm_acc);
+        attn_decode_body<8>(bz, p, kv, pp, n_split, sm_m, sm_l, sm_acc);
     if (n_active == 1) return;
 
-    const u32 h = blockIdx.x, hd = p.head_dim;
-    u32* tickets = (u32*)((char*)part - ATTN_TICKET_BYTES);
+    const u32 h = blockIdx.x;
     __threadfence();  // this block's partial is visible before its ticket
     __syncthreads();
     if (threadIdx.x == 0) sm_last = atomicAdd(&tickets[h], 1u) == n_active - 1;
@@ -1553,7 +1564,7 @@ k_attn_decode(Bind b, AttnParams p, StepArg a, float* part, u32 n_split) {
     // sm_acc is free again: its first 32 floats hold the split weights,
     // the rest the per-group sums.
     attn_combine_head(part + (u64)h * n_split * (hd + 2), hd, n_active,
-                      (float*)b.p[3] + (u64)h * hd, sm_acc, sm_acc + 32);
+                      (float*)bz.p[3] + (u64)h * hd, sm_acc, sm_acc + 32);
     if (threadIdx.x == 0) tickets[h] = 0;
 }
 

@@ -61,6 +61,8 @@ const COMPUTED_OFFSET: u64 = 20 + 4 * MAX_STOP as u64;
 const EMPTY: u32 = u32::MAX;
 /// Most distinct graphs kept (table variants x chunk sizes).
 const MAX_GRAPHS: usize = 32;
+/// Marks a graph key's size as a verification step's row count.
+const VERIFY: u32 = 1 << 31;
 
 pub struct ChainState {
     ctl: Dptr,
@@ -127,18 +129,26 @@ fn graph_for(
         be.sync()?;
         be.chain.clear_graphs();
     }
-    let n = key.1;
+    // A chunk of n one-row steps ending in k_chain_advance, or one
+    // verification step of `rows` rows (VERIFY set) and no advance.
+    let verify = key.1 & VERIFY != 0;
+    let (n, rows) = if verify {
+        (1, key.1 & !VERIFY)
+    } else {
+        (key.1, 1)
+    };
     let ctl = be.chain.ctl;
     let stream = be.stream;
     let mut launches = Vec::with_capacity(table.len() * n as usize + 1);
     let step = StepInfo {
         pos: 0,
         tok: 0,
-        rows: 1,
+        rows,
     };
+    let decode = rows <= launch::decode_rows(be, table);
     for s in 0..n {
         for (i, cmd) in table.commands.iter().enumerate() {
-            let plan = launch::plan(be, table, i, cmd, &step, Some((ctl, s)))
+            let plan = launch::plan(be, table, i, cmd, &step, Some((ctl, s)), decode)
                 .map_err(|why| crate::invalid(table, i, why))?;
             launches.extend(plan);
         }
@@ -161,7 +171,7 @@ fn graph_for(
                 break;
             }
         }
-        if failed.is_none() {
+        if failed.is_none() && !verify {
             let mut ctl_arg = ctl;
             let mut steps = n;
             let mut args = [
@@ -208,6 +218,98 @@ fn graph_for(
         be.chain.graphs.insert(key, exec);
         Ok(exec)
     }
+}
+
+/// One speculative verification step (`first.rows` rows: the current token
+/// and the draft) as a captured graph, one per table and row count, reused
+/// for every pass: the kernels read the position from the control block,
+/// which is rewritten before each launch. Rows run the decode kernels (see
+/// `launch::decode_rows`), so each row's token equals what a one-row step
+/// would produce. The launch is asynchronous; reading the tokens back
+/// synchronises.
+pub fn verify_step(
+    be: &mut CudaBackend,
+    table: &DispatchTable,
+    first: StepInfo,
+) -> Result<(), BackendError> {
+    if first.rows == 0 || first.rows > launch::decode_rows(be, table) {
+        // Not a step the graph path takes (the engine caps drafts at
+        // `exact_rows`): run it the ordinary way.
+        return be.replay_plain(table, first);
+    }
+    // The extents a graph cannot check per launch: the conveyor slots the
+    // step reads and writes, and the KV positions it writes.
+    for (i, c) in table.commands.iter().enumerate() {
+        let need = match (c.kernel, c.patch) {
+            (akunu_core::ops::KernelId::Embedding, akunu_core::table::PatchType::TokenOffset) => {
+                Some((0, first.tok as u64 + first.rows as u64))
+            }
+            (akunu_core::ops::KernelId::Argmax, akunu_core::table::PatchType::ArgmaxOutput) => {
+                Some((1, first.tok as u64 + first.rows as u64 + 1))
+            }
+            (akunu_core::ops::KernelId::RopeKvWrite, _) => {
+                let p: akunu_core::ops::RopeParams = c.params();
+                if first.pos as u64 + first.rows as u64 > p.capacity as u64 {
+                    return Err(crate::invalid(
+                        table,
+                        i,
+                        format!(
+                            "a verification step of {} rows at position {} exceeds the cache ({} positions)",
+                            first.rows, first.pos, p.capacity
+                        ),
+                    ));
+                }
+                None
+            }
+            _ => None,
+        };
+        if let Some((slot, slots)) = need {
+            let b = c.bindings()[slot];
+            let (_, len) = be.dptr(b.buffer).map_err(BackendError::Device)?;
+            if slots * 4 > len {
+                return Err(BackendError::OutOfBounds {
+                    buffer: b.buffer,
+                    len,
+                    start: first.tok as u64 * 4,
+                    end: slots * 4,
+                });
+            }
+            if slot == 1 {
+                // k_argmax also publishes each token to the mapped array.
+                be.chain.ensure_mapped((len / 4) as usize)?;
+            }
+        }
+    }
+    let exec = graph_for(be, table, (table_hash(table), VERIFY | first.rows))?;
+    let mut ctl = Ctl::zeroed();
+    ctl.pos0 = first.pos;
+    ctl.tok0 = first.tok;
+    ctl.rows = first.rows;
+    ctl.limit = u32::MAX;
+    if let (Some(t), Some(s)) = (be.chain.tokens.as_ref(), be.chain.stamps.as_ref()) {
+        ctl.host_tokens = t.dev;
+        ctl.host_stamps = s.dev;
+    }
+    // SAFETY: the copy reads `ctl` (a live local) before returning (a
+    // pageable source is staged synchronously), and is ordered on the
+    // stream before the graph that reads the control block; the graph is
+    // live and instantiated for this stream's context.
+    unsafe {
+        check(
+            sys::cuMemcpyHtoDAsync_v2(
+                be.chain.ctl,
+                &ctl as *const Ctl as *const _,
+                std::mem::size_of::<Ctl>(),
+                be.stream,
+            ),
+            "writing the verification control block",
+        )?;
+        check(
+            sys::cuGraphLaunch(exec, be.stream),
+            "launching a verification graph",
+        )?;
+    }
+    Ok(())
 }
 
 /// Estimates the GPU timer's offset from the host clock: the probe whose
@@ -485,7 +587,8 @@ pub fn decode_chain(
     });
     launch_result?;
     let launched = launched_at.load(Ordering::Acquire);
-    if ended_by_sink && launched > consumed {
+    let raised = ended_by_sink && launched > consumed;
+    if raised {
         // Raise `done` from the side stream so the queued kernels return at
         // entry instead of computing tokens nobody will read.
         // SAFETY: a 4-byte store into our control block; a racing read by a
@@ -498,6 +601,12 @@ pub fn decode_chain(
         }
     }
     be.sync()?;
+    if raised {
+        // A kernel grid already running when the host raised `done` may
+        // have had some blocks return at entry and others not: decode
+        // attention's per-head tickets can be left part-counted.
+        be.clear_attn_tickets()?;
+    }
     if trace {
         let mut line = format!(
             "akunu trace: chain of {consumed} steps in {:.2} ms host time; chunk GPU ms:",

@@ -1,4 +1,4 @@
-//! Launch-time fusion for one-row (decode) steps.
+//! Launch-time fusion for decode steps (one row, or a few verified rows).
 //!
 //! The dispatch table is the same on every backend; this module lets the
 //! CUDA launcher run some neighbouring commands as fewer kernels, because on
@@ -18,8 +18,10 @@
 //! input staging, which every block of it already does. `delta` and `xn` are
 //! then never written: the builder's tables read them only in the command
 //! right after the one that writes them, which the patterns check by buffer
-//! identity. Multi-row steps (prefill, speculative verification) and norms
-//! with a post-norm (Gemma) are launched as written.
+//! identity. The fusions apply to every step launched the decode way (one
+//! row, or the few rows of a speculative verification: see
+//! `launch::decode_rows`), row by row; larger steps (prefill) and norms with
+//! a post-norm (Gemma) are launched as written.
 
 use akunu_core::ops::{GemvParams, KernelId, NormParams};
 use akunu_core::table::{Binding, DispatchCmd, DispatchTable};
@@ -49,7 +51,8 @@ fn gemv_reads(cmd: &DispatchCmd, x: &Binding, dim: u32) -> bool {
         return false;
     }
     let p: GemvParams = cmd.params();
-    p.input_act == 0 && p.k == dim && same(&cmd.bindings()[0], x)
+    // Rows of x are `dim` apart, as the norm kernels lay them out.
+    p.input_act == 0 && p.k == dim && p.x_stride == dim && same(&cmd.bindings()[0], x)
 }
 
 /// A gemv that writes exactly `delta` (one segment, no bias, no soft-cap,
@@ -64,6 +67,7 @@ fn gemv_writes(cmd: &DispatchCmd, delta: &Binding, dim: u32) -> bool {
         && p.accumulate == 0
         && p.softcap == 0.0
         && p.n[0] == dim
+        && p.out_stride == dim
         && same(&cmd.bindings()[1], delta)
 }
 

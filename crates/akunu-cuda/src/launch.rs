@@ -195,8 +195,11 @@ fn attn_split(p: &AttnParams) -> u32 {
 }
 
 /// Bytes of attention scratch the table's decode steps need: the tickets,
-/// then the split partials.
+/// then the split partials of every query row a decode-style step may have
+/// (sized for `GEMV_MAX_ROWS` whatever the table, so that the decode, prefill
+/// and verification tables of a model share one allocation).
 pub fn attn_scratch_bytes(table: &DispatchTable) -> u64 {
+    let rows = GEMV_MAX_ROWS as u64;
     table
         .commands
         .iter()
@@ -204,10 +207,39 @@ pub fn attn_scratch_bytes(table: &DispatchTable) -> u64 {
         .map(|c| {
             let p: AttnParams = c.params();
             ATTN_TICKET_BYTES
-                + p.n_heads as u64 * attn_split(&p) as u64 * (p.head_dim as u64 + 2) * 4
+                + rows * p.n_heads as u64 * attn_split(&p) as u64 * (p.head_dim as u64 + 2) * 4
         })
         .max()
         .unwrap_or(0)
+}
+
+/// Most rows of a step of `table` that launch the decode way: the
+/// matrix-vector kernel with the launch-time fusions, decode attention one
+/// query row per `grid.z`, programmatic dependent launch. Every row of such
+/// a step is computed exactly as a one-row step at its position would be
+/// (the kernels' per-row arithmetic does not depend on the row count), which
+/// is what lossless speculative verification needs; larger steps take the
+/// GEMM and prefill attention, whose sums are ordered differently. The limit
+/// is what the gemv's staged input (every row of the widest product) leaves
+/// in shared memory, at most `GEMV_MAX_ROWS`; 0 when not even one row fits.
+pub fn decode_rows(be: &CudaBackend, table: &DispatchTable) -> u32 {
+    let budget = be.smem_optin().saturating_sub(GEMV_STATIC_SMEM) as u64;
+    let mut r = GEMV_MAX_ROWS as u64;
+    for c in &table.commands {
+        match c.kernel {
+            KernelId::Gemv if c.rows == RowMode::AllRows => {
+                let p: GemvParams = c.params();
+                let per_row = p.k.div_ceil(32) as u64 * 36 * 4;
+                r = r.min(budget / per_row.max(1));
+            }
+            KernelId::Attention => {
+                let p: AttnParams = c.params();
+                r = r.min(ATTN_TICKET_BYTES / 4 / (p.n_heads as u64).max(1));
+            }
+            _ => {}
+        }
+    }
+    r as u32
 }
 
 /// Whether a one-row gemv of `total_rows` rows of type `dtype` takes the
@@ -258,6 +290,7 @@ pub fn plan(
     c: &DispatchCmd,
     step: &StepInfo,
     chain: Option<(Dptr, u32)>,
+    decode: bool,
 ) -> Result<Vec<Launch>, String> {
     let k = be.kernels();
     let rows = step.rows;
@@ -281,10 +314,7 @@ pub fn plan(
         lens[slot] = len - off;
     }
     // A command the launcher fused into a neighbour runs no kernel.
-    if rows == 1
-        && c.kernel != KernelId::Gemv
-        && fusion::decode_role(table, i) == fusion::Role::Skip
-    {
+    if decode && c.kernel != KernelId::Gemv && fusion::decode_role(table, i) == fusion::Role::Skip {
         return Ok(Vec::new());
     }
     // Per-step extents the static validation cannot see: the conveyor
@@ -328,7 +358,7 @@ pub fn plan(
         // dependents launched early would sit waiting on SMs its last wave
         // needs (measured: pp512 of SmolLM2 fell from 32.9k to 17.2k tok/s
         // with PDL on every launch, while tg128 rose from 817 to 946).
-        pdl: be.pdl() && rows == 1,
+        pdl: be.pdl() && decode,
     };
     let out = match c.kernel {
         KernelId::Embedding => vec![mk(k.embedding, (rows, 1, 1), 256, 0)],
@@ -339,14 +369,13 @@ pub fn plan(
             let total = p.total_rows();
             let mut l = mk(k.gemv, (1, 1, 1), 256, 0);
             let mut r = rows;
-            if c.rows == RowMode::LastRow && rows > 1 {
-                // Only the last input row matters (logits of prefill).
-                l.bind[0] += (rows as u64 - 1) * p.x_stride as u64 * 4;
+            let last_row = c.rows == RowMode::LastRow && rows > 1;
+            if last_row {
                 r = 1;
             }
             l.step.rows = r;
             let mut extra = GemvExtra::default();
-            if rows == 1 {
+            if decode {
                 match fusion::decode_role(table, i) {
                     fusion::Role::AccumulateInto(h) => {
                         l.bind[1] = be.dptr(h.buffer)?.0 + h.offset;
@@ -361,6 +390,10 @@ pub fn plan(
                     }
                     fusion::Role::Skip | fusion::Role::Plain => {}
                 }
+            }
+            if last_row {
+                // Only the last input row matters (logits of prefill).
+                l.bind[0] += (rows as u64 - 1) * p.x_stride as u64 * 4;
             }
             // Staged rows are padded by 4 floats per 32 (model.cu `xs_row`).
             let smem = r as u64 * p.k.div_ceil(32) as u64 * 36 * 4;
@@ -428,19 +461,20 @@ pub fn plan(
                     p.head_dim, p.n_heads, p.n_kv_heads
                 ));
             }
-            if rows == 1 {
+            if decode {
+                // One query row per grid.z, each as a one-row step.
                 let n_split = attn_split(&p);
                 let part = be
                     .attn_scratch()
                     .ok_or("attention partials were not allocated")?;
-                if p.n_heads as u64 * 4 > ATTN_TICKET_BYTES {
+                if p.n_heads as u64 * rows as u64 * 4 > ATTN_TICKET_BYTES {
                     return Err(format!(
-                        "{} attention heads exceed the CUDA backend's {} tickets",
+                        "{} attention heads x {rows} rows exceed the CUDA backend's {} tickets",
                         p.n_heads,
                         ATTN_TICKET_BYTES / 4
                     ));
                 }
-                let mut a = mk(k.attn_decode, (p.n_heads, n_split, 1), 128, 0);
+                let mut a = mk(k.attn_decode, (p.n_heads, n_split, rows), 128, 0);
                 a.tail = Tail::Attn {
                     part: part + ATTN_TICKET_BYTES,
                     n_split,
@@ -455,11 +489,6 @@ pub fn plan(
             // kernel of the step at `pos + r` (k_argmax writes slot
             // `tok + rows`, k_gumbel_sample keys on `pos + rows`): row r's
             // logits, a one-row step at (pos + r, tok + r).
-            if chain.is_some() {
-                return Err(
-                    "all-rows argmax/sampling inside a chain graph is not supported".into(),
-                );
-            }
             let (f, n) = if c.kernel == KernelId::Argmax {
                 (k.argmax, c.params::<ArgmaxParams>().n)
             } else {
@@ -469,8 +498,14 @@ pub fn plan(
                 .map(|r| {
                     let mut l = mk(f, (1, 1, 1), 1024, 0);
                     l.bind[0] += r as u64 * n as u64 * 4;
-                    l.step.pos = step.pos + r;
-                    l.step.tok = step.tok + r;
+                    if chain.is_some() {
+                        // Inside a verification graph: one-row steps
+                        // r = 0, 1, ... after the control block's position.
+                        l.step.step = r;
+                    } else {
+                        l.step.pos = step.pos + r;
+                        l.step.tok = step.tok + r;
+                    }
                     l.step.rows = 1;
                     l
                 })

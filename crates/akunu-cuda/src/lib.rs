@@ -213,8 +213,9 @@ impl CudaBackend {
         if self.profile.is_some() {
             return self.profile_step(table, step);
         }
+        let decode = step.rows <= launch::decode_rows(self, table);
         for (i, cmd) in table.commands.iter().enumerate() {
-            let plan = launch::plan(self, table, i, cmd, step, None)
+            let plan = launch::plan(self, table, i, cmd, step, None, decode)
                 .map_err(|why| invalid(table, i, why))?;
             for l in &plan {
                 l.fire(self.stream)
@@ -233,9 +234,10 @@ impl CudaBackend {
             self.prof_events.push(Event::new()?);
         }
         let mut launches = Vec::with_capacity(table.len());
+        let decode = step.rows <= launch::decode_rows(self, table);
         for (i, cmd) in table.commands.iter().enumerate() {
             launches.push(
-                launch::plan(self, table, i, cmd, step, None)
+                launch::plan(self, table, i, cmd, step, None, decode)
                     .map_err(|why| invalid(table, i, why))?,
             );
         }
@@ -583,9 +585,57 @@ impl Backend for CudaBackend {
         self.ensure_attn_scratch(table)?;
         chain::decode_chain(self, table, first, req, sink)
     }
+
+    fn verify_step(&mut self, table: &DispatchTable, first: StepInfo) -> Result<(), BackendError> {
+        if first.rows == 0 || first.rows > table.max_rows {
+            return Err(BackendError::Device(format!(
+                "a step of {} rows (the table allows 1..={})",
+                first.rows, table.max_rows
+            )));
+        }
+        self.bind()?;
+        self.ensure_attn_scratch(table)?;
+        if self.profile.is_some() {
+            // Per-command timing needs the uncaptured path.
+            return self.replay_plain(table, first);
+        }
+        chain::verify_step(self, table, first)
+    }
+
+    fn exact_rows(&self, table: &DispatchTable) -> u32 {
+        launch::decode_rows(self, table)
+    }
 }
 
 impl CudaBackend {
+    /// One step launched kernel by kernel, outside any graph.
+    pub(crate) fn replay_plain(
+        &mut self,
+        table: &DispatchTable,
+        step: StepInfo,
+    ) -> Result<(), BackendError> {
+        self.run_step(table, &step)
+    }
+
+    /// Zeroes decode attention's per-head tickets (each merge resets its
+    /// own, so this is needed only for a new buffer or after a chain was
+    /// stopped from the host mid-kernel). Synchronous.
+    pub(crate) fn clear_attn_tickets(&mut self) -> Result<(), BackendError> {
+        if let Some((p, _)) = self.attn_part {
+            // SAFETY: the scratch holds at least ATTN_TICKET_BYTES bytes
+            // (attn_scratch_bytes); the memset is ordered on our stream
+            // after every kernel that used them and before any later one.
+            check(
+                unsafe {
+                    sys::cuMemsetD8Async(p, 0, launch::ATTN_TICKET_BYTES as usize, self.stream)
+                },
+                "clearing the attention tickets",
+            )?;
+            self.sync()?;
+        }
+        Ok(())
+    }
+
     /// Sizes the split-attention scratch for the table's attention commands.
     fn ensure_attn_scratch(&mut self, table: &DispatchTable) -> Result<(), BackendError> {
         let need = launch::attn_scratch_bytes(table);
@@ -601,6 +651,8 @@ impl CudaBackend {
         }
         let p = device::alloc(need, "attention partials")?;
         self.attn_part = Some((p, need));
+        // Fresh allocations may hold a freed buffer's bytes.
+        self.clear_attn_tickets()?;
         Ok(())
     }
 }

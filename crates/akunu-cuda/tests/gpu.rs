@@ -454,3 +454,105 @@ fn generation_after_rewind_equals_generation_from_scratch() {
         }
     }
 }
+
+/// Tokens, per-step logits (with `probe`) and statistics of a generation.
+fn gen_stats(
+    e: &mut Engine,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    probe: bool,
+) -> (Vec<u32>, Vec<Vec<f32>>, akunu_core::decode::Stats) {
+    let logits = Arc::new(Mutex::new(Vec::new()));
+    if probe {
+        let sink = logits.clone();
+        e.set_logits_probe(Some(Box::new(move |l: &[f32]| {
+            sink.lock().unwrap().push(l.to_vec())
+        })));
+    }
+    let mut ids = Vec::new();
+    let st = e
+        .generate(prompt, opts, &mut |id, _| {
+            ids.push(id);
+            true
+        })
+        .expect("generate");
+    e.set_logits_probe(None);
+    let l = logits.lock().unwrap().clone();
+    (ids, l, st)
+}
+
+/// Speculative decode on the GPU is lossless: every verified row is
+/// computed as a one-row step would compute it (the decode kernels, row by
+/// row: `launch::decode_rows`), so its logits equal plain decode's bit for
+/// bit, and the tokens (greedy and sampled) equal the plain chain's.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
+fn speculative_verification_is_exact() {
+    use akunu_core::speculative::SpecOptions;
+    let configs = [
+        SamplingConfig::default(),
+        SamplingConfig {
+            temperature: 0.9,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.02,
+            repeat_penalty: 1.2,
+            repeat_last_n: 16,
+            seed: 5,
+        },
+    ];
+    let mut accepted = 0;
+    for (shape, dtype) in [
+        (Shape::Tiny, DType::F32),
+        (Shape::Tiny, DType::Q8_0),
+        (Shape::SmolLm2_135M, DType::Q4_1),
+        (Shape::SmolLm2_135M, DType::Q4_0),
+        (Shape::SmolLm2_135M, DType::F16),
+    ] {
+        let m = synth(shape, dtype);
+        let unit = prompt(7, m.config.n_vocab);
+        let p: Vec<u32> = unit.iter().cycle().take(31).copied().collect();
+        for (ci, cfg) in configs.iter().enumerate() {
+            let what = format!("{shape} {dtype:?} config {ci}");
+            let base = GenerateOptions {
+                max_tokens: 64,
+                ignore_eos: true,
+                sampling: cfg.clone(),
+                ..Default::default()
+            };
+            let spec = GenerateOptions {
+                speculative: true,
+                spec: SpecOptions {
+                    ngram_min: 1,
+                    ngram_max: 3,
+                    draft: 8,
+                },
+                ..base.clone()
+            };
+            // Probed: plain one-row steps against verification graphs.
+            let (tp, lp, _) = gen_stats(&mut engine(&m, cuda(), 16, 64), &p, &base, true);
+            let (ts, ls, st) = gen_stats(&mut engine(&m, cuda(), 16, 64), &p, &spec, true);
+            assert_eq!(ts, tp, "{what}: speculative vs plain tokens (probed)");
+            assert_eq!(ls.len(), lp.len(), "{what}: probed steps");
+            for (i, (a, b)) in ls.iter().zip(&lp).enumerate() {
+                let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "{what}: logits of token {i} differ");
+            }
+            let s = st.speculative.expect("speculative stats");
+            accepted += s.accepted;
+            // Unprobed: the plain chain graphs against verification graphs.
+            let (tc, _, _) = gen_stats(&mut engine(&m, cuda(), 16, 64), &p, &base, false);
+            let (tsc, _, _) = gen_stats(&mut engine(&m, cuda(), 16, 64), &p, &spec, false);
+            assert_eq!(tc, tp, "{what}: plain chain vs plain steps");
+            assert_eq!(tsc, tc, "{what}: speculative vs plain chain");
+            eprintln!(
+                "{what}: {} drafted, {} accepted, {} passes",
+                s.drafted, s.accepted, s.verify_passes
+            );
+        }
+    }
+    assert!(
+        accepted > 0,
+        "no draft was accepted: the test proves nothing"
+    );
+}
