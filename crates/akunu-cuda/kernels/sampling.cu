@@ -1100,7 +1100,8 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
         L = jm;
         kept_mass = s.incl_m;
     } else {
-        // No cut reached: the whole pool (fewer than top-k tokens) is kept.
+        // The count cut, or (neither cut reached) the whole pool, which then
+        // has fewer than top-k tokens, all of them candidates.
         L = jc == NONE32 ? (m ? m - 1u : 0u) : jc;
         kept_mass = jc == NONE32 ? tm : s.incl_c;
     }

@@ -581,3 +581,59 @@ pub fn plan(
     };
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sp(n: u32, t: f32, k: u32, tp: f32, mp: f32) -> SampleParams {
+        SampleParams {
+            n_vocab: n,
+            temperature: t,
+            top_k: k,
+            top_p: tp,
+            min_p: mp,
+            repeat_penalty: 1.1,
+            repeat_last_n: 64,
+            ..bytemuck::Zeroable::zeroed()
+        }
+    }
+
+    #[test]
+    fn sampler_grid_choices() {
+        // The default model and configuration: 48 slices of 1,024.
+        assert_eq!(
+            sample_grid(&sp(49_152, 0.8, 40, 0.95, 0.0)),
+            Some((1024, 48))
+        );
+        // Ragged vocabulary: the last block is partial, none is empty.
+        assert_eq!(
+            sample_grid(&sp(50_003, 0.8, 40, 0.95, 0.0)),
+            Some((1024, 49))
+        );
+        // Candidates beyond the merge at 1,024 take larger slices.
+        assert_eq!(
+            sample_grid(&sp(151_936, 0.8, 40, 0.95, 0.0)),
+            Some((2048, 75))
+        );
+        assert_eq!(
+            sample_grid(&sp(49_152, 0.8, 256, 1.0, 0.0)),
+            Some((4096, 12))
+        );
+        // top-k above a slice: Kc = slice.
+        assert_eq!(
+            sample_grid(&sp(1_500, 0.8, 5_000, 1.0, 0.0)),
+            Some((1024, 2))
+        );
+        // Too many candidates for any slice: single block.
+        assert_eq!(sample_grid(&sp(262_144, 0.8, 200, 1.0, 0.0)), None);
+        // Greedy (penalty only) and no filter: any top-k value.
+        assert_eq!(sample_grid(&sp(49_152, 0.0, 0, 0.5, 0.0)), Some((1024, 48)));
+        assert_eq!(sample_grid(&sp(49_152, 0.8, 0, 1.0, 0.0)), Some((1024, 48)));
+        // A filter without top-k, and a NaN top-p (not "no filter"): single.
+        assert_eq!(sample_grid(&sp(49_152, 0.8, 0, 0.9, 0.0)), None);
+        assert_eq!(sample_grid(&sp(49_152, 0.8, 0, 1.0, 0.05)), None);
+        assert_eq!(sample_grid(&sp(49_152, 0.8, 0, f32::NAN, 0.0)), None);
+        assert_eq!(sample_grid(&sp(0, 0.8, 40, 0.95, 0.0)), None);
+    }
+}
