@@ -386,11 +386,14 @@ __device__ __forceinline__ void penalise(float* logits, u32 t, float pen) {
 }
 
 // Penalises each distinct id of the window once: entries c0 .. c0 + W of
-// the concatenation rec[0..nr) ++ chain[0..). Ids >= n are ignored. Up to
-// SMP_WIN ids are sorted in shared memory and de-duplicated by neighbour;
-// longer windows (never built by the engine) take a quadratic scan.
-__device__ void penalise_window(float* logits, u32 n, float pen, const u32* rec, u32 nr,
-                                const u32* chain, u32 c0, u32 W, u32* win) {
+// the concatenation rec[0..nr) ++ chain[0..). Only ids in [lo, hi) are
+// touched (the caller passes [0, n) for the whole vocabulary, or its own
+// slice in the multi-block sampler, whose blocks thus penalise disjoint
+// ids). Up to SMP_WIN ids are sorted in shared memory and de-duplicated by
+// neighbour; longer windows (never built by the engine) take a quadratic
+// scan.
+__device__ void penalise_window(float* logits, u32 lo, u32 hi, float pen, const u32* rec,
+                                u32 nr, const u32* chain, u32 c0, u32 W, u32* win) {
     auto at = [&](u32 j) -> u32 {
         u32 c = c0 + j;
         return c < nr ? rec[c] : chain[c - nr];
@@ -402,12 +405,12 @@ __device__ void penalise_window(float* logits, u32 n, float pen, const u32* rec,
         bitonic<u32, false>(win, P);
         for (u32 j = threadIdx.x; j < W; j += blockDim.x) {
             u32 t = win[j];
-            if (t < n && (j == 0 || win[j - 1] != t)) penalise(logits, t, pen);
+            if (t >= lo && t < hi && (j == 0 || win[j - 1] != t)) penalise(logits, t, pen);
         }
     } else {
         for (u32 j = threadIdx.x; j < W; j += blockDim.x) {
             u32 t = at(j);
-            if (t >= n) continue;
+            if (t < lo || t >= hi) continue;
             bool dup = false;
             for (u32 i = 0; i < j && !dup; ++i) dup = at(i) == t;
             if (!dup) penalise(logits, t, pen);
@@ -515,6 +518,10 @@ __device__ __forceinline__ u32 level0_bin(float sc, const Filt& f) {
 // block-wide agreement on thresholds, and one block keeps it in shared
 // memory; the vocabulary (L2-resident) is streamed a few times.
 //
+// The launcher uses it for what the multi-block pair below does not cover
+// (a filter without top-k, candidate sets too large for its merge, and
+// AKUNU_CUDA_SAMPLE_MB=0); the pair reproduces its output bit for bit.
+//
 // Passes over the vocabulary for the filtered path: max, histogram, gather
 // of the crossing bucket, write. A crossing bucket of more than SMP_CAP
 // tokens (heavy ties, clustered logits) adds one key-range pass and one
@@ -538,8 +545,8 @@ k_gumbel_sample(Bind b, SampleParams p, StepArg a) {
         const u32 total = nr + sch;
         const u32 W = min(total, p.repeat_last_n);
         if (W > 0) {
-            penalise_window(logits, n, p.repeat_penalty, rb + 2, nr, (const u32*)b.p[2] + 1,
-                            total - W, W, s.u.win);
+            penalise_window(logits, 0u, n, p.repeat_penalty, rb + 2, nr,
+                            (const u32*)b.p[2] + 1, total - W, W, s.u.win);
             __syncthreads();
         }
     }
@@ -783,6 +790,340 @@ k_gumbel_sample(Bind b, SampleParams p, StepArg a) {
 }
 
 // ---------------------------------------------------------------------------
+// 2b. Gumbel sampling on many blocks
+// ---------------------------------------------------------------------------
+//
+// The single-block k_gumbel_sample is a latency chain of several passes over
+// the vocabulary on one SM (about 50 us a token for 49,152 logits on an
+// H200). For the configurations the engine uses (top-k with or without
+// top-p / min-p; temperature only; greedy with a penalty) the launcher runs
+// two kernels instead, each a grid of G blocks that own one slice of
+// `slice` logits (launch.rs `sample_grid`; G = ceil(n / slice)):
+//
+//   k_sample_prep    the repetition penalty on the slice's ids, and the
+//                    slice's max (lowest index) into the scratch partials;
+//   k_sample_select  every block reduces the G partials to the global max
+//                    (the same value and index as the single-block
+//                    reduction: largest, lowest index among equal ones),
+//                    then on its slice: the softmax mass of the finite
+//                    tokens, the rank keys of the pool, and its best
+//                    Kc = min(top-k, slice) keys (a shared-memory sort),
+//                    which it publishes; every other token of the slice
+//                    becomes -inf. The last block to finish (ticket) merges
+//                    the G * Kc keys, finds the top-k / top-p cut exactly as
+//                    the single-block kernel does, and writes ln p + G for
+//                    the kept candidates and -inf for the rest.
+//
+// Why exact: the kept set is a prefix of the pool's rank order (min-p and
+// the pool are monotone in the logit), of length L + 1 <= top-k, so it lies
+// in the union of the blocks' top-Kc; the merged, sorted keys are the
+// global ranking's head. Masses are the same fixed-point integers, summed
+// exactly (any order); the written values use the same expressions. So the
+// output is the single-block kernel's bit for bit (tests:
+// gpu_sampling_kernels.rs `multi_block_*`).
+//
+// Why two kernels: the weights of top-p need the global max first, and a
+// grid can only meet once through a ticket. The prep kernel doubles as the
+// only kernel for greedy (temperature 0) steps.
+//
+// Scratch (CudaBackend::sample_scratch, SMB_SCRATCH_BYTES, zeroed once):
+//   [0, 4)                  the select kernel's ticket
+//   [SMB_PART_OFF, +8 G)    per-block (max bits, argmax id) of the prep kernel
+//   [SMB_MASS_OFF, +8 G)    per-block fixed-point mass of the select kernel
+//   [SMB_CAND_OFF, +8 G Kc) per-block best keys, descending, 0-padded
+// Several launches (the rows of a verification step, the steps of a chain)
+// use it one after another: each kernel waits for the previous one to end.
+
+#define SMB_THREADS 512     // block of both kernels
+#define SMB_SLICE_MAX 4096  // largest slice (keys sorted in shared memory)
+#define SMB_CAND_CAP 4096   // most merged keys (G * Kc)
+#define SMB_MAX_GRID 1024   // most blocks
+#define SMB_PART_OFF 256
+#define SMB_MASS_OFF (SMB_PART_OFF + 8 * SMB_MAX_GRID)
+#define SMB_CAND_OFF (SMB_MASS_OFF + 8 * SMB_MAX_GRID)
+#define SMB_SCRATCH_BYTES (SMB_CAND_OFF + 8 * SMB_CAND_CAP)
+
+struct SmbShared {
+    // A block's slice keys, then (last block) the merged keys: SMB_SLICE_MAX
+    // == SMB_CAND_CAP, and the two uses are separated by barriers.
+    u64 keys[SMB_CAND_CAP];
+    u32 rc[32];
+    u64 rm[32];
+    float rf[32];
+    u32 last;    // this block took the last ticket
+    u32 nnz;     // nonzero merged keys
+    u32 jm;      // mass cut index
+    u64 incl_c, incl_m;
+};
+
+// The window of the sampler's penalty (as k_gumbel_sample computes it),
+// applied to the ids in [lo, hi) of this block. Block-uniform; ends
+// synchronised when it touched anything.
+__device__ void smb_penalise(const Bind& b, const SampleParams& p, u32 kv_len, u32 lo, u32 hi,
+                             u32* win) {
+    if (p.repeat_penalty == 1.0f) return;
+    const u32* rb = (const u32*)b.p[1];
+    const u32 chain_start = rb[0];
+    const u32 nr = min(rb[1], p.recent_capacity);
+    const u32 sch = kv_len > chain_start ? kv_len - chain_start : 0u;
+    const u32 total = nr + sch;
+    const u32 W = min(total, p.repeat_last_n);
+    if (W == 0) return;
+    penalise_window((float*)b.p[0], lo, hi, p.repeat_penalty, rb + 2, nr, (const u32*)b.p[2] + 1,
+                    total - W, W, win);
+    __syncthreads();  // the slice's penalised logits are visible to the block
+}
+
+// Pass 1: penalty and partial max. Grid G, block SMB_THREADS.
+extern "C" __global__ void __launch_bounds__(SMB_THREADS)
+k_sample_prep(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
+    AKUNU_GRID_DEPS();
+    // The select kernel's ticket is reset here, before anything can return:
+    // a select grid cut short (a `done` raised by the host while its blocks
+    // were starting) may leave it partly counted, and a prep launch always
+    // runs, whole, between two select launches. (The select kernel's last
+    // block resets it too.)
+    if (blockIdx.x == 0 && threadIdx.x == 0) *(u32*)scratch = 0u;
+    if (a.ctl && *(volatile const u32*)&a.ctl->done) return;
+    Step st = step_of(a);
+    __shared__ u32 win[SMP_WIN];
+    __shared__ float sf[32];
+    __shared__ u32 si[32];
+    const float* logits = (const float*)b.p[0];
+    const u32 n = p.n_vocab, bd = blockDim.x, tid = threadIdx.x;
+    const u32 lo = blockIdx.x * slice;
+    if (lo >= n) return;  // the launcher sizes the grid so that none is empty
+    const u32 hi = min(lo + slice, n);
+    const u32 kv_len = a.patch == PATCH_KV_SEQ_LEN ? st.pos + st.rows : p.kv_len;
+    smb_penalise(b, p, kv_len, lo, hi, win);
+    if (p.temperature == 0.0f) return;  // greedy: the argmax reads the penalised logits
+
+    // Ascending indices per thread with a strict `>`, then the block
+    // reduction: the slice's largest value, lowest index among equal ones.
+    float mx = NEG_INF;
+    u32 am = NONE32;
+    for (u32 i = lo + tid; i < hi; i += bd) {
+        float v = logits[i];
+        if (v > mx) {
+            mx = v;
+            am = i;
+        }
+    }
+    block_argmax(mx, am, sf, si);
+    if (tid == 0) {
+        uint2* part = (uint2*)(scratch + SMB_PART_OFF);
+        part[blockIdx.x] = make_uint2(__float_as_uint(mx), am);
+    }
+}
+
+// Pass 2: selection and write. Grid G (the prep kernel's), block
+// SMB_THREADS. The launcher runs it only when temperature != 0 and either
+// no filter applies or 1 <= top-k with G * min(top-k, slice) <=
+// SMB_CAND_CAP (launch.rs `sample_grid`); other filters take
+// k_gumbel_sample.
+extern "C" __global__ void __launch_bounds__(SMB_THREADS)
+k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
+    AKUNU_PROLOGUE(a);
+    Step st = step_of(a);
+    __shared__ SmbShared s;
+    float* logits = (float*)b.p[0];
+    const u32 n = p.n_vocab, bd = blockDim.x, tid = threadIdx.x, G = gridDim.x;
+    const u32 lo = blockIdx.x * slice;
+    if (lo >= n) return;  // never: the grid has no empty block (the ticket needs all G)
+    const u32 hi = min(lo + slice, n), cnt = hi - lo;
+    const u32 kv_len = a.patch == PATCH_KV_SEQ_LEN ? st.pos + st.rows : p.kv_len;
+    if (p.temperature == 0.0f) return;
+
+    const float inv_t = __fdiv_rn(1.0f, p.temperature);
+    const bool inv_ok = inv_t > 0.0f && inv_t < POS_INF;
+    const u32 base = position_base(p.seed_lo, p.seed_hi, kv_len);
+
+    // ---- the global max and its lowest index, from the prep partials
+    // (L2 loads: written by the previous grid)
+    float mx = NEG_INF;
+    u32 am = NONE32;
+    {
+        const uint2* part = (const uint2*)(scratch + SMB_PART_OFF);
+        for (u32 g = tid; g < G; g += bd) {
+            uint2 v = __ldcg(part + g);
+            argmax_combine(mx, am, __uint_as_float(v.x), v.y);
+        }
+        block_argmax(mx, am, s.rf, s.rc);
+    }
+    const bool mx_finite = fabsf(mx) < POS_INF;
+
+    // The two unfiltered outcomes need no merge: every block writes its
+    // slice and returns (the branch depends only on the params and the
+    // global max, so the whole grid takes it and no ticket is taken).
+    const bool no_filter = p.top_k == 0 && p.top_p >= 1.0f && p.min_p <= 0.0f;
+    if (no_filter && inv_ok && mx_finite) {
+        for (u32 i = lo + tid; i < hi; i += bd) {
+            float l = logits[i];
+            float g = gumbel_from_hash(pcg_hash(base ^ i));
+            logits[i] = l > NEG_INF ? __fadd_rn(__fmul_rn(__fsub_rn(l, mx), inv_t), g) : NEG_INF;
+        }
+        return;
+    }
+    if (!inv_ok || !mx_finite) {
+        const u32 tok = am == NONE32 ? 0u : am;
+        for (u32 i = lo + tid; i < hi; i += bd) logits[i] = i == tok ? 0.0f : NEG_INF;
+        return;
+    }
+
+    // ---- filtered (top-k >= 1 here)
+    Filt f;
+    f.mx = mx;
+    f.inv_t = inv_t;
+    f.min_w = p.min_p > 0.0f ? fminf(p.min_p, 1.0f) : 0.0f;
+    f.scale = 0.0f;  // no level-0 buckets here
+    const u32 fx_bits = 62u - (32u - (u32)__clz((int)n));
+    f.fxs = __uint_as_float((127u + fx_bits) << 23);
+    const u32 Kc = min(p.top_k, slice);
+
+    // Slice keys (0 = not in the pool: -inf, NaN, below min-p; real keys
+    // are never 0) and the slice's mass of finite tokens (top-p measures
+    // against all of them, as the single-block kernel).
+    const u32 P = pow2_at_least(cnt);
+    u64 mass = 0;
+    for (u32 j = tid; j < P; j += bd) {
+        u64 key = 0;
+        if (j < cnt) {
+            const u32 i = lo + j;
+            float l = logits[i];
+            if (l > NEG_INF) {
+                float sc = scaled(l, f);
+                mass += fixed_weight(sc, f);
+                if (in_pool(l, sc, f)) key = rank_key(l, i);
+            }
+        }
+        s.keys[j] = key;
+    }
+    mass = block_sum_u64(mass, s.rm);  // its barriers also publish s.keys
+    __syncthreads();
+    bitonic<u64, true>(s.keys, P);
+    __syncthreads();  // (bitonic ends synchronised only when P >= 2)
+
+    // Publish the best Kc keys (0-padded) and the mass.
+    {
+        u64* cand = (u64*)(scratch + SMB_CAND_OFF) + (u64)blockIdx.x * Kc;
+        for (u32 j = tid; j < Kc; j += bd) cand[j] = j < cnt ? s.keys[j] : 0ull;
+        if (tid == 0) ((u64*)(scratch + SMB_MASS_OFF))[blockIdx.x] = mass;
+    }
+    // Candidates of this slice: nonzero keys >= its kb-th best (keys are
+    // distinct, so exactly the published ones). The rest are written -inf
+    // now; the candidates are left for the last block, which alone writes
+    // them (disjoint addresses: no race). Each token is read and written by
+    // the thread that read it above.
+    {
+        const u32 kb = min(Kc, cnt);
+        const u64 thr = s.keys[kb - 1u];
+        for (u32 j = tid; j < cnt; j += bd) {
+            const u32 i = lo + j;
+            float l = logits[i];
+            u64 key = 0;
+            if (l > NEG_INF) {
+                float sc = scaled(l, f);
+                if (in_pool(l, sc, f)) key = rank_key(l, i);
+            }
+            if (key == 0ull || key < thr) logits[i] = NEG_INF;
+        }
+    }
+
+    // ---- ticket: the last block to arrive merges (k_attn_decode's pattern)
+    u32* ticket = (u32*)scratch;
+    __threadfence();  // this block's candidates and mass are visible before its ticket
+    __syncthreads();
+    if (tid == 0) s.last = atomicAdd(ticket, 1u) == G - 1u;
+    __syncthreads();
+    if (!s.last) return;
+    __threadfence();
+
+    // ---- merge: all G * Kc keys, sorted; the global pool's head
+    const u32 M = G * Kc;  // <= SMB_CAND_CAP (launcher)
+    const u32 PM = pow2_at_least(M);
+    {
+        const u64* cand = (const u64*)(scratch + SMB_CAND_OFF);
+        for (u32 j = tid; j < PM; j += bd) s.keys[j] = j < M ? __ldcg(cand + j) : 0ull;
+    }
+    u64 all_mass = 0;
+    {
+        const u64* bm = (const u64*)(scratch + SMB_MASS_OFF);
+        for (u32 g = tid; g < G; g += bd) all_mass += __ldcg(bm + g);
+    }
+    if (tid == 0) {
+        s.nnz = 0;
+        s.jm = NONE32;
+        s.incl_c = 0;
+        s.incl_m = 0;
+    }
+    all_mass = block_sum_u64(all_mass, s.rm);  // barriers: s.keys and the fields are set
+    __syncthreads();
+    bitonic<u64, true>(s.keys, PM);
+    __syncthreads();
+    for (u32 j = tid; j < PM; j += bd)
+        if (s.keys[j] != 0ull && (j + 1u == PM || s.keys[j + 1u] == 0ull)) s.nnz = j + 1u;
+    __syncthreads();
+    const u32 nnz = s.nnz;
+
+    // Cuts, as in k_gumbel_sample with the whole ranking in one bucket:
+    // count cut at the top-k-th token, mass cut at the first token where
+    // the running mass reaches gm; L is the earlier.
+    const u32 gc = p.top_k;
+    const u32 jc = gc <= nnz ? gc - 1u : NONE32;
+    const u32 m = min(nnz, gc);
+    u64 gm = NONE64;
+    if (p.top_p < 1.0f) {
+        gm = __double2ull_ru((double)fmaxf(p.top_p, 0.0f) * (double)all_mass);
+        gm = gm > 0 ? gm : 1ull;
+    }
+    const u32 per = (m + bd - 1) / bd;
+    const u32 j0 = min(tid * per, m), j1 = min(j0 + per, m);
+    u32 dummy = 0, tc;
+    u64 run = 0, tm;
+    for (u32 j = j0; j < j1; ++j) run += fixed_weight(scaled(rank_logit(s.keys[j]), f), f);
+    block_excl_scan(dummy, run, tc, tm, s.rc, s.rm);
+    u64 em = run;
+    for (u32 j = j0; j < j1; ++j) {
+        u64 w = fixed_weight(scaled(rank_logit(s.keys[j]), f), f);
+        if (gm != NONE64 && em < gm && em + w >= gm) {
+            s.jm = j;
+            s.incl_m = em + w;
+        }
+        if (j == jc) s.incl_c = em + w;
+        em += w;
+    }
+    __syncthreads();
+    const u32 jm = s.jm;
+    u32 L;
+    u64 kept_mass;
+    if (jm != NONE32 && (jc == NONE32 || jm < jc)) {
+        L = jm;
+        kept_mass = s.incl_m;
+    } else {
+        // The count cut, or (neither cut reached) the whole pool, which then
+        // has fewer than top-k tokens, all of them candidates.
+        L = jc == NONE32 ? (m ? m - 1u : 0u) : jc;
+        kept_mass = jc == NONE32 ? tm : s.incl_c;
+    }
+
+    // ---- write every candidate: kept ones ln p + G, the rest -inf
+    const double ln_sum = log(ldexp((double)kept_mass, -(int)fx_bits));
+    for (u32 j = tid; j < PM; j += bd) {
+        const u64 key = s.keys[j];
+        if (key == 0ull) continue;
+        const u32 i = ~(u32)key;
+        float out = NEG_INF;
+        if (j <= L) {
+            float sc = scaled(logits[i], f);  // the penalised logit, untouched so far
+            float ln_p = __double2float_rn((double)sc - ln_sum);
+            out = __fadd_rn(ln_p, gumbel_from_hash(pcg_hash(base ^ i)));
+        }
+        logits[i] = out;
+    }
+    if (tid == 0) *ticket = 0u;  // for the next launch
+}
+
+// ---------------------------------------------------------------------------
 // 3. Top-k selection
 // ---------------------------------------------------------------------------
 
@@ -898,7 +1239,7 @@ k_repetition_penalty(Bind b, PenaltyParams p, StepArg a) {
     const u32* rb = (const u32*)b.p[1];
     const u32 nr = min(rb[1], p.recent_capacity);
     if (p.penalty == 1.0f || nr == 0) return;
-    penalise_window((float*)b.p[0], p.n_vocab, p.penalty, rb + 2, nr, nullptr, 0u, nr, win);
+    penalise_window((float*)b.p[0], 0u, p.n_vocab, p.penalty, rb + 2, nr, nullptr, 0u, nr, win);
 }
 
 // ---------------------------------------------------------------------------

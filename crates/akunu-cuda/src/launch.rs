@@ -24,6 +24,14 @@ pub const ATTN_TICKET_BYTES: u64 = 4096;
 const ATTN_MAX_SPLIT: u32 = 32;
 /// Keys per split below which fewer splits are used.
 const ATTN_KEYS_PER_SPLIT: u32 = 256;
+/// The multi-block sampler (sampling.cu `SMB_*`): block size, slice sizes
+/// tried (at most `SMB_SLICE_MAX`), most blocks, most merged candidates and
+/// the scratch size (at least `SMB_SCRATCH_BYTES`).
+const SMB_THREADS: u32 = 512;
+const SMB_SLICES: [u32; 3] = [1024, 2048, 4096];
+const SMB_MAX_GRID: u32 = 1024;
+const SMB_CAND_CAP: u64 = 4096;
+pub const SAMPLE_SCRATCH_BYTES: u64 = 64 * 1024;
 
 /// `StepArg` of common.cuh.
 #[repr(C)]
@@ -60,6 +68,11 @@ pub enum Tail {
     },
     /// `GemvExtra` of the matrix-vector kernel.
     Gemv(GemvExtra),
+    /// `(char* scratch, u32 slice)` of the multi-block sampler.
+    Sample {
+        scratch: u64,
+        slice: u32,
+    },
 }
 
 /// One kernel launch, with its arguments by value.
@@ -87,6 +100,7 @@ impl Launch {
         let mut step = self.step;
         let (mut part, mut n_split, mut gemv) = match self.tail {
             Tail::Attn { part, n_split } => (part, n_split, GemvExtra::default()),
+            Tail::Sample { scratch, slice } => (scratch, slice, GemvExtra::default()),
             Tail::Gemv(g) => (0, 0, g),
             Tail::None => (0, 0, GemvExtra::default()),
         };
@@ -99,7 +113,7 @@ impl Launch {
         ];
         let n = match self.tail {
             Tail::None => 3,
-            Tail::Attn { .. } => 5,
+            Tail::Attn { .. } | Tail::Sample { .. } => 5,
             Tail::Gemv(_) => {
                 args[3] = &mut gemv as *mut GemvExtra as *mut c_void;
                 4
@@ -240,6 +254,64 @@ pub fn decode_rows(be: &CudaBackend, table: &DispatchTable) -> u32 {
         }
     }
     r as u32
+}
+
+/// The multi-block sampler's `(slice, grid)` for these params, or `None`
+/// for the single-block `k_gumbel_sample`. It covers greedy steps (penalty
+/// only), no filter, and top-k >= 1 (with or without top-p / min-p) when the
+/// blocks' best `min(top_k, slice)` keys fit the merge (`SMB_CAND_CAP`):
+/// the smallest slice that fits is taken, for the most blocks. A filter
+/// without top-k (top-p or min-p alone) can keep most of the vocabulary,
+/// which the merge cannot hold: single block. The test mirrors the
+/// kernel's (`temperature == 0`, `no_filter`), NaN included.
+pub fn sample_grid(p: &SampleParams) -> Option<(u32, u32)> {
+    let n = p.n_vocab;
+    if n == 0 {
+        return None;
+    }
+    let greedy = p.temperature == 0.0;
+    let no_filter = p.top_k == 0 && p.top_p >= 1.0 && p.min_p <= 0.0;
+    SMB_SLICES.iter().find_map(|&slice| {
+        let g = n.div_ceil(slice);
+        let fits = greedy
+            || no_filter
+            || (p.top_k >= 1 && g as u64 * p.top_k.min(slice) as u64 <= SMB_CAND_CAP);
+        (g <= SMB_MAX_GRID && fits).then_some((slice, g))
+    })
+}
+
+/// The launches of one `GumbelSample` row, from `l` (bindings, params and
+/// step already set for that row): the multi-block pair (the prep kernel
+/// only, for greedy) or the single-block kernel.
+fn gumbel_launches(be: &CudaBackend, mut l: Launch) -> Vec<Launch> {
+    let p: SampleParams =
+        bytemuck::pod_read_unaligned(&l.params[..std::mem::size_of::<SampleParams>()]);
+    let k = be.kernels();
+    let grid = if be.sample_multi_block() {
+        sample_grid(&p).zip(be.sample_scratch())
+    } else {
+        None
+    };
+    let Some(((slice, g), scratch)) = grid else {
+        l.f = k.gumbel_sample;
+        l.grid = (1, 1, 1);
+        l.block = 1024;
+        return vec![l];
+    };
+    l.grid = (g, 1, 1);
+    l.block = SMB_THREADS;
+    l.tail = Tail::Sample { scratch, slice };
+    let mut out = vec![Launch {
+        f: k.sample_prep,
+        ..l
+    }];
+    if p.temperature != 0.0 {
+        out.push(Launch {
+            f: k.sample_select,
+            ..l
+        });
+    }
+    out
 }
 
 /// Whether a one-row gemv of `total_rows` rows of type `dtype` takes the
@@ -494,25 +566,33 @@ pub fn plan(
             } else {
                 (k.gumbel_sample, c.params::<SampleParams>().n_vocab)
             };
-            (0..rows)
-                .map(|r| {
-                    let mut l = mk(f, (1, 1, 1), 1024, 0);
-                    l.bind[0] += r as u64 * n as u64 * 4;
-                    if chain.is_some() {
-                        // Inside a verification graph: one-row steps
-                        // r = 0, 1, ... after the control block's position.
-                        l.step.step = r;
-                    } else {
-                        l.step.pos = step.pos + r;
-                        l.step.tok = step.tok + r;
-                    }
-                    l.step.rows = 1;
-                    l
-                })
-                .collect()
+            // Rows run one after another on the stream (each kernel waits
+            // for the previous one in its prologue, PDL or not), so the
+            // sampler's rows share its scratch: each row's prep kernel
+            // resets the ticket that its select kernel uses.
+            let mut out = Vec::new();
+            for r in 0..rows {
+                let mut l = mk(f, (1, 1, 1), 1024, 0);
+                l.bind[0] += r as u64 * n as u64 * 4;
+                if chain.is_some() {
+                    // Inside a verification graph: one-row steps
+                    // r = 0, 1, ... after the control block's position.
+                    l.step.step = r;
+                } else {
+                    l.step.pos = step.pos + r;
+                    l.step.tok = step.tok + r;
+                }
+                l.step.rows = 1;
+                if c.kernel == KernelId::GumbelSample {
+                    out.extend(gumbel_launches(be, l));
+                } else {
+                    out.push(l);
+                }
+            }
+            out
         }
         KernelId::Argmax => vec![mk(k.argmax, (1, 1, 1), 1024, 0)],
-        KernelId::GumbelSample => vec![mk(k.gumbel_sample, (1, 1, 1), 1024, 0)],
+        KernelId::GumbelSample => gumbel_launches(be, mk(k.gumbel_sample, (1, 1, 1), 1024, 0)),
         KernelId::TopKSelect => vec![mk(k.topk_select, (1, 1, 1), 1024, 0)],
         KernelId::RepetitionPenalty => vec![mk(k.repetition_penalty, (1, 1, 1), 256, 0)],
         KernelId::TemperatureScale => {
@@ -535,4 +615,60 @@ pub fn plan(
         }
     };
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sp(n: u32, t: f32, k: u32, tp: f32, mp: f32) -> SampleParams {
+        SampleParams {
+            n_vocab: n,
+            temperature: t,
+            top_k: k,
+            top_p: tp,
+            min_p: mp,
+            repeat_penalty: 1.1,
+            repeat_last_n: 64,
+            ..bytemuck::Zeroable::zeroed()
+        }
+    }
+
+    #[test]
+    fn sampler_grid_choices() {
+        // The default model and configuration: 48 slices of 1,024.
+        assert_eq!(
+            sample_grid(&sp(49_152, 0.8, 40, 0.95, 0.0)),
+            Some((1024, 48))
+        );
+        // Ragged vocabulary: the last block is partial, none is empty.
+        assert_eq!(
+            sample_grid(&sp(50_003, 0.8, 40, 0.95, 0.0)),
+            Some((1024, 49))
+        );
+        // Candidates beyond the merge at 1,024 take larger slices.
+        assert_eq!(
+            sample_grid(&sp(151_936, 0.8, 40, 0.95, 0.0)),
+            Some((2048, 75))
+        );
+        assert_eq!(
+            sample_grid(&sp(49_152, 0.8, 256, 1.0, 0.0)),
+            Some((4096, 12))
+        );
+        // top-k above a slice: Kc = slice.
+        assert_eq!(
+            sample_grid(&sp(1_500, 0.8, 5_000, 1.0, 0.0)),
+            Some((1024, 2))
+        );
+        // Too many candidates for any slice: single block.
+        assert_eq!(sample_grid(&sp(262_144, 0.8, 200, 1.0, 0.0)), None);
+        // Greedy (penalty only) and no filter: any top-k value.
+        assert_eq!(sample_grid(&sp(49_152, 0.0, 0, 0.5, 0.0)), Some((1024, 48)));
+        assert_eq!(sample_grid(&sp(49_152, 0.8, 0, 1.0, 0.0)), Some((1024, 48)));
+        // A filter without top-k, and a NaN top-p (not "no filter"): single.
+        assert_eq!(sample_grid(&sp(49_152, 0.8, 0, 0.9, 0.0)), None);
+        assert_eq!(sample_grid(&sp(49_152, 0.8, 0, 1.0, 0.05)), None);
+        assert_eq!(sample_grid(&sp(49_152, 0.8, 0, f32::NAN, 0.0)), None);
+        assert_eq!(sample_grid(&sp(0, 0.8, 40, 0.95, 0.0)), None);
+    }
 }

@@ -75,6 +75,10 @@ pub(crate) struct Kernels {
     pub attn_prefill: sys::CUfunction,
     pub argmax: sys::CUfunction,
     pub gumbel_sample: sys::CUfunction,
+    /// The multi-block sampler (sampling.cu, "Gumbel sampling on many
+    /// blocks"): penalty and partial max, then selection and merge.
+    pub sample_prep: sys::CUfunction,
+    pub sample_select: sys::CUfunction,
     pub topk_select: sys::CUfunction,
     pub repetition_penalty: sys::CUfunction,
     pub temperature_scale: sys::CUfunction,
@@ -94,6 +98,14 @@ pub struct CudaBackend {
     buffers: Vec<DevBuf>,
     /// Per-head partial results of split (flash-decoding) attention.
     attn_part: Option<(Dptr, u64)>,
+    /// The multi-block sampler's ticket, partials and candidates
+    /// (`launch::SAMPLE_SCRATCH_BYTES`, zeroed once), allocated with the
+    /// attention scratch before the first replay or chain.
+    sample_scratch: Option<Dptr>,
+    /// Whether `GumbelSample` may run on many blocks (`launch::sample_grid`);
+    /// `AKUNU_CUDA_SAMPLE_MB=0` or `set_multi_block_sampling(false)` keeps
+    /// the single-block kernel (A/B runs, tests).
+    sample_mb: bool,
     chain: chain::ChainState,
     profile: Option<Vec<(std::time::Duration, u64)>>,
     /// Events between the commands of a profiled step.
@@ -163,6 +175,8 @@ impl CudaBackend {
             info,
             buffers: Vec::new(),
             attn_part: None,
+            sample_scratch: None,
+            sample_mb: std::env::var("AKUNU_CUDA_SAMPLE_MB").map_or(true, |v| v != "0"),
             chain,
             profile: None,
             prof_events: Vec::new(),
@@ -306,6 +320,30 @@ impl CudaBackend {
     pub(crate) fn attn_scratch(&self) -> Option<Dptr> {
         self.attn_part.map(|(p, _)| p)
     }
+
+    /// The multi-block sampler's scratch (`launch::SAMPLE_SCRATCH_BYTES`).
+    pub(crate) fn sample_scratch(&self) -> Option<Dptr> {
+        self.sample_scratch
+    }
+
+    /// Whether the sampling command may run on many blocks.
+    pub(crate) fn sample_multi_block(&self) -> bool {
+        self.sample_mb
+    }
+
+    /// Chooses between the multi-block sampler (the default) and the
+    /// single-block `k_gumbel_sample` for `GumbelSample` commands planned
+    /// from now on; both give the same bits (the GPU tests compare them).
+    /// Captured chain graphs are dropped so that the next chain uses the
+    /// choice.
+    pub fn set_multi_block_sampling(&mut self, on: bool) {
+        if self.sample_mb != on {
+            self.sample_mb = on;
+            let _ = self.bind();
+            let _ = self.sync();
+            self.chain.clear_graphs();
+        }
+    }
 }
 
 fn invalid(table: &DispatchTable, i: usize, why: String) -> BackendError {
@@ -380,6 +418,8 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
         attn_prefill: get("k_attn_prefill")?,
         argmax: get("k_argmax")?,
         gumbel_sample: get("k_gumbel_sample")?,
+        sample_prep: get("k_sample_prep")?,
+        sample_select: get("k_sample_select")?,
         topk_select: get("k_topk_select")?,
         repetition_penalty: get("k_repetition_penalty")?,
         temperature_scale: get("k_temperature_scale")?,
@@ -556,6 +596,7 @@ impl Backend for CudaBackend {
         }
         self.bind()?;
         self.ensure_attn_scratch(table)?;
+        self.ensure_sample_scratch()?;
         for s in 0..steps {
             let step = StepInfo {
                 pos: first.pos + s * first.rows,
@@ -583,6 +624,7 @@ impl Backend for CudaBackend {
     ) -> Result<ChainReport, BackendError> {
         self.bind()?;
         self.ensure_attn_scratch(table)?;
+        self.ensure_sample_scratch()?;
         chain::decode_chain(self, table, first, req, sink)
     }
 
@@ -655,6 +697,28 @@ impl CudaBackend {
         self.clear_attn_tickets()?;
         Ok(())
     }
+
+    /// Allocates the multi-block sampler's scratch once, zeroed (its ticket
+    /// must start at 0; the kernels keep it so).
+    fn ensure_sample_scratch(&mut self) -> Result<(), BackendError> {
+        if self.sample_scratch.is_some() {
+            return Ok(());
+        }
+        let p = device::alloc(launch::SAMPLE_SCRATCH_BYTES, "sampling scratch")?;
+        // SAFETY: `p` is a fresh allocation of SAMPLE_SCRATCH_BYTES bytes;
+        // the memset is synchronous with respect to the host.
+        let r = check(
+            unsafe { sys::cuMemsetD8_v2(p, 0, launch::SAMPLE_SCRATCH_BYTES as usize) },
+            "clearing the sampling scratch",
+        );
+        if let Err(e) = r {
+            // SAFETY: allocated just above, referenced by nothing.
+            unsafe { sys::cuMemFree_v2(p) };
+            return Err(e);
+        }
+        self.sample_scratch = Some(p);
+        Ok(())
+    }
 }
 
 impl Drop for CudaBackend {
@@ -670,6 +734,9 @@ impl Drop for CudaBackend {
                 sys::cuMemFree_v2(b.ptr);
             }
             if let Some((p, _)) = self.attn_part {
+                sys::cuMemFree_v2(p);
+            }
+            if let Some(p) = self.sample_scratch {
                 sys::cuMemFree_v2(p);
             }
             sys::cuModuleUnload(self.k.module);

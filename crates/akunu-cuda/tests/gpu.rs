@@ -556,3 +556,73 @@ fn speculative_verification_is_exact() {
         "no draft was accepted: the test proves nothing"
     );
 }
+
+/// The multi-block sampler against the single-block kernel through the
+/// engine: sampled chains (PDL, graphs, the `done` early exit at the token
+/// limit) and sampled speculative verification (the all-rows path, one
+/// prep + select pair per row sharing the scratch) give the same tokens.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
+fn multi_block_sampler_equals_single_block_in_chains_and_verification() {
+    let m = synth(Shape::SmolLm2_135M, DType::Q4_1);
+    // A repetitive prompt, so that the n-gram drafter has drafts to verify.
+    let p: Vec<u32> = prompt(6, m.config.n_vocab)
+        .into_iter()
+        .cycle()
+        .take(36)
+        .collect();
+    let configs = [
+        (0.8, 40, 0.95, 0.0, 1.1),
+        (1.0, 1, 1.0, 0.0, 1.0),
+        (1.2, 200, 0.9, 0.05, 1.1),
+        (1.0, 0, 1.0, 0.0, 1.1),
+        (0.0, 0, 1.0, 0.0, 1.3),
+        (0.7, 0, 0.9, 0.0, 1.0),
+    ];
+    for (i, &(t, k, tp, mp, rp)) in configs.iter().enumerate() {
+        for speculative in [false, true] {
+            let opts = GenerateOptions {
+                max_tokens: 70,
+                ignore_eos: true,
+                speculative,
+                sampling: SamplingConfig {
+                    temperature: t,
+                    top_k: k,
+                    top_p: tp,
+                    min_p: mp,
+                    repeat_penalty: rp,
+                    repeat_last_n: 64,
+                    seed: 99 + i as u64,
+                },
+                ..Default::default()
+            };
+            let gen_ids = |multi: bool| {
+                let mut be =
+                    akunu_cuda::CudaBackend::new(0, &mut |m| eprintln!("{m}")).expect("CUDA");
+                be.set_multi_block_sampling(multi);
+                let mut e = engine(&m, Box::new(be), 16, 64);
+                let mut ids = Vec::new();
+                e.generate(&p, &opts, &mut |id, _| {
+                    ids.push(id);
+                    true
+                })
+                .unwrap();
+                // A second generation reuses the captured graphs and scratch.
+                e.reset();
+                e.generate(&p, &opts, &mut |id, _| {
+                    ids.push(id);
+                    true
+                })
+                .unwrap();
+                ids
+            };
+            let want = gen_ids(false);
+            assert_eq!(want.len(), 140, "config {i}");
+            assert_eq!(
+                gen_ids(true),
+                want,
+                "config {i}, speculative {speculative}: multi-block vs single-block sampler"
+            );
+        }
+    }
+}
