@@ -179,7 +179,7 @@ features() {
         return 0
     fi
     local t
-    for t in repeat-code story; do
+    for t in repeat-text repeat-code story; do
         "$BIN/akunu" bench -m "$MODEL" --device cuda --prompt-file "bench/prompts/$t.txt" --chat \
             -p 0 -n 128 -r 5 --no-bandwidth --speculative 2>&1 | tee "$OUTDIR/spec-$t.log" |
             grep -E "tg128|speculative|error" | cut -c1-300 || true

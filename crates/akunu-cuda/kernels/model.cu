@@ -356,6 +356,9 @@ k_residual_rmsnorm(Bind b, NormParams p, StepArg a) {
 // ---------------------------------------------------------------------------
 
 #define GEMV_MAX_ROWS 4
+// Input rows of the verification gemv kernels (`_v8`): the same per-row
+// arithmetic as the kernels above, more accumulators.
+#define GEMV_VERIFY_ROWS 8
 #define GEMV_RPW 2  // most output rows per warp
 
 // Launch extras of k_gemv (launch.rs `GemvExtra`).
@@ -410,7 +413,10 @@ __device__ __forceinline__ float dot_i8x4(u32 word, float4 x) {
 
 __device__ __forceinline__ float hsum4(float4 x) { return (x.x + x.y) + (x.z + x.w); }
 
-typedef float GemvAcc[GEMV_RPW][GEMV_MAX_ROWS];  // [output row][input row]
+// [output row][input row]; MR input rows at most (GEMV_MAX_ROWS, or
+// GEMV_VERIFY_ROWS in the verification kernels).
+template <int MR>
+using GemvAcc = float[GEMV_RPW][MR];
 
 // Loads in flight per lane per output row (halved with two rows).
 #define Q8_U 2
@@ -418,11 +424,11 @@ typedef float GemvAcc[GEMV_RPW][GEMV_MAX_ROWS];  // [output row][input row]
 #define F16_U 4
 #define F32_U 4
 
-template <int RPW>
+template <int RPW, int MR>
 __device__ __forceinline__ void gemv_q8_0(const WRow* __restrict__ w, const float* __restrict__ xs,
-                                          u32 k, u32 rows, u32 lane, GemvAcc& acc) {
+                                          u32 k, u32 rows, u32 lane, GemvAcc<MR>& acc) {
     constexpr u32 U = Q8_U / RPW;
-    constexpr u32 MAXR = RPW == 2 ? 1 : GEMV_MAX_ROWS;  // two output rows: one input row
+    constexpr u32 MAXR = RPW == 2 ? 1 : MR;  // two output rows: one input row
     const u32 nb = k >> 5, ks = xs_row(k);
     for (u32 b0 = 0; b0 < nb; b0 += 32 * U) {
         uint4 q0[RPW][U], q1[RPW][U];
@@ -468,12 +474,12 @@ __device__ __forceinline__ void gemv_q8_0(const WRow* __restrict__ w, const floa
 
 // Q4_0 and Q4_1: quant byte j holds element j (low nibble) and 16 + j
 // (high nibble).
-template <bool Q41, int RPW>
+template <bool Q41, int RPW, int MR>
 __device__ __forceinline__ void gemv_q4(const WRow* __restrict__ w, const float* __restrict__ xs,
-                                        u32 k, u32 rows, u32 lane, GemvAcc& acc) {
+                                        u32 k, u32 rows, u32 lane, GemvAcc<MR>& acc) {
     // Q4_1 carries the input sums too: fewer loads in flight, no spills.
     constexpr u32 U = (Q41 ? Q4_U / 2 : Q4_U) / RPW;
-    constexpr u32 MAXR = RPW == 2 ? 1 : GEMV_MAX_ROWS;  // two output rows: one input row
+    constexpr u32 MAXR = RPW == 2 ? 1 : MR;  // two output rows: one input row
     const u32 nb = k >> 5, ks = xs_row(k);
     for (u32 b0 = 0; b0 < nb; b0 += 32 * U) {
         uint4 q[RPW][U];
@@ -529,10 +535,10 @@ __device__ __forceinline__ void gemv_q4(const WRow* __restrict__ w, const float*
 // 5-bit and K-quant types (stored as GGML lays them out): lane s of each
 // group of 4 dequantizes elements 8s..8s+7 of a 32-element column block
 // (one group per block), through the shared 8-element loader.
-template <int RPW>
+template <int RPW, int MR>
 __device__ __forceinline__ void gemv_q5k(u32 dt, const WRow* __restrict__ w, const float* __restrict__ xs,
-                                         u32 k, u32 rows, u32 lane, GemvAcc& acc) {
-    constexpr u32 MAXR = RPW == 2 ? 1 : GEMV_MAX_ROWS;  // two output rows: one input row
+                                         u32 k, u32 rows, u32 lane, GemvAcc<MR>& acc) {
+    constexpr u32 MAXR = RPW == 2 ? 1 : MR;  // two output rows: one input row
     const u32 nb = k >> 5, part = lane & 3, ks = xs_row(k);
 #pragma unroll 2
     for (u32 blk = lane >> 2; blk < nb; blk += 8) {
@@ -556,11 +562,11 @@ __device__ __forceinline__ float half_to_f32(u32 h, bool bf) {
     return bf ? bf16_to_f32((u16)h) : f16_to_f32((u16)h);
 }
 
-template <bool BF, int RPW>
+template <bool BF, int RPW, int MR>
 __device__ __forceinline__ void gemv_f16(const WRow* __restrict__ w, const float* __restrict__ xs,
-                                         u32 k, u32 rows, u32 lane, GemvAcc& acc) {
+                                         u32 k, u32 rows, u32 lane, GemvAcc<MR>& acc) {
     constexpr u32 U = F16_U / RPW;
-    constexpr u32 MAXR = RPW == 2 ? 1 : GEMV_MAX_ROWS;  // two output rows: one input row
+    constexpr u32 MAXR = RPW == 2 ? 1 : MR;  // two output rows: one input row
     const u32 ks = xs_row(k);
     bool aligned = (k & 7) == 0;
 #pragma unroll
@@ -613,11 +619,11 @@ __device__ __forceinline__ void gemv_f16(const WRow* __restrict__ w, const float
     }
 }
 
-template <int RPW>
+template <int RPW, int MR>
 __device__ __forceinline__ void gemv_f32(const WRow* __restrict__ w, const float* __restrict__ xs,
-                                         u32 k, u32 rows, u32 lane, GemvAcc& acc) {
+                                         u32 k, u32 rows, u32 lane, GemvAcc<MR>& acc) {
     constexpr u32 U = F32_U / RPW;
-    constexpr u32 MAXR = RPW == 2 ? 1 : GEMV_MAX_ROWS;  // two output rows: one input row
+    constexpr u32 MAXR = RPW == 2 ? 1 : MR;  // two output rows: one input row
     const u32 ks = xs_row(k);
     bool aligned = (k & 3) == 0;
 #pragma unroll
@@ -663,22 +669,22 @@ __device__ __forceinline__ void gemv_f32(const WRow* __restrict__ w, const float
 }
 
 // The weight loop for type `dt` (DT >= 0: known at compile time).
-template <int DT, int RPW>
+template <int DT, int RPW, int MR>
 __device__ __forceinline__ void gemv_rows(u32 dt, const WRow* __restrict__ w, const float* xs, u32 k,
-                                          u32 rows, u32 lane, GemvAcc& acc) {
+                                          u32 rows, u32 lane, GemvAcc<MR>& acc) {
     const u32 t = DT >= 0 ? (u32)DT : dt;
     switch (t) {
-    case DT_Q8_0: gemv_q8_0<RPW>(w, xs, k, rows, lane, acc); break;
-    case DT_Q4_0: gemv_q4<false, RPW>(w, xs, k, rows, lane, acc); break;
-    case DT_Q4_1: gemv_q4<true, RPW>(w, xs, k, rows, lane, acc); break;
-    case DT_F16: gemv_f16<false, RPW>(w, xs, k, rows, lane, acc); break;
-    case DT_BF16: gemv_f16<true, RPW>(w, xs, k, rows, lane, acc); break;
+    case DT_Q8_0: gemv_q8_0<RPW, MR>(w, xs, k, rows, lane, acc); break;
+    case DT_Q4_0: gemv_q4<false, RPW, MR>(w, xs, k, rows, lane, acc); break;
+    case DT_Q4_1: gemv_q4<true, RPW, MR>(w, xs, k, rows, lane, acc); break;
+    case DT_F16: gemv_f16<false, RPW, MR>(w, xs, k, rows, lane, acc); break;
+    case DT_BF16: gemv_f16<true, RPW, MR>(w, xs, k, rows, lane, acc); break;
     case DT_Q5_0:
     case DT_Q5_1:
     case DT_Q4_K:
     case DT_Q5_K:
-    case DT_Q6_K: gemv_q5k<RPW>(t, w, xs, k, rows, lane, acc); break;
-    default: gemv_f32<RPW>(w, xs, k, rows, lane, acc); break;
+    case DT_Q6_K: gemv_q5k<RPW, MR>(t, w, xs, k, rows, lane, acc); break;
+    default: gemv_f32<RPW, MR>(w, xs, k, rows, lane, acc); break;
     }
 }
 
@@ -786,14 +792,14 @@ __device__ __forceinline__ void gemv_stage(const Bind& b, const GemvParams& p, c
 // DT: the weight type of every segment, known at compile time (one kernel
 // per type keeps each one's register count low), or -1 to dispatch per row
 // (segments of mixed types).
-template <int DT, int RPW>
+template <int DT, int RPW, int MR>
 __device__ __forceinline__ void gemv_body(const Bind& b, const GemvParams& p, const StepArg& a,
                                           const GemvExtra& ex) {
     extern __shared__ float4 gemv_smem[];
     __shared__ float red[32];  // the norm fusion's block reduction
     float* xs = (float*)gemv_smem;
     const u32 k = p.k;
-    const u32 rows = a.rows < GEMV_MAX_ROWS ? a.rows : GEMV_MAX_ROWS;
+    const u32 rows = a.rows < (u32)MR ? a.rows : (u32)MR;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // Two rows per warp take one input row (launch.rs picks the kernel).
     constexpr u32 rpw = RPW;
@@ -832,19 +838,19 @@ __device__ __forceinline__ void gemv_body(const Bind& b, const GemvParams& p, co
             if (DT >= 0) g[q].dt = (u32)DT;
             wr[q] = g[q].row;
         }
-        GemvAcc acc;
+        GemvAcc<MR> acc;
 #pragma unroll
         for (u32 q = 0; q < GEMV_RPW; ++q)
 #pragma unroll
-            for (u32 r = 0; r < GEMV_MAX_ROWS; ++r) acc[q][r] = 0.0f;
+            for (u32 r = 0; r < (u32)MR; ++r) acc[q][r] = 0.0f;
         // Rows of one warp share a type unless they straddle segments (the
         // launcher uses two-row kernels only for single-type products).
-        gemv_rows<DT, RPW>(g[0].dt, wr, xs, k, rows, lane, acc);
+        gemv_rows<DT, RPW, MR>(g[0].dt, wr, xs, k, rows, lane, acc);
 #pragma unroll
         for (u32 q = 0; q < RPW; ++q) {
             if (o0 + q >= total) continue;
 #pragma unroll
-            for (u32 r = 0; r < GEMV_MAX_ROWS; ++r) {
+            for (u32 r = 0; r < (u32)MR; ++r) {
                 const float v = warp_sum(acc[q][r]);
                 if (lane == 0 && r < rows) {
                     float* dst = (float*)b.p[1] + (u64)r * p.out_stride + o0 + q;
@@ -859,8 +865,16 @@ __device__ __forceinline__ void gemv_body(const Bind& b, const GemvParams& p, co
 // Blocks of 256 threads, at least 3 resident per SM (at most 85 registers).
 #define GEMV_KERNEL(name, dt, rpw)                                                 \
     extern "C" __global__ void __launch_bounds__(256, 3)                           \
-    name(Bind b, GemvParams p, StepArg a, GemvExtra ex) {                          \
-        gemv_body<dt, rpw>(b, p, a, ex);                                           \
+    name(Bind b, GemvParams p, StepArg a, GemvExtra ex) {               \
+        gemv_body<dt, rpw, GEMV_MAX_ROWS>(b, p, a, ex);                            \
+    }
+// Speculative verification steps of 5..8 rows: the same body with
+// GEMV_VERIFY_ROWS accumulators per output row (at least 2 blocks per SM, so
+// the extra registers do not spill).
+#define GEMV_KERNEL_V8(name, dt)                                                   \
+    extern "C" __global__ void __launch_bounds__(256, 2)                           \
+    name(Bind b, GemvParams p, StepArg a, GemvExtra ex) {               \
+        gemv_body<dt, 1, GEMV_VERIFY_ROWS>(b, p, a, ex);                           \
     }
 GEMV_KERNEL(k_gemv, -1, 1)
 GEMV_KERNEL(k_gemv_f32, DT_F32, 1)
@@ -880,6 +894,14 @@ GEMV_KERNEL(k_gemv_bf16_r2, DT_BF16, 2)
 GEMV_KERNEL(k_gemv_q8_0_r2, DT_Q8_0, 2)
 GEMV_KERNEL(k_gemv_q4_0_r2, DT_Q4_0, 2)
 GEMV_KERNEL(k_gemv_q4_1_r2, DT_Q4_1, 2)
+// Up to eight input rows (verification).
+GEMV_KERNEL_V8(k_gemv_v8, -1)
+GEMV_KERNEL_V8(k_gemv_f32_v8, DT_F32)
+GEMV_KERNEL_V8(k_gemv_f16_v8, DT_F16)
+GEMV_KERNEL_V8(k_gemv_bf16_v8, DT_BF16)
+GEMV_KERNEL_V8(k_gemv_q8_0_v8, DT_Q8_0)
+GEMV_KERNEL_V8(k_gemv_q4_0_v8, DT_Q4_0)
+GEMV_KERNEL_V8(k_gemv_q4_1_v8, DT_Q4_1)
 
 // ---------------------------------------------------------------------------
 // GEMM (prefill: any number of input rows)

@@ -12,8 +12,13 @@ use cudarc::driver::sys;
 use std::ffi::c_void;
 use std::mem::offset_of;
 
-/// Most rows the matrix-vector kernel takes (more go to the tiled kernel).
-const GEMV_MAX_ROWS: u32 = 4;
+/// Most rows the matrix-vector kernels take (more go to the tiled kernel):
+/// up to `GEMV_ONE_KERNEL_ROWS` in the decode kernels, up to this many in
+/// their `_v8` twins (model.cu `GEMV_VERIFY_ROWS`), which keep each row's
+/// arithmetic and add accumulators.
+pub const GEMV_MAX_ROWS: u32 = 8;
+/// Most rows of the decode gemv kernels (model.cu `GEMV_MAX_ROWS`).
+const GEMV_ONE_KERNEL_ROWS: u32 = 4;
 /// Shared memory the gemv kernel declares statically (its reduction
 /// scratch), kept out of the dynamic allowance (lib.rs `load_kernels`).
 pub const GEMV_STATIC_SMEM: u32 = 1024;
@@ -472,7 +477,15 @@ pub fn plan(
             if r <= GEMV_MAX_ROWS && smem <= (be.smem_optin() - GEMV_STATIC_SMEM) as u64 {
                 let n_seg = (p.n_seg as usize).clamp(1, 3);
                 let mut rpw = 1;
-                if p.dtype[..n_seg].iter().all(|&d| d == p.dtype[0])
+                let one_type = p.dtype[..n_seg].iter().all(|&d| d == p.dtype[0]);
+                if r > GEMV_ONE_KERNEL_ROWS {
+                    l.f = k.gemv_v8;
+                    if one_type
+                        && let Some(&(_, f)) = k.gemv_typed_v8.iter().find(|t| t.0 == p.dtype[0])
+                    {
+                        l.f = f;
+                    }
+                } else if one_type
                     && let Some(&(_, f1, f2)) = k.gemv_typed.iter().find(|t| t.0 == p.dtype[0])
                 {
                     l.f = f1;

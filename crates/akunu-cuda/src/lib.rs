@@ -68,6 +68,10 @@ pub(crate) struct Kernels {
     /// The gemv specialised per weight type (all segments of that type):
     /// (GGML type id, one row per warp, two rows per warp for one input row).
     pub gemv_typed: [(u32, sys::CUfunction, Option<sys::CUfunction>); 11],
+    /// The gemv for steps of 5..=8 input rows (speculative verification):
+    /// generic, and per type where one exists.
+    pub gemv_v8: sys::CUfunction,
+    pub gemv_typed_v8: [(u32, sys::CUfunction); 6],
     pub gemm: sys::CUfunction,
     pub gemm_tc: sys::CUfunction,
     pub rope_kv_write: sys::CUfunction,
@@ -378,6 +382,15 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
         rmsnorm: get("k_rmsnorm")?,
         residual_rmsnorm: get("k_residual_rmsnorm")?,
         gemv: get("k_gemv")?,
+        gemv_v8: get("k_gemv_v8")?,
+        gemv_typed_v8: [
+            (DType::F32 as u32, get("k_gemv_f32_v8")?),
+            (DType::F16 as u32, get("k_gemv_f16_v8")?),
+            (DType::BF16 as u32, get("k_gemv_bf16_v8")?),
+            (DType::Q8_0 as u32, get("k_gemv_q8_0_v8")?),
+            (DType::Q4_0 as u32, get("k_gemv_q4_0_v8")?),
+            (DType::Q4_1 as u32, get("k_gemv_q4_1_v8")?),
+        ],
         gemv_typed: [
             (DType::F32 as u32, get("k_gemv_f32")?, None),
             (
@@ -433,7 +446,8 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
         .gemv_typed
         .iter()
         .flat_map(|t| std::iter::once(t.1).chain(t.2));
-    for f in std::iter::once(k.gemv).chain(typed) {
+    let v8 = std::iter::once(k.gemv_v8).chain(k.gemv_typed_v8.iter().map(|t| t.1));
+    for f in std::iter::once(k.gemv).chain(typed).chain(v8) {
         // SAFETY: valid function handle; the value is the device's own limit.
         check(
             unsafe {
