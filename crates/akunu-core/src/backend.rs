@@ -211,6 +211,15 @@ pub trait Backend: BufferRead + Send {
         u32::MAX
     }
 
+    /// Longest run of plain steps speculative decode makes while the n-gram
+    /// predictor has no draft, before it tries again (the run doubles from
+    /// 1 up to this while drafts stay absent). 1 where a submission costs no
+    /// more than its steps (the CPU); more on a device, where each
+    /// submission carries a host round trip.
+    fn idle_run_max(&self) -> u32 {
+        1
+    }
+
     /// Steps per chain submission suited to this device (the chapter's
     /// `ChipConfig`): what `--chunk` defaults to.
     fn preferred_chunk(&self) -> u32 {

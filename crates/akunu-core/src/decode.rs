@@ -762,7 +762,7 @@ impl Engine {
                     // while drafts stay absent (each run is a submission
                     // with its own round trip, which a device notices).
                     plain_cap = Some(sp.idle_run);
-                    sp.idle_run = (sp.idle_run * 2).min(SPEC_IDLE_MAX);
+                    sp.idle_run = (sp.idle_run * 2).min(self.backend.idle_run_max().max(1));
                 } else {
                     sp.idle_run = 1;
                     let draft = std::mem::take(&mut sp.draft);
@@ -1008,7 +1008,7 @@ struct SpecState {
     /// The next pause's length (doubles while drafts keep missing).
     pause_len: u32,
     /// Plain steps to run when the predictor has no draft (doubles, up to
-    /// `SPEC_IDLE_MAX`, while it keeps having none).
+    /// the backend's `idle_run_max`, while it keeps having none).
     idle_run: u32,
     stats: SpecStats,
 }
@@ -1017,8 +1017,6 @@ struct SpecState {
 const SPEC_MISSES: u32 = 2;
 const SPEC_PAUSE_MIN: u32 = 4;
 const SPEC_PAUSE_MAX: u32 = 128;
-/// Longest plain run between two attempts to draft.
-const SPEC_IDLE_MAX: u32 = 4;
 
 impl SpecStats {
     fn finish(mut self) -> Self {

@@ -479,8 +479,12 @@ pub fn decode_chain(
     let mut consumed = 0u32;
     let mut delivery = Vec::with_capacity(req.steps as usize);
     let mut ended_by_sink = false;
+    // A short chain (speculative decode's plain runs between drafts: at
+    // most two small graphs) is launched inline: a thread would cost more
+    // than it hides.
+    let inline = sizes.len() <= 2 && req.steps <= 8;
     let (launch_result, marks) = std::thread::scope(|sc| {
-        let launcher = sc.spawn(|| -> (Result<(), BackendError>, Vec<(Event, u32)>) {
+        let launch_all = || -> (Result<(), BackendError>, Vec<(Event, u32)>) {
             let mut marks = Vec::new();
             let r = (|| {
                 ctx.bind_to_thread()
@@ -520,7 +524,12 @@ pub fn decode_chain(
                 stop.store(true, Ordering::Release);
             }
             (r, marks)
-        });
+        };
+        let (launcher, early) = if inline {
+            (None, Some(launch_all()))
+        } else {
+            (Some(sc.spawn(launch_all)), None)
+        };
         let poll = (|| -> Result<(), BackendError> {
             while consumed < steps {
                 let slot = first.tok as usize + 1 + consumed as usize;
@@ -577,12 +586,20 @@ pub fn decode_chain(
             Ok(())
         })();
         stop.store(true, Ordering::Release);
-        let (launch_result, marks) = launcher.join().unwrap_or_else(|_| {
-            (
-                Err(BackendError::Device("the launcher thread panicked".into())),
-                Vec::new(),
-            )
-        });
+        let (launch_result, marks) = match (launcher, early) {
+            (Some(h), _) => h.join().unwrap_or_else(|_| {
+                (
+                    Err(BackendError::Device("the launcher thread panicked".into())),
+                    Vec::new(),
+                )
+            }),
+            (None, early) => early.unwrap_or_else(|| {
+                (
+                    Err(BackendError::Device("the chain was never launched".into())),
+                    Vec::new(),
+                )
+            }),
+        };
         (poll.and(launch_result), marks)
     });
     launch_result?;

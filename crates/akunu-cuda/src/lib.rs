@@ -661,6 +661,13 @@ impl Backend for CudaBackend {
     fn exact_rows(&self, table: &DispatchTable) -> u32 {
         launch::decode_rows(self, table)
     }
+
+    fn idle_run_max(&self) -> u32 {
+        // Every plain run is a submission with its own round trip (control
+        // block, graph launch, token read-back); runs of up to 8 amortise
+        // it on text the n-grams cannot predict.
+        8
+    }
 }
 
 impl CudaBackend {
