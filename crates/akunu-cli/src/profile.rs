@@ -5,7 +5,7 @@
 //! is reported per label kind (the label with its layer index removed:
 //! `layer.7.qkv` counts as `qkv`) and per kernel.
 
-use crate::load::{self, EngineArgs, ModelArgs};
+use crate::load::{self, EngineArgs, ModelArgs, SamplingArgs};
 use akunu_core::decode::GenerateOptions;
 use anyhow::{Result, bail};
 use clap::Args;
@@ -17,6 +17,9 @@ pub struct ProfileArgs {
     model: ModelArgs,
     #[command(flatten)]
     engine: EngineArgs,
+    /// Sampling options: with any, the sampled decode table is profiled.
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Prompt tokens before decoding (prefill is not profiled).
     #[arg(short = 'p', long, default_value_t = 32)]
     n_prompt: u32,
@@ -64,16 +67,23 @@ pub fn run(a: ProfileArgs) -> Result<()> {
     if !engine.set_profiling(true) {
         bail!("this backend cannot time commands");
     }
+    let sampling = a.sampling.config()?;
+    let sampled = !sampling.is_greedy();
     let opts = GenerateOptions {
         max_tokens: a.n_gen,
         ignore_eos: true,
+        sampling,
         ..Default::default()
     };
     let st = engine.generate(&[], &opts, &mut |_, _| true)?;
     let times = engine
         .command_times()
         .ok_or_else(|| anyhow::anyhow!("the backend recorded no times"))?;
-    let table = engine.table();
+    let table = if sampled {
+        engine.sampled_table()
+    } else {
+        engine.table()
+    };
     let steps = st.decode_steps.max(1) as f64;
     let total: f64 = times.iter().map(|(d, _)| d.as_secs_f64()).sum();
     let mut kinds: Vec<(String, String, f64, usize)> = Vec::new();
