@@ -128,10 +128,109 @@ unsafe fn load1<const T: u8>(p: *const u8, i: usize) -> f32 {
 pub(super) unsafe fn gemv(dtype: DType, w: &[u8], k: usize, x: &[f32], y: &mut [f32]) {
     let rb = row_bytes(dtype, k);
     debug_assert!(w.len() == y.len() * rb && x.len() == k);
-    let (k4, k1) = kernels::<4, 1>(dtype);
-    // SAFETY: features guaranteed by the caller; the length contract above
-    // is exactly what the row kernels require (one input row).
-    unsafe { gemv_rows(w, rb, k, x, y, k4, k1) }
+    // Each arm passes its kernels as constants, so `gemv_rows` (inlined)
+    // calls them directly and the compiler inlines them into the row loop.
+    macro_rules! run {
+        ($k4:expr, $k1:expr) => {
+            // SAFETY: features guaranteed by the caller; the length contract
+            // above is exactly what the row kernels require (one input row).
+            unsafe { gemv_rows(w, rb, k, x, y, $k4, $k1) }
+        };
+    }
+    match dtype {
+        DType::Q4_0 => run!(q4_rows::<4, 1, false>, q4_rows::<1, 1, false>),
+        DType::Q4_1 => run!(q4_rows::<4, 1, true>, q4_rows::<1, 1, true>),
+        DType::Q8_0 => run!(q8_rows::<4, 1>, q8_rows::<1, 1>),
+        DType::Q5_0 => run!(q5_rows::<4, 1, false>, q5_rows::<1, 1, false>),
+        DType::Q5_1 => run!(q5_rows::<4, 1, true>, q5_rows::<1, 1, true>),
+        DType::Q4_K => run!(qk_rows::<4, 1, false>, qk_rows::<1, 1, false>),
+        DType::Q5_K => run!(qk_rows::<4, 1, true>, qk_rows::<1, 1, true>),
+        DType::Q6_K => run!(q6k_rows::<4, 1>, q6k_rows::<1, 1>),
+        DType::F32 => run!(float_rows::<4, 1, T_F32>, float_rows::<1, 1, T_F32>),
+        DType::F16 => run!(float_rows::<4, 1, T_F16>, float_rows::<1, 1, T_F16>),
+        DType::BF16 => run!(float_rows::<4, 1, T_BF16>, float_rows::<1, 1, T_BF16>),
+    }
+}
+
+/// Runs `k4` over groups of 4 rows and `k1` over the remaining rows (one
+/// input row; the Q4 kernels sum its blocks themselves).
+///
+/// # Safety
+/// Features available; `w.len() >= y.len() * rb`, `x.len() == k`, and the
+/// kernels read at most `rb` bytes per row and `k` elements of `x`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn gemv_rows(
+    w: &[u8],
+    rb: usize,
+    k: usize,
+    x: &[f32],
+    y: &mut [f32],
+    k4: RowKernel,
+    k1: RowKernel,
+) {
+    let (n, wp, xp, yp) = (y.len(), w.as_ptr(), x.as_ptr(), y.as_mut_ptr());
+    let sx = core::ptr::null();
+    let mut r = 0;
+    while r + 4 <= n {
+        // SAFETY: rows r..r+4 lie within `w` (r + 4 <= n) and outputs
+        // r..r+4 within `y`; one input row (strides unused).
+        unsafe { k4(wp.add(r * rb), rb, k, xp, k, yp.add(r), 0, sx) };
+        r += 4;
+    }
+    while r < n {
+        // SAFETY: row r < n lies within `w`, output r within `y`.
+        unsafe { k1(wp.add(r * rb), rb, k, xp, k, yp.add(r), 0, sx) };
+        r += 1;
+    }
+}
+
+thread_local! {
+    /// Per-thread scratch for [`block_sums`].
+    static SUMS: core::cell::RefCell<Vec<f32>> = const { core::cell::RefCell::new(Vec::new()) };
+}
+
+/// For the Q4 kernels: the lane-wise partial sums of every 32-element block
+/// of the `n_x` input rows (8 floats per block, row-major), computed once
+/// per product instead of once per weight-row group: Q4_1 `x0+x1+x2+x3`
+/// (for `m * sum(x)`), Q4_0 that times -8 (the start value that folds the
+/// nibble offset into the accumulation). Returns null for other types.
+///
+/// # Safety
+/// AVX2/FMA/F16C available; `x.len() == n_x * k`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_sums(
+    dtype: DType,
+    x: &[f32],
+    n_x: usize,
+    k: usize,
+    buf: &mut Vec<f32>,
+) -> *const f32 {
+    if !matches!(dtype, DType::Q4_0 | DType::Q4_1) {
+        return core::ptr::null();
+    }
+    let nb = k / QK;
+    buf.resize(n_x * nb * 8, 0.0);
+    let (xp, bp) = (x.as_ptr(), buf.as_mut_ptr());
+    for t in 0..n_x {
+        for b in 0..nb {
+            // SAFETY: block b < nb of row t < n_x lies inside `x`; entry
+            // (t, b) inside `buf` (just resized to n_x * nb * 8).
+            unsafe {
+                let xb = xp.add(t * k + b * QK);
+                let (x0, x1) = (_mm256_loadu_ps(xb), _mm256_loadu_ps(xb.add(8)));
+                let (x2, x3) = (_mm256_loadu_ps(xb.add(16)), _mm256_loadu_ps(xb.add(24)));
+                let v = _mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3));
+                let v = if dtype == DType::Q4_1 {
+                    v
+                } else {
+                    _mm256_mul_ps(v, _mm256_set1_ps(-8.0))
+                };
+                _mm256_storeu_ps(bp.add((t * nb + b) * 8), v);
+            }
+        }
+    }
+    buf.as_ptr()
 }
 
 /// The row kernels for `N` input rows: (`R` weight rows, 1 weight row).
@@ -154,55 +253,30 @@ fn kernels<const R: usize, const N: usize>(dtype: DType) -> (RowKernel, RowKerne
     }
 }
 
-/// Weight rows per multi-row kernel call (AVX2 has 16 vector registers:
-/// `MULTI_R * N` accumulators must mostly fit).
-const MULTI_R: usize = 2;
-/// Most input rows per multi-row kernel call.
-const MULTI_N: usize = 4;
+/// (weight rows, most input rows) per multi-row kernel call. AVX2 has 16
+/// vector registers: the `rows * n` accumulators (twice that for the float
+/// types) plus one weight row's unpacked block must fit.
+fn multi_shape(dtype: DType) -> (usize, usize) {
+    match dtype {
+        DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => (1, 8),
+        DType::F32 | DType::F16 | DType::BF16 => (1, 6),
+        _ => (2, 4),
+    }
+}
 
 /// A row kernel: for `R` weight rows starting at `w` (row stride `rb`
 /// bytes) and `N` input rows of `k` elements starting at `x` (input-row
 /// stride `xs` floats), writes output (input `n`, weight row `r`) to
-/// `y[n * ys + r]`.
-type RowKernel = unsafe fn(*const u8, usize, usize, *const f32, usize, *mut f32, usize);
-
-/// Runs `k4` over groups of 4 rows and `k1` over the remaining rows.
-///
-/// # Safety
-/// Features available; `w.len() >= y.len() * rb`, `x.len() == k`, and the
-/// kernels read at most `rb` bytes per row and `k` elements of `x`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn gemv_rows(
-    w: &[u8],
-    rb: usize,
-    k: usize,
-    x: &[f32],
-    y: &mut [f32],
-    k4: RowKernel,
-    k1: RowKernel,
-) {
-    let n = y.len();
-    let (wp, xp, yp) = (w.as_ptr(), x.as_ptr(), y.as_mut_ptr());
-    let mut r = 0;
-    while r + 4 <= n {
-        // SAFETY: rows r..r+4 lie within `w` (r + 4 <= n) and outputs
-        // r..r+4 within `y`; one input row (strides unused).
-        unsafe { k4(wp.add(r * rb), rb, k, xp, k, yp.add(r), 0) };
-        r += 4;
-    }
-    while r < n {
-        // SAFETY: row r < n lies within `w`, output r within `y`.
-        unsafe { k1(wp.add(r * rb), rb, k, xp, k, yp.add(r), 0) };
-        r += 1;
-    }
-}
+/// `y[n * ys + r]`. The last argument holds the input rows' per-block sums
+/// for the Q4 kernels when `N > 1` ([`block_sums`]); one-input kernels and
+/// the other types ignore it.
+type RowKernel = unsafe fn(*const u8, usize, usize, *const f32, usize, *mut f32, usize, *const f32);
 
 /// Multi-row product: `y[t * n_rows + r] = dot(row r of W, x[t*k..][..k])`
 /// for `t < n_x`, `r < n_rows`, each bit-identical to [`gemv`] of input
-/// row `t`. Input rows go through the kernels in chunks of up to
-/// [`MULTI_N`]; per weight-row group every chunk runs while the
-/// group's bytes are in L1, so each weight block is unpacked once per chunk.
+/// row `t`. Input rows go through the kernels in chunks ([`multi_shape`]);
+/// per weight-row group every chunk runs while the group's bytes are in
+/// L1, so each weight block is unpacked once per chunk.
 ///
 /// # Safety
 /// AVX2/FMA/F16C available; `w.len() == n_rows * row_bytes(dtype, k)`,
@@ -218,28 +292,112 @@ pub(super) unsafe fn gemv_multi(
     y: &mut [f32],
 ) {
     let rb = row_bytes(dtype, k);
+    let nb = k / QK;
     debug_assert!(w.len() == n_rows * rb && x.len() == n_x * k && y.len() == n_x * n_rows);
-    let chunks = super::multi_chunks(n_x, MULTI_N, |n| {
-        super::by_n!(n, |N| kernels::<MULTI_R, N>(dtype))
+    let (rows, max_n) = multi_shape(dtype);
+    let chunks = super::multi_chunks(n_x, max_n, |n| {
+        if rows == 1 {
+            super::by_n!(n, |N| kernels::<1, N>(dtype))
+        } else {
+            super::by_n!(n, |N| kernels::<2, N>(dtype))
+        }
     });
-    let (wp, xp, yp) = (w.as_ptr(), x.as_ptr(), y.as_mut_ptr());
-    let mut r = 0;
-    while r < n_rows {
-        let group = r + MULTI_R <= n_rows;
-        for &(t0, (kr, k1)) in chunks.iter() {
-            // SAFETY: rows r..r+MULTI_R (or r) lie within `w`; the chunk's
-            // input rows t0.. within `x` (k floats each); outputs (t, r..)
-            // at y[t * n_rows + r ..] within `y`.
-            unsafe {
-                let (xc, yc) = (xp.add(t0 * k), yp.add(t0 * n_rows + r));
-                if group {
-                    kr(wp.add(r * rb), rb, k, xc, k, yc, n_rows)
+    SUMS.with(|cell| {
+        let mut sums = cell.borrow_mut();
+        // SAFETY: `x` holds n_x rows of `k` floats.
+        let sx = unsafe { block_sums(dtype, x, n_x, k, &mut sums) };
+        let (wp, xp, yp) = (w.as_ptr(), x.as_ptr(), y.as_mut_ptr());
+        let mut r = 0;
+        while r < n_rows {
+            let group = r + rows <= n_rows;
+            for &(t0, (kr, k1)) in chunks.iter() {
+                // SAFETY: rows r..r+rows (or r) lie within `w`; the chunk's
+                // input rows t0.. within `x` (k floats each) and their block
+                // sums at sx + t0 * nb * 8 (when the kernel reads them);
+                // outputs (t, r..) at y[t * n_rows + r ..] within `y`.
+                unsafe {
+                    let (xc, yc) = (xp.add(t0 * k), yp.add(t0 * n_rows + r));
+                    let sc = sx.wrapping_add(t0 * nb * 8);
+                    if group {
+                        kr(wp.add(r * rb), rb, k, xc, k, yc, n_rows, sc)
+                    } else {
+                        k1(wp.add(r * rb), rb, k, xc, k, yc, n_rows, sc)
+                    }
+                }
+            }
+            r += if group { rows } else { 1 };
+        }
+    })
+}
+
+/// The one-input-row instance of [`q4_rows`], written out: the same
+/// operations per weight row in the same order (the bit-identity tests pin
+/// the two together), as the generic instance compiled about 4% slower
+/// (register allocation) on the decode path.
+///
+/// # Safety
+/// `R` rows of `k / 32` blocks at `w` (stride `rb`), `k` floats at `x`,
+/// `R` writable floats at `y`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_rows_one<const R: usize, const Q41: bool>(
+    w: *const u8,
+    rb: usize,
+    k: usize,
+    x: *const f32,
+    y: *mut f32,
+) {
+    let (bs, qoff) = if Q41 { (20, 4) } else { (18, 2) };
+    let nb = k / QK;
+    let mask = _mm256_set1_epi32(0xF);
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b in 0..nb {
+        // SAFETY: b < nb, so x[b*32 .. b*32+32] is in bounds, and each row's
+        // block b (bytes b*bs .. b*bs+bs < rb) is in bounds.
+        unsafe {
+            let xb = x.add(b * QK);
+            let x0 = _mm256_loadu_ps(xb);
+            let x1 = _mm256_loadu_ps(xb.add(8));
+            let x2 = _mm256_loadu_ps(xb.add(16));
+            let x3 = _mm256_loadu_ps(xb.add(24));
+            // Lane-wise partial sums of the block of x. Q4_0: the start
+            // value -8*x folds the nibble offset into the accumulation;
+            // Q4_1: m * sum(x) adds the block minimum.
+            let s = _mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3));
+            let s = if Q41 {
+                s
+            } else {
+                _mm256_mul_ps(s, _mm256_set1_ps(-8.0))
+            };
+            for (r, a) in acc.iter_mut().enumerate() {
+                let p = w.add(r * rb + b * bs);
+                prefetch(p.wrapping_add(PF_DIST.max(R * rb)));
+                let d = bcast_f16(p);
+                // bytes 0..8 -> lanes: low nibbles = elements 0..8,
+                // high nibbles = elements 16..24; bytes 8..16 likewise.
+                let b0 = widen_u8(p.add(qoff));
+                let b1 = widen_u8(p.add(qoff + 8));
+                let q0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, mask));
+                let q1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask));
+                let q2 = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(b0));
+                let q3 = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(b1));
+                let mut t = if Q41 {
+                    _mm256_mul_ps(q0, x0)
                 } else {
-                    k1(wp.add(r * rb), rb, k, xc, k, yc, n_rows)
+                    _mm256_fmadd_ps(q0, x0, s)
+                };
+                t = _mm256_fmadd_ps(q1, x1, t);
+                t = _mm256_fmadd_ps(q2, x2, t);
+                t = _mm256_fmadd_ps(q3, x3, t);
+                *a = _mm256_fmadd_ps(d, t, *a);
+                if Q41 {
+                    *a = _mm256_fmadd_ps(bcast_f16(p.add(2)), s, *a);
                 }
             }
         }
-        r += if group { MULTI_R } else { 1 };
+    }
+    for (r, a) in acc.iter().enumerate() {
+        // SAFETY: r < R outputs are writable.
+        unsafe { *y.add(r) = hsum(*a) };
     }
 }
 
@@ -248,7 +406,9 @@ pub(super) unsafe fn gemv_multi(
 /// # Safety
 /// `R` rows of `k / 32` blocks at `w` (stride `rb`), `N` rows of `k`
 /// floats at `x` (stride `xs`), outputs `y[n * ys + r]` writable for
-/// `n < N`, `r < R`.
+/// `n < N`, `r < R`; for `N > 1`, `N * k / 32` block-sum vectors (8
+/// floats each) of the input rows at `sx` (unused for `N == 1`, which runs
+/// [`q4_rows_one`]).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_rows<const R: usize, const N: usize, const Q41: bool>(
     w: *const u8,
@@ -258,7 +418,12 @@ unsafe fn q4_rows<const R: usize, const N: usize, const Q41: bool>(
     xs: usize,
     y: *mut f32,
     ys: usize,
+    sx: *const f32,
 ) {
+    if N == 1 {
+        // SAFETY: the same contract, one input row.
+        return unsafe { q4_rows_one::<R, Q41>(w, rb, k, x, y) };
+    }
     let (bs, qoff) = if Q41 { (20, 4) } else { (18, 2) };
     let nb = k / QK;
     let mask = _mm256_set1_epi32(0xF);
@@ -267,20 +432,13 @@ unsafe fn q4_rows<const R: usize, const N: usize, const Q41: bool>(
         // SAFETY: b < nb, so x[n*xs + b*32 .. + 32] is in bounds for n < N,
         // and each row's block b (bytes b*bs .. b*bs+bs <= rb) is in bounds.
         unsafe {
-            // Lane-wise partial sums of the block of each input row. Q4_0:
-            // the start value -8*x folds the nibble offset into the
-            // accumulation; Q4_1: m * sum(x) adds the block minimum.
+            // Lane-wise partial sums of the block of each input row (Q4_0:
+            // the start value -8*x that folds the nibble offset into the
+            // accumulation; Q4_1: the sum for m * sum(x)), precomputed once
+            // per call by the one-row kernel's operations ([`block_sums`]).
             let mut s = [_mm256_setzero_ps(); N];
             for (n, sn) in s.iter_mut().enumerate() {
-                let xb = x.add(n * xs + b * QK);
-                let (x0, x1) = (_mm256_loadu_ps(xb), _mm256_loadu_ps(xb.add(8)));
-                let (x2, x3) = (_mm256_loadu_ps(xb.add(16)), _mm256_loadu_ps(xb.add(24)));
-                let v = _mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3));
-                *sn = if Q41 {
-                    v
-                } else {
-                    _mm256_mul_ps(v, _mm256_set1_ps(-8.0))
-                };
+                *sn = _mm256_loadu_ps(sx.add((n * nb + b) * 8));
             }
             for (r, ar) in acc.iter_mut().enumerate() {
                 let p = w.add(r * rb + b * bs);
@@ -294,24 +452,25 @@ unsafe fn q4_rows<const R: usize, const N: usize, const Q41: bool>(
                 let q1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask));
                 let q2 = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(b0));
                 let q3 = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(b1));
-                let m = if Q41 {
-                    bcast_f16(p.add(2))
-                } else {
-                    _mm256_setzero_ps()
-                };
                 for (n, a) in ar.iter_mut().enumerate() {
                     let xb = x.add(n * xs + b * QK);
+                    let xv = [
+                        _mm256_loadu_ps(xb),
+                        _mm256_loadu_ps(xb.add(8)),
+                        _mm256_loadu_ps(xb.add(16)),
+                        _mm256_loadu_ps(xb.add(24)),
+                    ];
                     let mut t = if Q41 {
-                        _mm256_mul_ps(q0, _mm256_loadu_ps(xb))
+                        _mm256_mul_ps(q0, xv[0])
                     } else {
-                        _mm256_fmadd_ps(q0, _mm256_loadu_ps(xb), s[n])
+                        _mm256_fmadd_ps(q0, xv[0], s[n])
                     };
-                    t = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xb.add(8)), t);
-                    t = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xb.add(16)), t);
-                    t = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xb.add(24)), t);
+                    t = _mm256_fmadd_ps(q1, xv[1], t);
+                    t = _mm256_fmadd_ps(q2, xv[2], t);
+                    t = _mm256_fmadd_ps(q3, xv[3], t);
                     *a = _mm256_fmadd_ps(d, t, *a);
                     if Q41 {
-                        *a = _mm256_fmadd_ps(m, s[n], *a);
+                        *a = _mm256_fmadd_ps(bcast_f16(p.add(2)), s[n], *a);
                     }
                 }
             }
@@ -338,6 +497,7 @@ unsafe fn q8_rows<const R: usize, const N: usize>(
     xs: usize,
     y: *mut f32,
     ys: usize,
+    _sx: *const f32,
 ) {
     let nb = k / QK;
     let mut acc = [[_mm256_setzero_ps(); N]; R];
@@ -401,6 +561,7 @@ unsafe fn q5_rows<const R: usize, const N: usize, const Q51: bool>(
     xs: usize,
     y: *mut f32,
     ys: usize,
+    _sx: *const f32,
 ) {
     let (bs, hoff) = if Q51 { (24, 4) } else { (22, 2) };
     let nb = k / QK;
@@ -490,6 +651,7 @@ unsafe fn qk_rows<const R: usize, const N: usize, const FIVE: bool>(
     xs: usize,
     y: *mut f32,
     ys: usize,
+    _sx: *const f32,
 ) {
     let (bs, qoff) = if FIVE { (176, 48) } else { (144, 16) };
     let nsb = k / 256;
@@ -582,6 +744,7 @@ unsafe fn q6k_rows<const R: usize, const N: usize>(
     xs: usize,
     y: *mut f32,
     ys: usize,
+    _sx: *const f32,
 ) {
     let nsb = k / 256;
     let mask = _mm256_set1_epi32(15);
@@ -656,6 +819,7 @@ unsafe fn float_rows<const R: usize, const N: usize, const T: u8>(
     xs: usize,
     y: *mut f32,
     ys: usize,
+    _sx: *const f32,
 ) {
     // Two accumulators per output: 2*R*N independent FMA chains.
     let mut acc0 = [[_mm256_setzero_ps(); N]; R];

@@ -142,12 +142,53 @@ pub(super) unsafe fn gemv(dtype: DType, w: &[u8], k: usize, x: &[f32], y: &mut [
     debug_assert!(w.len() == y.len() * rb && x.len() == k);
     // SAFETY: features guaranteed by the caller; the length contract above
     // is exactly what the row kernels require (one input row).
+    // Each arm passes its kernels as constants, so `gemv_rows` (inlined)
+    // calls them directly and the compiler inlines them into the row loop.
     unsafe {
-        match kernels::<4, 1>(dtype) {
-            Some((k4, k1)) => gemv_rows(w, rb, k, x, y, k4, k1),
+        match dtype {
+            DType::Q4_0 => gemv_rows(
+                w,
+                rb,
+                k,
+                x,
+                y,
+                q4_rows::<4, 1, false>,
+                q4_rows::<1, 1, false>,
+            ),
+            DType::Q4_1 => gemv_rows(w, rb, k, x, y, q4_rows::<4, 1, true>, q4_rows::<1, 1, true>),
+            DType::Q8_0 => gemv_rows(w, rb, k, x, y, q8_rows::<4, 1>, q8_rows::<1, 1>),
+            DType::F32 => gemv_rows(
+                w,
+                rb,
+                k,
+                x,
+                y,
+                float_rows::<4, 1, T_F32>,
+                float_rows::<1, 1, T_F32>,
+            ),
+            DType::F16 => gemv_rows(
+                w,
+                rb,
+                k,
+                x,
+                y,
+                float_rows::<4, 1, T_F16>,
+                float_rows::<1, 1, T_F16>,
+            ),
+            DType::BF16 => gemv_rows(
+                w,
+                rb,
+                k,
+                x,
+                y,
+                float_rows::<4, 1, T_BF16>,
+                float_rows::<1, 1, T_BF16>,
+            ),
             // The 5-bit and K-quant types run the AVX2 kernels (AVX-512
             // implies AVX2+FMA+F16C; the length contract is the same).
-            None => super::avx2::gemv(dtype, w, k, x, y),
+            DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+                super::avx2::gemv(dtype, w, k, x, y)
+            }
         }
     }
 }
