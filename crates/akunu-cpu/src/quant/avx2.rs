@@ -409,6 +409,7 @@ unsafe fn q4_rows_one<const R: usize, const Q41: bool>(
 /// `n < N`, `r < R`; for `N > 1`, `N * k / 32` block-sum vectors (8
 /// floats each) of the input rows at `sx` (unused for `N == 1`, which runs
 /// [`q4_rows_one`]).
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_rows<const R: usize, const N: usize, const Q41: bool>(
     w: *const u8,
@@ -488,6 +489,7 @@ unsafe fn q4_rows<const R: usize, const N: usize, const Q41: bool>(
 ///
 /// # Safety
 /// As for [`q4_rows`].
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q8_rows<const R: usize, const N: usize>(
     w: *const u8,
@@ -552,6 +554,7 @@ unsafe fn sum32(p: *const f32) -> f32 {
 ///
 /// # Safety
 /// As for [`q4_rows`].
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q5_rows<const R: usize, const N: usize, const Q51: bool>(
     w: *const u8,
@@ -642,6 +645,7 @@ unsafe fn q5_rows<const R: usize, const N: usize, const Q51: bool>(
 /// `R` rows of `k / 256` super-blocks at `w` (stride `rb`), `N` rows of
 /// `k` floats at `x` (stride `xs`), outputs `y[n * ys + r]` writable.
 #[allow(clippy::needless_range_loop)]
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn qk_rows<const R: usize, const N: usize, const FIVE: bool>(
     w: *const u8,
@@ -735,6 +739,7 @@ unsafe fn qk_rows<const R: usize, const N: usize, const FIVE: bool>(
 /// # Safety
 /// As for [`qk_rows`] (210-byte super-blocks).
 #[allow(clippy::needless_range_loop)]
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q6k_rows<const R: usize, const N: usize>(
     w: *const u8,
@@ -810,6 +815,7 @@ unsafe fn q6k_rows<const R: usize, const N: usize>(
 /// `R` rows of `k` elements at `w` (stride `rb` bytes), `N` rows of `k`
 /// floats at `x` (stride `xs`), outputs `y[n * ys + r]` writable.
 #[allow(clippy::needless_range_loop)]
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn float_rows<const R: usize, const N: usize, const T: u8>(
     w: *const u8,

@@ -270,8 +270,9 @@ pub(crate) fn gemv_multi_with(
         #[cfg(target_arch = "aarch64")]
         Level::Neon => {
             // One-row products per input row (exact by construction).
-            for (xt, yt) in x.chunks_exact(k.max(1)).zip(y.chunks_exact_mut(n_rows)) {
-                neon::gemv(dtype, w, k, &xt[..k], yt);
+            for t in 0..n_x {
+                let yt = &mut y[t * n_rows..(t + 1) * n_rows];
+                neon::gemv(dtype, w, k, &x[t * k..(t + 1) * k], yt);
             }
         }
     }
@@ -288,7 +289,7 @@ pub(crate) fn multi_chunks<K>(
     let mut out = Vec::with_capacity(nc);
     let mut t0 = 0;
     for c in 0..nc {
-        let n = (n_x - t0) / (nc - c) + usize::from((n_x - t0) % (nc - c) != 0);
+        let n = (n_x - t0).div_ceil(nc - c);
         out.push((t0, pick(n)));
         t0 += n;
     }

@@ -647,18 +647,20 @@ mod avx2 {
             // weight row's block b (bytes b*bs .. b*bs+bs <= rb) are in
             // bounds.
             unsafe {
-                let xq: [__m256i; N] = core::array::from_fn(|n| {
-                    _mm256_loadu_si256(x[n].qs.add(b * QK) as *const __m256i)
-                });
+                // (Loops, not closures: the intrinsics inline into this
+                // function's target features.)
+                let mut xq = [_mm256_setzero_si256(); N];
+                for (n, v) in xq.iter_mut().enumerate() {
+                    *v = _mm256_loadu_si256(x[n].qs.add(b * QK) as *const __m256i);
+                }
                 // Q4_0: 8 * sum(qx) per 32-bit lane, subtracted from the
                 // unsigned-nibble products to give sum((q - 8) * qx).
-                let bias: [__m256i; N] = core::array::from_fn(|n| {
-                    if Q41 {
-                        _mm256_setzero_si256()
-                    } else {
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(eight, xq[n]), ones)
+                let mut bias = [_mm256_setzero_si256(); N];
+                if !Q41 {
+                    for (v, q) in bias.iter_mut().zip(&xq) {
+                        *v = _mm256_madd_epi16(_mm256_maddubs_epi16(eight, *q), ones);
                     }
-                });
+                }
                 for r in 0..R {
                     let p = w.add(r * rb + b * bs);
                     prefetch(p.wrapping_add(PF_DIST.max(R * rb)));
@@ -715,9 +717,12 @@ mod avx2 {
             // SAFETY: b < nb: activation block b of every row and each
             // weight row's 34-byte block b are in bounds.
             unsafe {
-                let xq: [__m256i; N] = core::array::from_fn(|n| {
-                    _mm256_loadu_si256(x[n].qs.add(b * QK) as *const __m256i)
-                });
+                // (Loops, not closures: the intrinsics inline into this
+                // function's target features.)
+                let mut xq = [_mm256_setzero_si256(); N];
+                for (n, v) in xq.iter_mut().enumerate() {
+                    *v = _mm256_loadu_si256(x[n].qs.add(b * QK) as *const __m256i);
+                }
                 for r in 0..R {
                     let p = w.add(r * rb + b * 34);
                     prefetch(p.wrapping_add(PF_DIST));
@@ -826,18 +831,20 @@ mod vnni {
             // weight row's block b (bytes b*bs .. b*bs+bs <= rb) are in
             // bounds.
             unsafe {
-                let xq: [__m256i; N] = core::array::from_fn(|n| {
-                    _mm256_loadu_si256(x[n].qs.add(b * QK) as *const __m256i)
-                });
+                // (Loops, not closures: the intrinsics inline into this
+                // function's target features.)
+                let mut xq = [_mm256_setzero_si256(); N];
+                for (n, v) in xq.iter_mut().enumerate() {
+                    *v = _mm256_loadu_si256(x[n].qs.add(b * QK) as *const __m256i);
+                }
                 // Q4_0: start every integer sum at -8 * sum(qx) (per lane),
                 // so it ends as sum((q - 8) * qx).
-                let start: [__m256i; N] = core::array::from_fn(|n| {
-                    if Q41 {
-                        zero
-                    } else {
-                        _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, eight, xq[n]))
+                let mut start = [zero; N];
+                if !Q41 {
+                    for (v, q) in start.iter_mut().zip(&xq) {
+                        *v = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, eight, *q));
                     }
-                });
+                }
                 for r in 0..R {
                     let p = w.add(r * rb + b * bs);
                     prefetch(p.wrapping_add(PF_DIST.max(R * rb)));
@@ -892,13 +899,17 @@ mod vnni {
             // SAFETY: b < nb: activation block b of every row and each
             // weight row's 34-byte block b are in bounds.
             unsafe {
-                let xq: [__m256i; N] = core::array::from_fn(|n| {
-                    _mm256_loadu_si256(x[n].qs.add(b * QK) as *const __m256i)
-                });
+                // (Loops, not closures: the intrinsics inline into this
+                // function's target features.)
+                let mut xq = [_mm256_setzero_si256(); N];
+                for (n, v) in xq.iter_mut().enumerate() {
+                    *v = _mm256_loadu_si256(x[n].qs.add(b * QK) as *const __m256i);
+                }
                 // 0x80 as unsigned is 128: start = -128 * sum(qx) per lane.
-                let start: [__m256i; N] = core::array::from_fn(|n| {
-                    _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, off, xq[n]))
-                });
+                let mut start = [zero; N];
+                for (v, q) in start.iter_mut().zip(&xq) {
+                    *v = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, off, *q));
+                }
                 for r in 0..R {
                     let p = w.add(r * rb + b * 34);
                     prefetch(p.wrapping_add(PF_DIST));
