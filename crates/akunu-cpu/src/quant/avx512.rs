@@ -300,6 +300,141 @@ pub(super) unsafe fn gemv_multi(
     }
 }
 
+/// Q4_0 (`Q41 == false`) or Q4_1 rows, one input row: the `N == 1`
+/// instance of [`q4_rows`] written out (the decode kernel as it was before the
+/// multi-row kernels, so its speed is unchanged; the same operations per
+/// weight row in the same order, the bit-identity tests pin the two).
+///
+/// # Safety
+/// `R` rows of `k / 32` blocks at `w` (stride `rb`), `k` floats at `x`,
+/// `R` writable floats at `y`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn q4_rows_one<const R: usize, const Q41: bool>(
+    w: *const u8,
+    rb: usize,
+    k: usize,
+    x: *const f32,
+    y: *mut f32,
+) {
+    let (bs, qoff) = if Q41 { (20, 4) } else { (18, 2) };
+    let nb = k / QK;
+    let tbl = nibble_table(Q41);
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in 0..nb {
+        // SAFETY: b < nb, so x[b*32 .. b*32+32] is in bounds, and each row's
+        // block b (bytes b*bs .. b*bs+bs <= rb) is in bounds.
+        unsafe {
+            let xb = x.add(b * QK);
+            let x0 = _mm512_loadu_ps(xb);
+            let x1 = _mm512_loadu_ps(xb.add(16));
+            let s = if Q41 { _mm512_add_ps(x0, x1) } else { x0 };
+            for (r, a) in acc.iter_mut().enumerate() {
+                let p = w.add(r * rb + b * bs);
+                prefetch(p.wrapping_add(PF_DIST.max(R * rb)));
+                let d = bcast_f16(p);
+                // byte j -> lane j; low nibble = element j, high = j + 16.
+                let bw = widen_u8(p.add(qoff));
+                let lo = _mm512_permutexvar_ps(bw, tbl);
+                let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(bw), tbl);
+                let t = _mm512_fmadd_ps(hi, x1, _mm512_mul_ps(lo, x0));
+                *a = _mm512_fmadd_ps(d, t, *a);
+                if Q41 {
+                    *a = _mm512_fmadd_ps(bcast_f16(p.add(2)), s, *a);
+                }
+            }
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        // SAFETY: r < R outputs are writable.
+        unsafe { *y.add(r) = _mm512_reduce_add_ps(*a) };
+    }
+}
+
+/// Q8_0 rows, one input row (see [`q4_rows_one`]).
+///
+/// # Safety
+/// As for [`q4_rows_one`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn q8_rows_one<const R: usize>(
+    w: *const u8,
+    rb: usize,
+    k: usize,
+    x: *const f32,
+    y: *mut f32,
+) {
+    let nb = k / QK;
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in 0..nb {
+        // SAFETY: b < nb: x block and each row's 34-byte block are in bounds.
+        unsafe {
+            let xb = x.add(b * QK);
+            let x0 = _mm512_loadu_ps(xb);
+            let x1 = _mm512_loadu_ps(xb.add(16));
+            for (r, a) in acc.iter_mut().enumerate() {
+                let p = w.add(r * rb + b * 34);
+                prefetch(p.wrapping_add(PF_DIST));
+                let d = bcast_f16(p);
+                let q0 = _mm512_cvtepi32_ps(widen_i8(p.add(2)));
+                let q1 = _mm512_cvtepi32_ps(widen_i8(p.add(18)));
+                let t = _mm512_fmadd_ps(q1, x1, _mm512_mul_ps(q0, x0));
+                *a = _mm512_fmadd_ps(d, t, *a);
+            }
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        // SAFETY: r < R outputs are writable.
+        unsafe { *y.add(r) = _mm512_reduce_add_ps(*a) };
+    }
+}
+
+/// F32/F16/BF16 rows, one input row (see [`q4_rows_one`]).
+///
+/// # Safety
+/// `R` rows of `k` elements at `w` (stride `rb` bytes), `k` floats at `x`,
+/// `R` writable floats at `y`.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn float_rows_one<const R: usize, const T: u8>(
+    w: *const u8,
+    rb: usize,
+    k: usize,
+    x: *const f32,
+    y: *mut f32,
+) {
+    // Two accumulators per row: 2*R independent FMA chains.
+    let mut acc0 = [_mm512_setzero_ps(); R];
+    let mut acc1 = [_mm512_setzero_ps(); R];
+    let mut i = 0;
+    while i + 32 <= k {
+        // SAFETY: elements i..i+32 < k of x and of each row r < R.
+        unsafe {
+            let x0 = _mm512_loadu_ps(x.add(i));
+            let x1 = _mm512_loadu_ps(x.add(i + 16));
+            for r in 0..R {
+                let p = w.add(r * rb);
+                acc0[r] = _mm512_fmadd_ps(load16::<T>(p, i, 0xFFFF), x0, acc0[r]);
+                acc1[r] = _mm512_fmadd_ps(load16::<T>(p, i + 16, 0xFFFF), x1, acc1[r]);
+            }
+        }
+        i += 32;
+    }
+    while i < k {
+        let m = first(k - i);
+        // SAFETY: the mask selects only elements i..min(i+16, k).
+        unsafe {
+            let x0 = _mm512_maskz_loadu_ps(m, x.add(i));
+            for r in 0..R {
+                acc0[r] = _mm512_fmadd_ps(load16::<T>(w.add(r * rb), i, m), x0, acc0[r]);
+            }
+        }
+        i += 16;
+    }
+    for r in 0..R {
+        // SAFETY: r < R outputs are writable.
+        unsafe { *y.add(r) = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r])) };
+    }
+}
+
 /// Q4_0 (`Q41 == false`) or Q4_1: `R` weight rows x `N` input rows.
 ///
 /// # Safety
@@ -316,6 +451,10 @@ unsafe fn q4_rows<const R: usize, const N: usize, const Q41: bool>(
     y: *mut f32,
     ys: usize,
 ) {
+    if N == 1 {
+        // SAFETY: the same contract, one input row.
+        return unsafe { q4_rows_one::<R, Q41>(w, rb, k, x, y) };
+    }
     let (bs, qoff) = if Q41 { (20, 4) } else { (18, 2) };
     let nb = k / QK;
     let tbl = nibble_table(Q41);
@@ -373,6 +512,10 @@ unsafe fn q8_rows<const R: usize, const N: usize>(
     y: *mut f32,
     ys: usize,
 ) {
+    if N == 1 {
+        // SAFETY: the same contract, one input row.
+        return unsafe { q8_rows_one::<R>(w, rb, k, x, y) };
+    }
     let nb = k / QK;
     let mut acc = [[_mm512_setzero_ps(); N]; R];
     for b in 0..nb {
@@ -420,6 +563,10 @@ unsafe fn float_rows<const R: usize, const N: usize, const T: u8>(
     y: *mut f32,
     ys: usize,
 ) {
+    if N == 1 {
+        // SAFETY: the same contract, one input row.
+        return unsafe { float_rows_one::<R, T>(w, rb, k, x, y) };
+    }
     // Two accumulators per output: 2*R*N independent FMA chains.
     let mut acc0 = [[_mm512_setzero_ps(); N]; R];
     let mut acc1 = [[_mm512_setzero_ps(); N]; R];
