@@ -211,6 +211,14 @@ pub trait Backend: BufferRead + Send {
         u32::MAX
     }
 
+    /// Whether speculative decode starts with one-token drafts and doubles
+    /// them on full accepts (where each verified row costs a good part of a
+    /// one-row step, as on the CPU), rather than with the full draft length
+    /// (where a pass costs about one step whatever its rows, as on a GPU).
+    fn slow_start_drafts(&self) -> bool {
+        true
+    }
+
     /// Longest run of plain steps speculative decode makes while the n-gram
     /// predictor has no draft, before it tries again (the run doubles from
     /// 1 up to this while drafts stay absent). 1 where a submission costs no

@@ -722,8 +722,8 @@ impl Engine {
 
         let mut going = emit(first, &mut stats, &mut self.history, &mut self.pending);
         let mut delivery: Vec<f32> = Vec::new();
-        let mut spec =
-            (path == DecodePath::Speculative).then(|| SpecState::new(&opts.spec, &self.history));
+        let mut spec = (path == DecodePath::Speculative)
+            .then(|| SpecState::new(&opts.spec, &self.history, self.backend.slow_start_drafts()));
         if let Some(sp) = spec.as_mut()
             && self.verify_rows < 2
         {
@@ -999,7 +999,8 @@ pub(crate) fn rate(n: u32, ms: f64) -> f64 {
 struct SpecState {
     pred: NgramPredictor,
     draft: Vec<u32>,
-    /// Current draft length (adapts between 1 and the configured one).
+    /// Current draft length (adapts between 1 and the configured one;
+    /// starts at 1: a draft earns its length by being accepted).
     k_cur: u32,
     /// Verification passes in a row that accepted nothing.
     misses: u32,
@@ -1030,11 +1031,18 @@ impl SpecStats {
 }
 
 impl SpecState {
-    fn new(opts: &SpecOptions, history: &[u32]) -> Self {
+    fn new(opts: &SpecOptions, history: &[u32], slow_start: bool) -> Self {
         SpecState {
             pred: NgramPredictor::with_tokens(opts, history),
             draft: Vec::with_capacity(MAX_DRAFT as usize),
-            k_cur: opts.draft,
+            // Slow start where a verified row is not free (on the CPU an
+            // extra row costs about 0.4 of a one-row step, bench/RESULTS.md):
+            // the first draft is one token and full accepts double it.
+            k_cur: if slow_start {
+                1.min(opts.draft)
+            } else {
+                opts.draft
+            },
             misses: 0,
             pause_left: 0,
             pause_len: SPEC_PAUSE_MIN,
@@ -1051,10 +1059,10 @@ impl SpecState {
     }
 
     /// After a pass that drafted `k` tokens and had `m` accepted: a full
-    /// accept doubles the draft, a partial one shrinks it to what was
-    /// accepted plus one, and repeated misses pause drafting for a while
-    /// (longer each time), so that text the n-grams cannot predict runs at
-    /// the plain path's speed.
+    /// accept doubles the draft (from 1, see `new`), a partial one shrinks
+    /// it to what was accepted plus one, and repeated misses pause drafting
+    /// for a while (longer each time), so that text the n-grams cannot
+    /// predict runs at the plain path's speed.
     fn adapt(&mut self, k: u32, m: u32, max: u32) {
         if m == k {
             self.k_cur = (self.k_cur * 2).clamp(1, max);

@@ -8,7 +8,9 @@
 //! repeats, each repeat long enough (~20 ms) to swamp timer noise.
 
 use akunu_core::dtype::DType;
-use akunu_cpu::quant::{Q8Act, gemm, gemv, gemv_q8, row_bytes, simd_level, supports_q8};
+use akunu_cpu::quant::{
+    Q8Act, gemm, gemv, gemv_multi, gemv_q8, gemv_q8_multi, row_bytes, simd_level, supports_q8,
+};
 use std::hint::black_box;
 use std::time::Instant;
 
@@ -177,6 +179,87 @@ fn main() {
         let mut xq = Q8Act::new();
         let (med, _) = time_it(|| xq.quantize(black_box(&x)), 0.01, 5);
         println!("  quantize k={k}: {:.0} ns", med * 1e9);
+    }
+
+    // Exact multi-row products (speculative verification): time of one
+    // call over n_x input rows relative to n_x one-row calls (< 1: the
+    // shared weight unpacking pays off). Both activation modes.
+    println!("\nGEMV multi-row (exact), cost of one n_x-row call / n_x one-row calls, median:");
+    let multi_shapes = [(576, 576), (1536, 576), (576, 1536), (49152, 576)];
+    let n_xs = [2, 4, 5, 8, 16];
+    print!("{:>18}", "dtype shape");
+    for n in n_xs {
+        print!(" {:>7}", format!("n_x={n}"));
+    }
+    println!();
+    for dtype in dtypes {
+        if filter
+            .as_deref()
+            .is_some_and(|f| !dtype.name().eq_ignore_ascii_case(f))
+        {
+            continue;
+        }
+        for q8 in [false, true] {
+            if q8 && !supports_q8(dtype) {
+                continue;
+            }
+            for (rows, k) in multi_shapes.map(|sh| k_shape(dtype, sh)) {
+                let w = weights(&mut rng, dtype, rows, k);
+                let x: Vec<f32> = (0..16 * k).map(|_| rng.unit()).collect();
+                let xq: Vec<Q8Act> = x
+                    .chunks_exact(k)
+                    .map(|xr| {
+                        let mut q = Q8Act::new();
+                        q.quantize(xr);
+                        q
+                    })
+                    .collect();
+                let mut y = vec![0f32; 16 * rows];
+                let (one, _) = time_it(
+                    || {
+                        if q8 {
+                            gemv_q8(dtype, black_box(&w), k, &xq[0], black_box(&mut y[..rows]))
+                        } else {
+                            gemv(
+                                dtype,
+                                black_box(&w),
+                                k,
+                                black_box(&x[..k]),
+                                black_box(&mut y[..rows]),
+                            )
+                        }
+                    },
+                    0.02,
+                    7,
+                );
+                let act = if q8 { "q8" } else { "f32" };
+                print!("{:>18}", format!("{} {act} {rows}x{k}", dtype.name()));
+                for n in n_xs {
+                    let (t, _) = time_it(
+                        || {
+                            let yv = black_box(&mut y[..n * rows]);
+                            if q8 {
+                                gemv_q8_multi(dtype, black_box(&w), k, rows, &xq[..n], yv)
+                            } else {
+                                gemv_multi(
+                                    dtype,
+                                    black_box(&w),
+                                    k,
+                                    rows,
+                                    black_box(&x[..n * k]),
+                                    n,
+                                    yv,
+                                )
+                            }
+                        },
+                        0.02,
+                        7,
+                    );
+                    print!(" {:>7.2}", t / (n as f64 * one));
+                }
+                println!();
+            }
+        }
     }
 
     let n_x = 64;

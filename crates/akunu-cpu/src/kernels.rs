@@ -457,8 +457,10 @@ fn gelu_tanh(x: f32) -> f32 {
 
 /// Most rows of a step whose products match a one-row step's bit for bit.
 pub const EXACT_ROWS: usize = 16;
-/// Weight rows per tile of the exact multi-row product.
-const EXACT_TILE: usize = 64;
+/// Weight rows per call of the exact multi-row product (bounds the
+/// per-thread scratch; the kernels keep each weight row group in L1
+/// across all input rows themselves).
+const EXACT_TILE: usize = 256;
 
 fn gemv(
     pool: &ThreadPool,
@@ -540,10 +542,11 @@ fn gemv(
     let os = p.out_stride as usize;
     let acc = p.accumulate != 0;
     // Steps of up to `EXACT_ROWS` rows (speculative verification, short
-    // prefills) compute every row exactly as a one-row step does: the same
-    // GEMV kernel per row, over tiles of weight rows small enough to stay
-    // in L1/L2 between the rows, so the weights still stream from memory
-    // once. Larger steps use the GEMM, whose sums are ordered differently.
+    // prefills) compute every row exactly as a one-row step does: the
+    // multi-row GEMV kernels unpack each weight block once and apply it to
+    // every row with the one-row kernel's operation order (the one-row
+    // kernel is their one-input instance). Larger steps use the GEMM, whose
+    // sums are ordered differently.
     let exact = n_x <= EXACT_ROWS;
     let use_q8 = opts.q8_activations && exact && segs.iter().all(|sg| quant::supports_q8(sg.dt));
     // The input rows are quantized once, by the calling thread, and read by all.
@@ -595,25 +598,34 @@ fn gemv(
                 SCRATCH.with(|cell| {
                     let mut tmp = cell.borrow_mut();
                     tmp.clear();
-                    if exact {
-                        // Tiles of EXACT_TILE weight rows (a multiple of the
-                        // kernels' 4-row groups, so each row meets the same
-                        // kernel as in a one-row step).
+                    if exact && n_x == 1 {
                         // One row (decode): the whole range in one call.
-                        let tile = if n_x == 1 { nr } else { EXACT_TILE };
-                        tmp.resize(tile.min(nr), 0.0);
+                        tmp.resize(nr, 0.0);
+                        if use_q8 {
+                            quant::gemv_q8(sg.dt, w, k, &xq[0], &mut tmp);
+                        } else {
+                            quant::gemv(sg.dt, w, k, &x[..k], &mut tmp);
+                        }
+                        store(0, 0, &tmp);
+                    } else if exact {
+                        // The multi-row kernels: each weight block unpacked
+                        // once for all rows, every row bit-identical to a
+                        // one-row step. Tiles of EXACT_TILE weight rows
+                        // bound the scratch.
+                        let tile = EXACT_TILE.min(nr);
+                        tmp.resize(tile * n_x, 0.0);
                         let mut i0 = 0;
                         while i0 < nr {
                             let tn = tile.min(nr - i0);
                             let wt = &w[i0 * sg.rb..(i0 + tn) * sg.rb];
+                            let y = &mut tmp[..tn * n_x];
+                            if use_q8 {
+                                quant::gemv_q8_multi(sg.dt, wt, k, tn, &xq[..n_x], y);
+                            } else {
+                                quant::gemv_multi(sg.dt, wt, k, tn, &x[..n_x * k], n_x, y);
+                            }
                             for t in 0..n_x {
-                                let y = &mut tmp[..tn];
-                                if use_q8 {
-                                    quant::gemv_q8(sg.dt, wt, k, &xq[t], y);
-                                } else {
-                                    quant::gemv(sg.dt, wt, k, &x[t * k..(t + 1) * k], y);
-                                }
-                                store(t, i0, y);
+                                store(t, i0, &y[t * tn..(t + 1) * tn]);
                             }
                             i0 += tn;
                         }

@@ -662,6 +662,13 @@ impl Backend for CudaBackend {
         launch::decode_rows(self, table)
     }
 
+    fn slow_start_drafts(&self) -> bool {
+        // An 8-row pass cost about 1.9 one-row steps on the default model
+        // (repeat-text, bench/RESULTS.md), so a draft is cheap per token:
+        // full-length drafts from the start.
+        false
+    }
+
     fn idle_run_max(&self) -> u32 {
         // Every plain run is a submission with its own round trip (control
         // block, graph launch, token read-back); runs of up to 8 amortise

@@ -128,54 +128,32 @@ unsafe fn load1<const T: u8>(p: *const u8, i: usize) -> f32 {
 pub(super) unsafe fn gemv(dtype: DType, w: &[u8], k: usize, x: &[f32], y: &mut [f32]) {
     let rb = row_bytes(dtype, k);
     debug_assert!(w.len() == y.len() * rb && x.len() == k);
-    // SAFETY: features guaranteed by the caller; the length contract above
-    // is exactly what the row kernels require.
-    unsafe {
-        match dtype {
-            DType::Q4_0 => gemv_rows(w, rb, k, x, y, q4_rows::<4, false>, q4_rows::<1, false>),
-            DType::Q4_1 => gemv_rows(w, rb, k, x, y, q4_rows::<4, true>, q4_rows::<1, true>),
-            DType::Q8_0 => gemv_rows(w, rb, k, x, y, q8_rows::<4>, q8_rows::<1>),
-            DType::Q5_0 => gemv_rows(w, rb, k, x, y, q5_rows::<4, false>, q5_rows::<1, false>),
-            DType::Q5_1 => gemv_rows(w, rb, k, x, y, q5_rows::<4, true>, q5_rows::<1, true>),
-            DType::Q4_K => gemv_rows(w, rb, k, x, y, qk_rows::<4, false>, qk_rows::<1, false>),
-            DType::Q5_K => gemv_rows(w, rb, k, x, y, qk_rows::<4, true>, qk_rows::<1, true>),
-            DType::Q6_K => gemv_rows(w, rb, k, x, y, q6k_rows::<4>, q6k_rows::<1>),
-            DType::F32 => gemv_rows(
-                w,
-                rb,
-                k,
-                x,
-                y,
-                float_rows::<4, T_F32>,
-                float_rows::<1, T_F32>,
-            ),
-            DType::F16 => gemv_rows(
-                w,
-                rb,
-                k,
-                x,
-                y,
-                float_rows::<4, T_F16>,
-                float_rows::<1, T_F16>,
-            ),
-            DType::BF16 => gemv_rows(
-                w,
-                rb,
-                k,
-                x,
-                y,
-                float_rows::<4, T_BF16>,
-                float_rows::<1, T_BF16>,
-            ),
-        }
+    // Each arm passes its kernels as constants, so `gemv_rows` (inlined)
+    // calls them directly and the compiler inlines them into the row loop.
+    macro_rules! run {
+        ($k4:expr, $k1:expr) => {
+            // SAFETY: features guaranteed by the caller; the length contract
+            // above is exactly what the row kernels require (one input row).
+            unsafe { gemv_rows(w, rb, k, x, y, $k4, $k1) }
+        };
+    }
+    match dtype {
+        DType::Q4_0 => run!(q4_rows::<4, 1, false>, q4_rows::<1, 1, false>),
+        DType::Q4_1 => run!(q4_rows::<4, 1, true>, q4_rows::<1, 1, true>),
+        DType::Q8_0 => run!(q8_rows::<4, 1>, q8_rows::<1, 1>),
+        DType::Q5_0 => run!(q5_rows::<4, 1, false>, q5_rows::<1, 1, false>),
+        DType::Q5_1 => run!(q5_rows::<4, 1, true>, q5_rows::<1, 1, true>),
+        DType::Q4_K => run!(qk_rows::<4, 1, false>, qk_rows::<1, 1, false>),
+        DType::Q5_K => run!(qk_rows::<4, 1, true>, qk_rows::<1, 1, true>),
+        DType::Q6_K => run!(q6k_rows::<4, 1>, q6k_rows::<1, 1>),
+        DType::F32 => run!(float_rows::<4, 1, T_F32>, float_rows::<1, 1, T_F32>),
+        DType::F16 => run!(float_rows::<4, 1, T_F16>, float_rows::<1, 1, T_F16>),
+        DType::BF16 => run!(float_rows::<4, 1, T_BF16>, float_rows::<1, 1, T_BF16>),
     }
 }
 
-/// A row kernel: computes `R` outputs at `y` from `R` rows starting at `w`
-/// (row stride `rb` bytes) and `x` (`k` elements).
-type RowKernel = unsafe fn(*const u8, usize, usize, *const f32, *mut f32);
-
-/// Runs `k4` over groups of 4 rows and `k1` over the remaining rows.
+/// Runs `k4` over groups of 4 rows and `k1` over the remaining rows (one
+/// input row; the Q4 kernels sum its blocks themselves).
 ///
 /// # Safety
 /// Features available; `w.len() >= y.len() * rb`, `x.len() == k`, and the
@@ -191,29 +169,177 @@ unsafe fn gemv_rows(
     k4: RowKernel,
     k1: RowKernel,
 ) {
-    let n = y.len();
-    let (wp, xp, yp) = (w.as_ptr(), x.as_ptr(), y.as_mut_ptr());
+    let (n, wp, xp, yp) = (y.len(), w.as_ptr(), x.as_ptr(), y.as_mut_ptr());
+    let sx = core::ptr::null();
     let mut r = 0;
     while r + 4 <= n {
         // SAFETY: rows r..r+4 lie within `w` (r + 4 <= n) and outputs
-        // r..r+4 within `y`.
-        unsafe { k4(wp.add(r * rb), rb, k, xp, yp.add(r)) };
+        // r..r+4 within `y`; one input row (strides unused).
+        unsafe { k4(wp.add(r * rb), rb, k, xp, k, yp.add(r), 0, sx) };
         r += 4;
     }
     while r < n {
         // SAFETY: row r < n lies within `w`, output r within `y`.
-        unsafe { k1(wp.add(r * rb), rb, k, xp, yp.add(r)) };
+        unsafe { k1(wp.add(r * rb), rb, k, xp, k, yp.add(r), 0, sx) };
         r += 1;
     }
 }
 
-/// Q4_0 (`Q41 == false`) or Q4_1 rows.
+thread_local! {
+    /// Per-thread scratch for [`block_sums`].
+    static SUMS: core::cell::RefCell<Vec<f32>> = const { core::cell::RefCell::new(Vec::new()) };
+}
+
+/// For the Q4 kernels: the lane-wise partial sums of every 32-element block
+/// of the `n_x` input rows (8 floats per block, row-major), computed once
+/// per product instead of once per weight-row group: Q4_1 `x0+x1+x2+x3`
+/// (for `m * sum(x)`), Q4_0 that times -8 (the start value that folds the
+/// nibble offset into the accumulation). Returns null for other types.
+///
+/// # Safety
+/// AVX2/FMA/F16C available; `x.len() == n_x * k`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_sums(
+    dtype: DType,
+    x: &[f32],
+    n_x: usize,
+    k: usize,
+    buf: &mut Vec<f32>,
+) -> *const f32 {
+    if !matches!(dtype, DType::Q4_0 | DType::Q4_1) {
+        return core::ptr::null();
+    }
+    let nb = k / QK;
+    buf.resize(n_x * nb * 8, 0.0);
+    let (xp, bp) = (x.as_ptr(), buf.as_mut_ptr());
+    for t in 0..n_x {
+        for b in 0..nb {
+            // SAFETY: block b < nb of row t < n_x lies inside `x`; entry
+            // (t, b) inside `buf` (just resized to n_x * nb * 8).
+            unsafe {
+                let xb = xp.add(t * k + b * QK);
+                let (x0, x1) = (_mm256_loadu_ps(xb), _mm256_loadu_ps(xb.add(8)));
+                let (x2, x3) = (_mm256_loadu_ps(xb.add(16)), _mm256_loadu_ps(xb.add(24)));
+                let v = _mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3));
+                let v = if dtype == DType::Q4_1 {
+                    v
+                } else {
+                    _mm256_mul_ps(v, _mm256_set1_ps(-8.0))
+                };
+                _mm256_storeu_ps(bp.add((t * nb + b) * 8), v);
+            }
+        }
+    }
+    buf.as_ptr()
+}
+
+/// The row kernels for `N` input rows: (`R` weight rows, 1 weight row).
+/// With `N == 1` (and `R == 4`) they are the one-row decode kernels; any
+/// other `R`, `N` runs the same code per (weight row, input row) pair, so
+/// each output is bit for bit the one-row result.
+fn kernels<const R: usize, const N: usize>(dtype: DType) -> (RowKernel, RowKernel) {
+    match dtype {
+        DType::Q4_0 => (q4_rows::<R, N, false>, q4_rows::<1, N, false>),
+        DType::Q4_1 => (q4_rows::<R, N, true>, q4_rows::<1, N, true>),
+        DType::Q8_0 => (q8_rows::<R, N>, q8_rows::<1, N>),
+        DType::Q5_0 => (q5_rows::<R, N, false>, q5_rows::<1, N, false>),
+        DType::Q5_1 => (q5_rows::<R, N, true>, q5_rows::<1, N, true>),
+        DType::Q4_K => (qk_rows::<R, N, false>, qk_rows::<1, N, false>),
+        DType::Q5_K => (qk_rows::<R, N, true>, qk_rows::<1, N, true>),
+        DType::Q6_K => (q6k_rows::<R, N>, q6k_rows::<1, N>),
+        DType::F32 => (float_rows::<R, N, T_F32>, float_rows::<1, N, T_F32>),
+        DType::F16 => (float_rows::<R, N, T_F16>, float_rows::<1, N, T_F16>),
+        DType::BF16 => (float_rows::<R, N, T_BF16>, float_rows::<1, N, T_BF16>),
+    }
+}
+
+/// (weight rows, most input rows) per multi-row kernel call. AVX2 has 16
+/// vector registers: the `rows * n` accumulators (twice that for the float
+/// types) plus one weight row's unpacked block must fit.
+fn multi_shape(dtype: DType) -> (usize, usize) {
+    match dtype {
+        DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => (1, 8),
+        DType::F32 | DType::F16 | DType::BF16 => (1, 6),
+        _ => (2, 4),
+    }
+}
+
+/// A row kernel: for `R` weight rows starting at `w` (row stride `rb`
+/// bytes) and `N` input rows of `k` elements starting at `x` (input-row
+/// stride `xs` floats), writes output (input `n`, weight row `r`) to
+/// `y[n * ys + r]`. The last argument holds the input rows' per-block sums
+/// for the Q4 kernels when `N > 1` ([`block_sums`]); one-input kernels and
+/// the other types ignore it.
+type RowKernel = unsafe fn(*const u8, usize, usize, *const f32, usize, *mut f32, usize, *const f32);
+
+/// Multi-row product: `y[t * n_rows + r] = dot(row r of W, x[t*k..][..k])`
+/// for `t < n_x`, `r < n_rows`, each bit-identical to [`gemv`] of input
+/// row `t`. Input rows go through the kernels in chunks ([`multi_shape`]);
+/// per weight-row group every chunk runs while the group's bytes are in
+/// L1, so each weight block is unpacked once per chunk.
+///
+/// # Safety
+/// AVX2/FMA/F16C available; `w.len() == n_rows * row_bytes(dtype, k)`,
+/// `x.len() == n_x * k`, `y.len() == n_x * n_rows`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn gemv_multi(
+    dtype: DType,
+    w: &[u8],
+    k: usize,
+    n_rows: usize,
+    x: &[f32],
+    n_x: usize,
+    y: &mut [f32],
+) {
+    let rb = row_bytes(dtype, k);
+    let nb = k / QK;
+    debug_assert!(w.len() == n_rows * rb && x.len() == n_x * k && y.len() == n_x * n_rows);
+    let (rows, max_n) = multi_shape(dtype);
+    let chunks = super::multi_chunks(n_x, max_n, |n| {
+        if rows == 1 {
+            super::by_n!(n, |N| kernels::<1, N>(dtype))
+        } else {
+            super::by_n!(n, |N| kernels::<2, N>(dtype))
+        }
+    });
+    SUMS.with(|cell| {
+        let mut sums = cell.borrow_mut();
+        // SAFETY: `x` holds n_x rows of `k` floats.
+        let sx = unsafe { block_sums(dtype, x, n_x, k, &mut sums) };
+        let (wp, xp, yp) = (w.as_ptr(), x.as_ptr(), y.as_mut_ptr());
+        let mut r = 0;
+        while r < n_rows {
+            let group = r + rows <= n_rows;
+            for &(t0, (kr, k1)) in chunks.iter() {
+                // SAFETY: rows r..r+rows (or r) lie within `w`; the chunk's
+                // input rows t0.. within `x` (k floats each) and their block
+                // sums at sx + t0 * nb * 8 (when the kernel reads them);
+                // outputs (t, r..) at y[t * n_rows + r ..] within `y`.
+                unsafe {
+                    let (xc, yc) = (xp.add(t0 * k), yp.add(t0 * n_rows + r));
+                    let sc = sx.wrapping_add(t0 * nb * 8);
+                    if group {
+                        kr(wp.add(r * rb), rb, k, xc, k, yc, n_rows, sc)
+                    } else {
+                        k1(wp.add(r * rb), rb, k, xc, k, yc, n_rows, sc)
+                    }
+                }
+            }
+            r += if group { rows } else { 1 };
+        }
+    })
+}
+
+/// The one-input-row instance of [`q4_rows`], written out: the same
+/// operations per weight row in the same order (the bit-identity tests pin
+/// the two together), as the generic instance compiled about 4% slower
+/// (register allocation) on the decode path.
 ///
 /// # Safety
 /// `R` rows of `k / 32` blocks at `w` (stride `rb`), `k` floats at `x`,
 /// `R` writable floats at `y`.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_rows<const R: usize, const Q41: bool>(
+unsafe fn q4_rows_one<const R: usize, const Q41: bool>(
     w: *const u8,
     rb: usize,
     k: usize,
@@ -275,23 +401,113 @@ unsafe fn q4_rows<const R: usize, const Q41: bool>(
     }
 }
 
-/// Q8_0 rows.
+/// Q4_0 (`Q41 == false`) or Q4_1: `R` weight rows x `N` input rows.
+///
+/// # Safety
+/// `R` rows of `k / 32` blocks at `w` (stride `rb`), `N` rows of `k`
+/// floats at `x` (stride `xs`), outputs `y[n * ys + r]` writable for
+/// `n < N`, `r < R`; for `N > 1`, `N * k / 32` block-sum vectors (8
+/// floats each) of the input rows at `sx` (unused for `N == 1`, which runs
+/// [`q4_rows_one`]).
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_rows<const R: usize, const N: usize, const Q41: bool>(
+    w: *const u8,
+    rb: usize,
+    k: usize,
+    x: *const f32,
+    xs: usize,
+    y: *mut f32,
+    ys: usize,
+    sx: *const f32,
+) {
+    if N == 1 {
+        // SAFETY: the same contract, one input row.
+        return unsafe { q4_rows_one::<R, Q41>(w, rb, k, x, y) };
+    }
+    let (bs, qoff) = if Q41 { (20, 4) } else { (18, 2) };
+    let nb = k / QK;
+    let mask = _mm256_set1_epi32(0xF);
+    let mut acc = [[_mm256_setzero_ps(); N]; R];
+    for b in 0..nb {
+        // SAFETY: b < nb, so x[n*xs + b*32 .. + 32] is in bounds for n < N,
+        // and each row's block b (bytes b*bs .. b*bs+bs <= rb) is in bounds.
+        unsafe {
+            // Lane-wise partial sums of the block of each input row (Q4_0:
+            // the start value -8*x that folds the nibble offset into the
+            // accumulation; Q4_1: the sum for m * sum(x)), precomputed once
+            // per call by the one-row kernel's operations ([`block_sums`]).
+            let mut s = [_mm256_setzero_ps(); N];
+            for (n, sn) in s.iter_mut().enumerate() {
+                *sn = _mm256_loadu_ps(sx.add((n * nb + b) * 8));
+            }
+            for (r, ar) in acc.iter_mut().enumerate() {
+                let p = w.add(r * rb + b * bs);
+                prefetch(p.wrapping_add(PF_DIST.max(R * rb)));
+                let d = bcast_f16(p);
+                // bytes 0..8 -> lanes: low nibbles = elements 0..8,
+                // high nibbles = elements 16..24; bytes 8..16 likewise.
+                let b0 = widen_u8(p.add(qoff));
+                let b1 = widen_u8(p.add(qoff + 8));
+                let q0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, mask));
+                let q1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask));
+                let q2 = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(b0));
+                let q3 = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(b1));
+                for (n, a) in ar.iter_mut().enumerate() {
+                    let xb = x.add(n * xs + b * QK);
+                    let xv = [
+                        _mm256_loadu_ps(xb),
+                        _mm256_loadu_ps(xb.add(8)),
+                        _mm256_loadu_ps(xb.add(16)),
+                        _mm256_loadu_ps(xb.add(24)),
+                    ];
+                    let mut t = if Q41 {
+                        _mm256_mul_ps(q0, xv[0])
+                    } else {
+                        _mm256_fmadd_ps(q0, xv[0], s[n])
+                    };
+                    t = _mm256_fmadd_ps(q1, xv[1], t);
+                    t = _mm256_fmadd_ps(q2, xv[2], t);
+                    t = _mm256_fmadd_ps(q3, xv[3], t);
+                    *a = _mm256_fmadd_ps(d, t, *a);
+                    if Q41 {
+                        *a = _mm256_fmadd_ps(bcast_f16(p.add(2)), s[n], *a);
+                    }
+                }
+            }
+        }
+    }
+    for (r, ar) in acc.iter().enumerate() {
+        for (n, a) in ar.iter().enumerate() {
+            // SAFETY: r < R, n < N: the output is writable.
+            unsafe { *y.add(n * ys + r) = hsum(*a) };
+        }
+    }
+}
+
+/// Q8_0: `R` weight rows x `N` input rows.
 ///
 /// # Safety
 /// As for [`q4_rows`].
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_rows<const R: usize>(w: *const u8, rb: usize, k: usize, x: *const f32, y: *mut f32) {
+unsafe fn q8_rows<const R: usize, const N: usize>(
+    w: *const u8,
+    rb: usize,
+    k: usize,
+    x: *const f32,
+    xs: usize,
+    y: *mut f32,
+    ys: usize,
+    _sx: *const f32,
+) {
     let nb = k / QK;
-    let mut acc = [_mm256_setzero_ps(); R];
+    let mut acc = [[_mm256_setzero_ps(); N]; R];
     for b in 0..nb {
-        // SAFETY: b < nb: x block and each row's 34-byte block are in bounds.
+        // SAFETY: b < nb: the x blocks and each row's 34-byte block are in
+        // bounds.
         unsafe {
-            let xb = x.add(b * QK);
-            let x0 = _mm256_loadu_ps(xb);
-            let x1 = _mm256_loadu_ps(xb.add(8));
-            let x2 = _mm256_loadu_ps(xb.add(16));
-            let x3 = _mm256_loadu_ps(xb.add(24));
-            for (r, a) in acc.iter_mut().enumerate() {
+            for (r, ar) in acc.iter_mut().enumerate() {
                 let p = w.add(r * rb + b * 34);
                 prefetch(p.wrapping_add(PF_DIST));
                 let d = bcast_f16(p);
@@ -299,17 +515,22 @@ unsafe fn q8_rows<const R: usize>(w: *const u8, rb: usize, k: usize, x: *const f
                 let q1 = _mm256_cvtepi32_ps(widen_i8(p.add(10)));
                 let q2 = _mm256_cvtepi32_ps(widen_i8(p.add(18)));
                 let q3 = _mm256_cvtepi32_ps(widen_i8(p.add(26)));
-                let mut t = _mm256_mul_ps(q0, x0);
-                t = _mm256_fmadd_ps(q1, x1, t);
-                t = _mm256_fmadd_ps(q2, x2, t);
-                t = _mm256_fmadd_ps(q3, x3, t);
-                *a = _mm256_fmadd_ps(d, t, *a);
+                for (n, a) in ar.iter_mut().enumerate() {
+                    let xb = x.add(n * xs + b * QK);
+                    let mut t = _mm256_mul_ps(q0, _mm256_loadu_ps(xb));
+                    t = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xb.add(8)), t);
+                    t = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xb.add(16)), t);
+                    t = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xb.add(24)), t);
+                    *a = _mm256_fmadd_ps(d, t, *a);
+                }
             }
         }
     }
-    for (r, a) in acc.iter().enumerate() {
-        // SAFETY: r < R outputs are writable.
-        unsafe { *y.add(r) = hsum(*a) };
+    for (r, ar) in acc.iter().enumerate() {
+        for (n, a) in ar.iter().enumerate() {
+            // SAFETY: r < R, n < N: the output is writable.
+            unsafe { *y.add(n * ys + r) = hsum(*a) };
+        }
     }
 }
 
@@ -328,19 +549,22 @@ unsafe fn sum32(p: *const f32) -> f32 {
     }
 }
 
-/// Q5_0 (`Q51 == false`) or Q5_1 rows: as the Q4 kernels, with the fifth
-/// bit of element e taken from `qh >> e` by a variable shift per lane.
+/// Q5_0 (`Q51 == false`) or Q5_1: as the Q4 kernels, with the fifth bit of
+/// element e taken from `qh >> e` by a variable shift per lane.
 ///
 /// # Safety
-/// `R` rows of `k / 32` blocks at `w` (stride `rb`), `k` floats at `x`,
-/// `R` writable floats at `y`.
+/// As for [`q4_rows`].
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5_rows<const R: usize, const Q51: bool>(
+unsafe fn q5_rows<const R: usize, const N: usize, const Q51: bool>(
     w: *const u8,
     rb: usize,
     k: usize,
     x: *const f32,
+    xs: usize,
     y: *mut f32,
+    ys: usize,
+    _sx: *const f32,
 ) {
     let (bs, hoff) = if Q51 { (24, 4) } else { (22, 2) };
     let nb = k / QK;
@@ -350,19 +574,25 @@ unsafe fn q5_rows<const R: usize, const Q51: bool>(
     // Lane shifts for elements 0..8, 8..16, 16..24, 24..32.
     let sh = [0, 8, 16, 24]
         .map(|o| _mm256_setr_epi32(o, o + 1, o + 2, o + 3, o + 4, o + 5, o + 6, o + 7));
-    let mut acc = [_mm256_setzero_ps(); R];
+    let mut acc = [[_mm256_setzero_ps(); N]; R];
     for b in 0..nb {
-        // SAFETY: b < nb: x block b and each row's block b are in bounds.
+        // SAFETY: b < nb: the x blocks and each row's block b are in bounds.
         unsafe {
-            let xb = x.add(b * QK);
-            let xv = [0, 8, 16, 24].map(|o| _mm256_loadu_ps(xb.add(o)));
-            let xsum = _mm256_add_ps(_mm256_add_ps(xv[0], xv[1]), _mm256_add_ps(xv[2], xv[3]));
-            for (r, a) in acc.iter_mut().enumerate() {
+            let mut xsum = [_mm256_setzero_ps(); N];
+            for (n, sn) in xsum.iter_mut().enumerate() {
+                let xb = x.add(n * xs + b * QK);
+                let xv = [0, 8, 16, 24].map(|o| _mm256_loadu_ps(xb.add(o)));
+                *sn = _mm256_add_ps(_mm256_add_ps(xv[0], xv[1]), _mm256_add_ps(xv[2], xv[3]));
+            }
+            for (r, ar) in acc.iter_mut().enumerate() {
                 let p = w.add(r * rb + b * bs);
                 prefetch(p.wrapping_add(PF_DIST.max(R * rb)));
                 let qh = _mm256_set1_epi32((p.add(hoff) as *const i32).read_unaligned());
                 let qs = p.add(hoff + 4);
-                let mut t = _mm256_setzero_ps();
+                // The four 8-element groups in the order they are summed.
+                let mut qf = [_mm256_setzero_ps(); 4];
+                let mut order = [0usize; 4];
+                let mut i = 0;
                 for c in 0..2 {
                     let v = widen_u8(qs.add(8 * c));
                     for (half, nib) in [_mm256_and_si256(v, mask), _mm256_srli_epi32::<4>(v)]
@@ -372,54 +602,77 @@ unsafe fn q5_rows<const R: usize, const Q51: bool>(
                         let e = 2 * half + c; // which 8 of the 32 elements
                         let hb = _mm256_and_si256(_mm256_srlv_epi32(qh, sh[e]), one);
                         let q = _mm256_or_si256(nib, _mm256_slli_epi32::<4>(hb));
-                        let q = _mm256_cvtepi32_ps(_mm256_sub_epi32(q, bias));
-                        t = _mm256_fmadd_ps(q, xv[e], t);
+                        qf[i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q, bias));
+                        order[i] = e;
+                        i += 1;
                     }
                 }
-                *a = _mm256_fmadd_ps(bcast_f16(p), t, *a);
-                if Q51 {
-                    *a = _mm256_fmadd_ps(bcast_f16(p.add(2)), xsum, *a);
+                let d = bcast_f16(p);
+                let m = if Q51 {
+                    bcast_f16(p.add(2))
+                } else {
+                    _mm256_setzero_ps()
+                };
+                for (n, a) in ar.iter_mut().enumerate() {
+                    let xb = x.add(n * xs + b * QK);
+                    let mut t = _mm256_setzero_ps();
+                    for (q, &e) in qf.iter().zip(&order) {
+                        t = _mm256_fmadd_ps(*q, _mm256_loadu_ps(xb.add(8 * e)), t);
+                    }
+                    *a = _mm256_fmadd_ps(d, t, *a);
+                    if Q51 {
+                        *a = _mm256_fmadd_ps(m, xsum[n], *a);
+                    }
                 }
             }
         }
     }
-    for (r, a) in acc.iter().enumerate() {
-        // SAFETY: r < R outputs are writable.
-        unsafe { *y.add(r) = hsum(*a) };
+    for (r, ar) in acc.iter().enumerate() {
+        for (n, a) in ar.iter().enumerate() {
+            // SAFETY: r < R, n < N: the output is writable.
+            unsafe { *y.add(n * ys + r) = hsum(*a) };
+        }
     }
 }
 
-/// Q4_K (`FIVE == false`) or Q5_K rows, in registers. Per super-block the
+/// Q4_K (`FIVE == false`) or Q5_K, in registers. Per super-block the
 /// product is `Σ_j (d·sc_j)·Σ q·x − Σ_j (dmin·m_j)·Σ x` over the 8
 /// sub-blocks j: the first sum in vector accumulators (the sub-block sums
 /// of `q·x` scaled once per sub-block), the second, per row, in scalars
 /// from the per-sub-block sums of `x` that all rows share.
 ///
 /// # Safety
-/// `R` rows of `k / 256` super-blocks at `w` (stride `rb`), `k` floats at
-/// `x`, `R` writable floats at `y`.
+/// `R` rows of `k / 256` super-blocks at `w` (stride `rb`), `N` rows of
+/// `k` floats at `x` (stride `xs`), outputs `y[n * ys + r]` writable.
+#[allow(clippy::needless_range_loop)]
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn qk_rows<const R: usize, const FIVE: bool>(
+unsafe fn qk_rows<const R: usize, const N: usize, const FIVE: bool>(
     w: *const u8,
     rb: usize,
     k: usize,
     x: *const f32,
+    xs: usize,
     y: *mut f32,
+    ys: usize,
+    _sx: *const f32,
 ) {
     let (bs, qoff) = if FIVE { (176, 48) } else { (144, 16) };
     let nsb = k / 256;
     let mask = _mm256_set1_epi32(15);
     let one = _mm256_set1_epi32(1);
-    let mut acc = [_mm256_setzero_ps(); R];
-    let mut mins = [0f32; R];
+    let mut acc = [[_mm256_setzero_ps(); N]; R];
+    let mut mins = [[0f32; N]; R];
     for b in 0..nsb {
-        // SAFETY: b < nsb: x[b*256 .. b*256+256] and each row's super-block
-        // b (bytes b*bs .. b*bs+bs <= rb) are in bounds.
+        // SAFETY: b < nsb: x[n*xs + b*256 ..][..256] and each row's
+        // super-block b (bytes b*bs .. b*bs+bs <= rb) are in bounds.
         unsafe {
-            let xs = x.add(b * 256);
-            let mut xsum = [0f32; 8];
-            for (j, s) in xsum.iter_mut().enumerate() {
-                *s = sum32(xs.add(32 * j));
+            let mut xsum = [[0f32; 8]; N];
+            for (n, xn) in xsum.iter_mut().enumerate() {
+                let xsb = x.add(n * xs + b * 256);
+                for (j, s) in xn.iter_mut().enumerate() {
+                    *s = sum32(xsb.add(32 * j));
+                }
             }
             let mut dsc = [[0f32; 8]; R];
             for r in 0..R {
@@ -430,15 +683,15 @@ unsafe fn qk_rows<const R: usize, const FIVE: bool>(
                 let (sc, m) = blocks::scale_min_k4(&blk[4..16]);
                 for j in 0..8 {
                     dsc[r][j] = d * sc[j];
-                    mins[r] += dmin * m[j] * xsum[j];
+                    for n in 0..N {
+                        mins[r][n] += dmin * m[j] * xsum[n][j];
+                    }
                 }
             }
             for i in 0..4 {
-                let mut s_lo = [_mm256_setzero_ps(); R];
-                let mut s_hi = [_mm256_setzero_ps(); R];
+                let mut s_lo = [[_mm256_setzero_ps(); N]; R];
+                let mut s_hi = [[_mm256_setzero_ps(); N]; R];
                 for c in 0..4 {
-                    let xl = _mm256_loadu_ps(xs.add(64 * i + 8 * c));
-                    let xh = _mm256_loadu_ps(xs.add(64 * i + 32 + 8 * c));
                     for r in 0..R {
                         let p = w.add(r * rb + b * bs);
                         let v = widen_u8(p.add(qoff + 32 * i + 8 * c));
@@ -453,39 +706,60 @@ unsafe fn qk_rows<const R: usize, const FIVE: bool>(
                             lo = _mm256_or_si256(lo, _mm256_slli_epi32::<4>(b0));
                             hi = _mm256_or_si256(hi, _mm256_slli_epi32::<4>(b1));
                         }
-                        s_lo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), xl, s_lo[r]);
-                        s_hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), xh, s_hi[r]);
+                        let (lo, hi) = (_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi));
+                        for n in 0..N {
+                            let xsb = x.add(n * xs + b * 256);
+                            let xl = _mm256_loadu_ps(xsb.add(64 * i + 8 * c));
+                            let xh = _mm256_loadu_ps(xsb.add(64 * i + 32 + 8 * c));
+                            s_lo[r][n] = _mm256_fmadd_ps(lo, xl, s_lo[r][n]);
+                            s_hi[r][n] = _mm256_fmadd_ps(hi, xh, s_hi[r][n]);
+                        }
                     }
                 }
                 for r in 0..R {
-                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dsc[r][2 * i]), s_lo[r], acc[r]);
-                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dsc[r][2 * i + 1]), s_hi[r], acc[r]);
+                    let (dl, dh) = (dsc[r][2 * i], dsc[r][2 * i + 1]);
+                    for n in 0..N {
+                        let a = _mm256_fmadd_ps(_mm256_set1_ps(dl), s_lo[r][n], acc[r][n]);
+                        acc[r][n] = _mm256_fmadd_ps(_mm256_set1_ps(dh), s_hi[r][n], a);
+                    }
                 }
             }
         }
     }
-    for (r, a) in acc.iter().enumerate() {
-        // SAFETY: r < R outputs are writable.
-        unsafe { *y.add(r) = hsum(*a) - mins[r] };
+    for r in 0..R {
+        for n in 0..N {
+            // SAFETY: r < R, n < N: the output is writable.
+            unsafe { *y.add(n * ys + r) = hsum(acc[r][n]) - mins[r][n] };
+        }
     }
 }
 
-/// Q6_K rows, in registers: per 16-element group g, `(d·sc_g)·Σ (q − 32)·x`.
+/// Q6_K, in registers: per 16-element group g, `(d·sc_g)·Σ (q − 32)·x`.
 ///
 /// # Safety
 /// As for [`qk_rows`] (210-byte super-blocks).
+#[allow(clippy::needless_range_loop)]
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6k_rows<const R: usize>(w: *const u8, rb: usize, k: usize, x: *const f32, y: *mut f32) {
+unsafe fn q6k_rows<const R: usize, const N: usize>(
+    w: *const u8,
+    rb: usize,
+    k: usize,
+    x: *const f32,
+    xs: usize,
+    y: *mut f32,
+    ys: usize,
+    _sx: *const f32,
+) {
     let nsb = k / 256;
     let mask = _mm256_set1_epi32(15);
     let three = _mm256_set1_epi32(3);
     let bias = _mm256_set1_epi32(32);
-    let mut acc = [_mm256_setzero_ps(); R];
+    let mut acc = [[_mm256_setzero_ps(); N]; R];
     for b in 0..nsb {
-        // SAFETY: b < nsb: x[b*256 .. b*256+256] and each row's 210-byte
-        // super-block b are in bounds.
+        // SAFETY: b < nsb: x[n*xs + b*256 ..][..256] and each row's
+        // 210-byte super-block b are in bounds.
         unsafe {
-            let xs = x.add(b * 256);
             let mut ds = [0f32; R];
             for (r, dv) in ds.iter_mut().enumerate() {
                 let p = w.add(r * rb + b * 210);
@@ -497,10 +771,9 @@ unsafe fn q6k_rows<const R: usize>(w: *const u8, rb: usize, k: usize, x: *const 
                     let lsh = _mm_cvtsi32_si128(4 * (t as i32 >> 1));
                     let hsh = _mm_cvtsi32_si128(2 * t as i32);
                     // Elements 128h + 32t + 8c + lane; groups c / 2.
-                    let mut sg = [[_mm256_setzero_ps(); 2]; R];
+                    let mut sg = [[[_mm256_setzero_ps(); 2]; N]; R];
                     for c in 0..4 {
-                        let xv = _mm256_loadu_ps(xs.add(128 * h + 32 * t + 8 * c));
-                        for (r, s) in sg.iter_mut().enumerate() {
+                        for r in 0..R {
                             let p = w.add(r * rb + b * 210);
                             let ql = widen_u8(p.add(64 * h + 32 * (t & 1) + 8 * c));
                             let qh = widen_u8(p.add(128 + 32 * h + 8 * c));
@@ -508,75 +781,95 @@ unsafe fn q6k_rows<const R: usize>(w: *const u8, rb: usize, k: usize, x: *const 
                             let hi = _mm256_and_si256(_mm256_srl_epi32(qh, hsh), three);
                             let q = _mm256_or_si256(lo, _mm256_slli_epi32::<4>(hi));
                             let q = _mm256_cvtepi32_ps(_mm256_sub_epi32(q, bias));
-                            s[c / 2] = _mm256_fmadd_ps(q, xv, s[c / 2]);
+                            for n in 0..N {
+                                let off = n * xs + b * 256 + 128 * h + 32 * t + 8 * c;
+                                let xv = _mm256_loadu_ps(x.add(off));
+                                sg[r][n][c / 2] = _mm256_fmadd_ps(q, xv, sg[r][n][c / 2]);
+                            }
                         }
                     }
-                    for (r, a) in acc.iter_mut().enumerate() {
+                    for r in 0..R {
                         let sc = w.add(r * rb + b * 210 + 192 + 8 * h + 2 * t) as *const i8;
                         let s0 = ds[r] * *sc as f32;
                         let s1 = ds[r] * *sc.add(1) as f32;
-                        *a = _mm256_fmadd_ps(_mm256_set1_ps(s0), sg[r][0], *a);
-                        *a = _mm256_fmadd_ps(_mm256_set1_ps(s1), sg[r][1], *a);
+                        for n in 0..N {
+                            let a = _mm256_fmadd_ps(_mm256_set1_ps(s0), sg[r][n][0], acc[r][n]);
+                            acc[r][n] = _mm256_fmadd_ps(_mm256_set1_ps(s1), sg[r][n][1], a);
+                        }
                     }
                 }
             }
         }
     }
-    for (r, a) in acc.iter().enumerate() {
-        // SAFETY: r < R outputs are writable.
-        unsafe { *y.add(r) = hsum(*a) };
+    for r in 0..R {
+        for n in 0..N {
+            // SAFETY: r < R, n < N: the output is writable.
+            unsafe { *y.add(n * ys + r) = hsum(acc[r][n]) };
+        }
     }
 }
 
-/// F32/F16/BF16 rows (any `k`).
+/// F32/F16/BF16 (any `k`): `R` weight rows x `N` input rows.
 ///
 /// # Safety
-/// `R` rows of `k` elements at `w` (stride `rb` bytes), `k` floats at `x`,
-/// `R` writable floats at `y`.
+/// `R` rows of `k` elements at `w` (stride `rb` bytes), `N` rows of `k`
+/// floats at `x` (stride `xs`), outputs `y[n * ys + r]` writable.
 #[allow(clippy::needless_range_loop)]
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn float_rows<const R: usize, const T: u8>(
+unsafe fn float_rows<const R: usize, const N: usize, const T: u8>(
     w: *const u8,
     rb: usize,
     k: usize,
     x: *const f32,
+    xs: usize,
     y: *mut f32,
+    ys: usize,
+    _sx: *const f32,
 ) {
-    // Two accumulators per row: 2*R independent FMA chains.
-    let mut acc0 = [_mm256_setzero_ps(); R];
-    let mut acc1 = [_mm256_setzero_ps(); R];
+    // Two accumulators per output: 2*R*N independent FMA chains.
+    let mut acc0 = [[_mm256_setzero_ps(); N]; R];
+    let mut acc1 = [[_mm256_setzero_ps(); N]; R];
     let mut i = 0;
     while i + 16 <= k {
-        // SAFETY: elements i..i+16 < k of x and of each row r < R.
+        // SAFETY: elements i..i+16 < k of each x row n < N and of each
+        // weight row r < R.
         unsafe {
-            let x0 = _mm256_loadu_ps(x.add(i));
-            let x1 = _mm256_loadu_ps(x.add(i + 8));
             for r in 0..R {
                 let p = w.add(r * rb);
-                acc0[r] = _mm256_fmadd_ps(load8::<T>(p, i), x0, acc0[r]);
-                acc1[r] = _mm256_fmadd_ps(load8::<T>(p, i + 8), x1, acc1[r]);
+                let (w0, w1) = (load8::<T>(p, i), load8::<T>(p, i + 8));
+                for n in 0..N {
+                    let xn = x.add(n * xs);
+                    acc0[r][n] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xn.add(i)), acc0[r][n]);
+                    acc1[r][n] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xn.add(i + 8)), acc1[r][n]);
+                }
             }
         }
         i += 16;
     }
     if i + 8 <= k {
-        // SAFETY: elements i..i+8 < k of x and of each row r < R.
+        // SAFETY: elements i..i+8 < k of each x row and each weight row.
         unsafe {
-            let x0 = _mm256_loadu_ps(x.add(i));
             for r in 0..R {
-                acc0[r] = _mm256_fmadd_ps(load8::<T>(w.add(r * rb), i), x0, acc0[r]);
+                let w0 = load8::<T>(w.add(r * rb), i);
+                for n in 0..N {
+                    let xv = _mm256_loadu_ps(x.add(n * xs + i));
+                    acc0[r][n] = _mm256_fmadd_ps(w0, xv, acc0[r][n]);
+                }
             }
         }
         i += 8;
     }
     for r in 0..R {
-        let mut s = hsum(_mm256_add_ps(acc0[r], acc1[r]));
-        for j in i..k {
-            // SAFETY: j < k, r < R.
-            unsafe { s += load1::<T>(w.add(r * rb), j) * *x.add(j) };
+        for n in 0..N {
+            let mut s = hsum(_mm256_add_ps(acc0[r][n], acc1[r][n]));
+            for j in i..k {
+                // SAFETY: j < k, r < R, n < N.
+                unsafe { s += load1::<T>(w.add(r * rb), j) * *x.add(n * xs + j) };
+            }
+            // SAFETY: r < R, n < N: the output is writable.
+            unsafe { *y.add(n * ys + r) = s };
         }
-        // SAFETY: r < R outputs are writable.
-        unsafe { *y.add(r) = s };
     }
 }
 

@@ -141,25 +141,30 @@ pub(super) unsafe fn gemv(dtype: DType, w: &[u8], k: usize, x: &[f32], y: &mut [
     let rb = row_bytes(dtype, k);
     debug_assert!(w.len() == y.len() * rb && x.len() == k);
     // SAFETY: features guaranteed by the caller; the length contract above
-    // is exactly what the row kernels require.
+    // is exactly what the row kernels require (one input row).
+    // Each arm passes its kernels as constants, so `gemv_rows` (inlined)
+    // calls them directly and the compiler inlines them into the row loop.
     unsafe {
         match dtype {
-            DType::Q4_0 => gemv_rows(w, rb, k, x, y, q4_rows::<4, false>, q4_rows::<1, false>),
-            DType::Q4_1 => gemv_rows(w, rb, k, x, y, q4_rows::<4, true>, q4_rows::<1, true>),
-            DType::Q8_0 => gemv_rows(w, rb, k, x, y, q8_rows::<4>, q8_rows::<1>),
-            // The 5-bit and K-quant types run the AVX2 kernels (AVX-512 implies
-            // AVX2+FMA+F16C; the length contract is the same).
-            DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
-                super::avx2::gemv(dtype, w, k, x, y)
-            }
+            DType::Q4_0 => gemv_rows(
+                w,
+                rb,
+                k,
+                x,
+                y,
+                q4_rows::<4, 1, false>,
+                q4_rows::<1, 1, false>,
+            ),
+            DType::Q4_1 => gemv_rows(w, rb, k, x, y, q4_rows::<4, 1, true>, q4_rows::<1, 1, true>),
+            DType::Q8_0 => gemv_rows(w, rb, k, x, y, q8_rows::<4, 1>, q8_rows::<1, 1>),
             DType::F32 => gemv_rows(
                 w,
                 rb,
                 k,
                 x,
                 y,
-                float_rows::<4, T_F32>,
-                float_rows::<1, T_F32>,
+                float_rows::<4, 1, T_F32>,
+                float_rows::<1, 1, T_F32>,
             ),
             DType::F16 => gemv_rows(
                 w,
@@ -167,8 +172,8 @@ pub(super) unsafe fn gemv(dtype: DType, w: &[u8], k: usize, x: &[f32], y: &mut [
                 k,
                 x,
                 y,
-                float_rows::<4, T_F16>,
-                float_rows::<1, T_F16>,
+                float_rows::<4, 1, T_F16>,
+                float_rows::<1, 1, T_F16>,
             ),
             DType::BF16 => gemv_rows(
                 w,
@@ -176,16 +181,46 @@ pub(super) unsafe fn gemv(dtype: DType, w: &[u8], k: usize, x: &[f32], y: &mut [
                 k,
                 x,
                 y,
-                float_rows::<4, T_BF16>,
-                float_rows::<1, T_BF16>,
+                float_rows::<4, 1, T_BF16>,
+                float_rows::<1, 1, T_BF16>,
             ),
+            // The 5-bit and K-quant types run the AVX2 kernels (AVX-512
+            // implies AVX2+FMA+F16C; the length contract is the same).
+            DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+                super::avx2::gemv(dtype, w, k, x, y)
+            }
         }
     }
 }
 
-/// A row kernel: computes `R` outputs at `y` from `R` rows starting at `w`
-/// (row stride `rb` bytes) and `x` (`k` elements).
-type RowKernel = unsafe fn(*const u8, usize, usize, *const f32, *mut f32);
+/// The row kernels for `N` input rows: (`R` weight rows, 1 weight row),
+/// `None` for the types served by the AVX2 kernels. With `N == 1` (and
+/// `R == 4`) they are the one-row decode kernels; any other `R`, `N` runs
+/// the same code per (weight row, input row) pair, so each output is bit
+/// for bit the one-row result.
+fn kernels<const R: usize, const N: usize>(dtype: DType) -> Option<(RowKernel, RowKernel)> {
+    Some(match dtype {
+        DType::Q4_0 => (q4_rows::<R, N, false>, q4_rows::<1, N, false>),
+        DType::Q4_1 => (q4_rows::<R, N, true>, q4_rows::<1, N, true>),
+        DType::Q8_0 => (q8_rows::<R, N>, q8_rows::<1, N>),
+        DType::F32 => (float_rows::<R, N, T_F32>, float_rows::<1, N, T_F32>),
+        DType::F16 => (float_rows::<R, N, T_F16>, float_rows::<1, N, T_F16>),
+        DType::BF16 => (float_rows::<R, N, T_BF16>, float_rows::<1, N, T_BF16>),
+        DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K => return None,
+    })
+}
+
+/// Weight rows per multi-row kernel call.
+const MULTI_R: usize = 2;
+/// Most input rows per multi-row kernel call (`MULTI_R * MULTI_N`
+/// accumulators, twice that for the float types, out of 32 registers).
+const MULTI_N: usize = 6;
+
+/// A row kernel: for `R` weight rows starting at `w` (row stride `rb`
+/// bytes) and `N` input rows of `k` elements starting at `x` (input-row
+/// stride `xs` floats), writes output (input `n`, weight row `r`) to
+/// `y[n * ys + r]`.
+type RowKernel = unsafe fn(*const u8, usize, usize, *const f32, usize, *mut f32, usize);
 
 /// Runs `k4` over groups of 4 rows and `k1` over the remaining rows.
 ///
@@ -208,24 +243,73 @@ unsafe fn gemv_rows(
     let mut r = 0;
     while r + 4 <= n {
         // SAFETY: rows r..r+4 lie within `w` (r + 4 <= n) and outputs
-        // r..r+4 within `y`.
-        unsafe { k4(wp.add(r * rb), rb, k, xp, yp.add(r)) };
+        // r..r+4 within `y`; one input row (strides unused).
+        unsafe { k4(wp.add(r * rb), rb, k, xp, k, yp.add(r), 0) };
         r += 4;
     }
     while r < n {
         // SAFETY: row r < n lies within `w`, output r within `y`.
-        unsafe { k1(wp.add(r * rb), rb, k, xp, yp.add(r)) };
+        unsafe { k1(wp.add(r * rb), rb, k, xp, k, yp.add(r), 0) };
         r += 1;
     }
 }
 
-/// Q4_0 (`Q41 == false`) or Q4_1 rows.
+/// Multi-row product (see `super::gemv_multi`): `y[t * n_rows + r]`, each
+/// bit-identical to [`gemv`] of input row `t`.
+///
+/// # Safety
+/// AVX-512 F/BW/VL + AVX2/FMA/F16C available; `w.len() == n_rows *
+/// row_bytes(dtype, k)`, `x.len() == n_x * k`, `y.len() == n_x * n_rows`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub(super) unsafe fn gemv_multi(
+    dtype: DType,
+    w: &[u8],
+    k: usize,
+    n_rows: usize,
+    x: &[f32],
+    n_x: usize,
+    y: &mut [f32],
+) {
+    let rb = row_bytes(dtype, k);
+    debug_assert!(w.len() == n_rows * rb && x.len() == n_x * k && y.len() == n_x * n_rows);
+    if kernels::<1, 1>(dtype).is_none() {
+        // SAFETY: as for this function (AVX-512 implies AVX2+FMA+F16C).
+        return unsafe { super::avx2::gemv_multi(dtype, w, k, n_rows, x, n_x, y) };
+    }
+    let chunks = super::multi_chunks(n_x, MULTI_N, |n| {
+        super::by_n!(n, |N| kernels::<MULTI_R, N>(dtype).expect("checked above"))
+    });
+    let (wp, xp, yp) = (w.as_ptr(), x.as_ptr(), y.as_mut_ptr());
+    let mut r = 0;
+    while r < n_rows {
+        let group = r + MULTI_R <= n_rows;
+        for &(t0, (kr, k1)) in chunks.iter() {
+            // SAFETY: rows r..r+MULTI_R (or r) lie within `w`; the chunk's
+            // input rows t0.. within `x` (k floats each); outputs (t, r..)
+            // at y[t * n_rows + r ..] within `y`.
+            unsafe {
+                let (xc, yc) = (xp.add(t0 * k), yp.add(t0 * n_rows + r));
+                if group {
+                    kr(wp.add(r * rb), rb, k, xc, k, yc, n_rows)
+                } else {
+                    k1(wp.add(r * rb), rb, k, xc, k, yc, n_rows)
+                }
+            }
+        }
+        r += if group { MULTI_R } else { 1 };
+    }
+}
+
+/// Q4_0 (`Q41 == false`) or Q4_1 rows, one input row: the `N == 1`
+/// instance of [`q4_rows`] written out (the decode kernel as it was before the
+/// multi-row kernels, so its speed is unchanged; the same operations per
+/// weight row in the same order, the bit-identity tests pin the two).
 ///
 /// # Safety
 /// `R` rows of `k / 32` blocks at `w` (stride `rb`), `k` floats at `x`,
 /// `R` writable floats at `y`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn q4_rows<const R: usize, const Q41: bool>(
+unsafe fn q4_rows_one<const R: usize, const Q41: bool>(
     w: *const u8,
     rb: usize,
     k: usize,
@@ -266,12 +350,18 @@ unsafe fn q4_rows<const R: usize, const Q41: bool>(
     }
 }
 
-/// Q8_0 rows.
+/// Q8_0 rows, one input row (see [`q4_rows_one`]).
 ///
 /// # Safety
-/// As for [`q4_rows`].
+/// As for [`q4_rows_one`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn q8_rows<const R: usize>(w: *const u8, rb: usize, k: usize, x: *const f32, y: *mut f32) {
+unsafe fn q8_rows_one<const R: usize>(
+    w: *const u8,
+    rb: usize,
+    k: usize,
+    x: *const f32,
+    y: *mut f32,
+) {
     let nb = k / QK;
     let mut acc = [_mm512_setzero_ps(); R];
     for b in 0..nb {
@@ -297,14 +387,14 @@ unsafe fn q8_rows<const R: usize>(w: *const u8, rb: usize, k: usize, x: *const f
     }
 }
 
-/// F32/F16/BF16 rows (any `k`; the tail uses masked loads).
+/// F32/F16/BF16 rows, one input row (see [`q4_rows_one`]).
 ///
 /// # Safety
 /// `R` rows of `k` elements at `w` (stride `rb` bytes), `k` floats at `x`,
 /// `R` writable floats at `y`.
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn float_rows<const R: usize, const T: u8>(
+unsafe fn float_rows_one<const R: usize, const T: u8>(
     w: *const u8,
     rb: usize,
     k: usize,
@@ -342,6 +432,182 @@ unsafe fn float_rows<const R: usize, const T: u8>(
     for r in 0..R {
         // SAFETY: r < R outputs are writable.
         unsafe { *y.add(r) = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r])) };
+    }
+}
+
+/// Q4_0 (`Q41 == false`) or Q4_1: `R` weight rows x `N` input rows.
+///
+/// # Safety
+/// `R` rows of `k / 32` blocks at `w` (stride `rb`), `N` rows of `k`
+/// floats at `x` (stride `xs`), outputs `y[n * ys + r]` writable for
+/// `n < N`, `r < R`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn q4_rows<const R: usize, const N: usize, const Q41: bool>(
+    w: *const u8,
+    rb: usize,
+    k: usize,
+    x: *const f32,
+    xs: usize,
+    y: *mut f32,
+    ys: usize,
+) {
+    if N == 1 {
+        // SAFETY: the same contract, one input row.
+        return unsafe { q4_rows_one::<R, Q41>(w, rb, k, x, y) };
+    }
+    let (bs, qoff) = if Q41 { (20, 4) } else { (18, 2) };
+    let nb = k / QK;
+    let tbl = nibble_table(Q41);
+    let mut acc = [[_mm512_setzero_ps(); N]; R];
+    for b in 0..nb {
+        // SAFETY: b < nb, so x[n*xs + b*32 ..][..32] is in bounds for
+        // n < N, and each row's block b (bytes b*bs .. b*bs+bs <= rb) is in
+        // bounds.
+        unsafe {
+            for (r, ar) in acc.iter_mut().enumerate() {
+                let p = w.add(r * rb + b * bs);
+                prefetch(p.wrapping_add(PF_DIST.max(R * rb)));
+                let d = bcast_f16(p);
+                // byte j -> lane j; low nibble = element j, high = j + 16.
+                let bw = widen_u8(p.add(qoff));
+                let lo = _mm512_permutexvar_ps(bw, tbl);
+                let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(bw), tbl);
+                let m = if Q41 {
+                    bcast_f16(p.add(2))
+                } else {
+                    _mm512_setzero_ps()
+                };
+                for (n, a) in ar.iter_mut().enumerate() {
+                    let xb = x.add(n * xs + b * QK);
+                    let x0 = _mm512_loadu_ps(xb);
+                    let x1 = _mm512_loadu_ps(xb.add(16));
+                    let t = _mm512_fmadd_ps(hi, x1, _mm512_mul_ps(lo, x0));
+                    *a = _mm512_fmadd_ps(d, t, *a);
+                    if Q41 {
+                        *a = _mm512_fmadd_ps(m, _mm512_add_ps(x0, x1), *a);
+                    }
+                }
+            }
+        }
+    }
+    for (r, ar) in acc.iter().enumerate() {
+        for (n, a) in ar.iter().enumerate() {
+            // SAFETY: r < R, n < N: the output is writable.
+            unsafe { *y.add(n * ys + r) = _mm512_reduce_add_ps(*a) };
+        }
+    }
+}
+
+/// Q8_0: `R` weight rows x `N` input rows.
+///
+/// # Safety
+/// As for [`q4_rows`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn q8_rows<const R: usize, const N: usize>(
+    w: *const u8,
+    rb: usize,
+    k: usize,
+    x: *const f32,
+    xs: usize,
+    y: *mut f32,
+    ys: usize,
+) {
+    if N == 1 {
+        // SAFETY: the same contract, one input row.
+        return unsafe { q8_rows_one::<R>(w, rb, k, x, y) };
+    }
+    let nb = k / QK;
+    let mut acc = [[_mm512_setzero_ps(); N]; R];
+    for b in 0..nb {
+        // SAFETY: b < nb: the x blocks and each row's 34-byte block are in
+        // bounds.
+        unsafe {
+            for (r, ar) in acc.iter_mut().enumerate() {
+                let p = w.add(r * rb + b * 34);
+                prefetch(p.wrapping_add(PF_DIST));
+                let d = bcast_f16(p);
+                let q0 = _mm512_cvtepi32_ps(widen_i8(p.add(2)));
+                let q1 = _mm512_cvtepi32_ps(widen_i8(p.add(18)));
+                for (n, a) in ar.iter_mut().enumerate() {
+                    let xb = x.add(n * xs + b * QK);
+                    let x0 = _mm512_loadu_ps(xb);
+                    let x1 = _mm512_loadu_ps(xb.add(16));
+                    let t = _mm512_fmadd_ps(q1, x1, _mm512_mul_ps(q0, x0));
+                    *a = _mm512_fmadd_ps(d, t, *a);
+                }
+            }
+        }
+    }
+    for (r, ar) in acc.iter().enumerate() {
+        for (n, a) in ar.iter().enumerate() {
+            // SAFETY: r < R, n < N: the output is writable.
+            unsafe { *y.add(n * ys + r) = _mm512_reduce_add_ps(*a) };
+        }
+    }
+}
+
+/// F32/F16/BF16 (any `k`; the tail uses masked loads): `R` weight rows x
+/// `N` input rows.
+///
+/// # Safety
+/// `R` rows of `k` elements at `w` (stride `rb` bytes), `N` rows of `k`
+/// floats at `x` (stride `xs`), outputs `y[n * ys + r]` writable.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn float_rows<const R: usize, const N: usize, const T: u8>(
+    w: *const u8,
+    rb: usize,
+    k: usize,
+    x: *const f32,
+    xs: usize,
+    y: *mut f32,
+    ys: usize,
+) {
+    if N == 1 {
+        // SAFETY: the same contract, one input row.
+        return unsafe { float_rows_one::<R, T>(w, rb, k, x, y) };
+    }
+    // Two accumulators per output: 2*R*N independent FMA chains.
+    let mut acc0 = [[_mm512_setzero_ps(); N]; R];
+    let mut acc1 = [[_mm512_setzero_ps(); N]; R];
+    let mut i = 0;
+    while i + 32 <= k {
+        // SAFETY: elements i..i+32 < k of each x row n < N and of each
+        // weight row r < R.
+        unsafe {
+            for r in 0..R {
+                let p = w.add(r * rb);
+                let w0 = load16::<T>(p, i, 0xFFFF);
+                let w1 = load16::<T>(p, i + 16, 0xFFFF);
+                for n in 0..N {
+                    let xn = x.add(n * xs);
+                    acc0[r][n] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xn.add(i)), acc0[r][n]);
+                    acc1[r][n] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xn.add(i + 16)), acc1[r][n]);
+                }
+            }
+        }
+        i += 32;
+    }
+    while i < k {
+        let m = first(k - i);
+        // SAFETY: the mask selects only elements i..min(i+16, k).
+        unsafe {
+            for r in 0..R {
+                let w0 = load16::<T>(w.add(r * rb), i, m);
+                for n in 0..N {
+                    let xv = _mm512_maskz_loadu_ps(m, x.add(n * xs + i));
+                    acc0[r][n] = _mm512_fmadd_ps(w0, xv, acc0[r][n]);
+                }
+            }
+        }
+        i += 16;
+    }
+    for r in 0..R {
+        for n in 0..N {
+            let v = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r][n], acc1[r][n]));
+            // SAFETY: r < R, n < N: the output is writable.
+            unsafe { *y.add(n * ys + r) = v };
+        }
     }
 }
 

@@ -48,7 +48,7 @@ mod avx512;
 mod neon;
 
 pub mod q8act;
-pub use q8act::{Q8Act, gemv_q8, supports_q8};
+pub use q8act::{Q8Act, gemv_q8, gemv_q8_multi, supports_q8};
 
 /// Elements per quantization block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
 const QK: usize = 32;
@@ -205,6 +205,140 @@ pub(crate) fn gemv_with(lvl: Level, dtype: DType, w: &[u8], k: usize, x: &[f32],
         Level::Neon => neon::gemv(dtype, w, k, x, y),
     }
 }
+
+/// Multi-row product for short steps (speculative verification): for
+/// `t in 0..n_x` and `r in 0..n_rows`, `y[t * n_rows + r] = dot(row r of W,
+/// x[t*k .. t*k+k])` (input-row major), each value **bit-identical** to
+/// [`gemv`] of input row `t` alone. Each weight block is unpacked once and
+/// applied to a chunk of input rows, every (weight row, input row) pair
+/// keeping the one-row kernel's exact operation order; the one-row kernels
+/// are the one-input instances of the same code.
+pub fn gemv_multi(
+    dtype: DType,
+    w: &[u8],
+    k: usize,
+    n_rows: usize,
+    x: &[f32],
+    n_x: usize,
+    y: &mut [f32],
+) {
+    gemv_multi_with(level(), dtype, w, k, n_rows, x, n_x, y)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemv_multi_with(
+    lvl: Level,
+    dtype: DType,
+    w: &[u8],
+    k: usize,
+    n_rows: usize,
+    x: &[f32],
+    n_x: usize,
+    y: &mut [f32],
+) {
+    let rb = row_bytes(dtype, k);
+    let need = rb.checked_mul(n_rows).expect("gemv_multi: size overflow");
+    assert!(w.len() >= need, "gemv_multi: weight buffer too short");
+    assert_eq!(
+        x.len(),
+        k.checked_mul(n_x).expect("gemv_multi: size overflow"),
+        "gemv_multi: x length"
+    );
+    assert_eq!(
+        y.len(),
+        n_rows.checked_mul(n_x).expect("gemv_multi: size overflow"),
+        "gemv_multi: y length"
+    );
+    let w = &w[..need];
+    if n_x <= 1 || n_rows == 0 {
+        // One input row: the same layout as `gemv`.
+        if n_x == 1 {
+            gemv_with(lvl, dtype, w, k, x, y);
+        }
+        return;
+    }
+    match lvl {
+        Level::Scalar => scalar::gemv_multi(dtype, w, k, n_rows, x, n_x, y),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU supports the level's features; the lengths were
+        // checked above (`w.len() == n_rows * rb`, `x.len() == n_x * k`,
+        // `y.len() == n_x * n_rows`).
+        Level::Avx2 => unsafe { avx2::gemv_multi(dtype, w, k, n_rows, x, n_x, y) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Level::Avx512 => unsafe { avx512::gemv_multi(dtype, w, k, n_rows, x, n_x, y) },
+        #[cfg(target_arch = "aarch64")]
+        Level::Neon => {
+            // One-row products per input row (exact by construction).
+            for t in 0..n_x {
+                let yt = &mut y[t * n_rows..(t + 1) * n_rows];
+                neon::gemv(dtype, w, k, &x[t * k..(t + 1) * k], yt);
+            }
+        }
+    }
+}
+
+/// Splits `n_x` input rows into chunks of at most `max` (sizes as even as
+/// possible) and picks each chunk's kernels: `(first row, pick(size))`.
+pub(crate) fn multi_chunks<K>(
+    n_x: usize,
+    max: usize,
+    pick: impl Fn(usize) -> K,
+) -> Vec<(usize, K)> {
+    let nc = n_x.div_ceil(max.max(1));
+    let mut out = Vec::with_capacity(nc);
+    let mut t0 = 0;
+    for c in 0..nc {
+        let n = (n_x - t0).div_ceil(nc - c);
+        out.push((t0, pick(n)));
+        t0 += n;
+    }
+    out
+}
+
+/// `by_n!(n, |N| expr)`: evaluates `expr` with the constant `N == n` for
+/// `n` in `1..=8` (const-generic kernels chosen by a run-time row count).
+macro_rules! by_n {
+    ($n:expr, |$N:ident| $e:expr) => {
+        match $n {
+            1 => {
+                const $N: usize = 1;
+                $e
+            }
+            2 => {
+                const $N: usize = 2;
+                $e
+            }
+            3 => {
+                const $N: usize = 3;
+                $e
+            }
+            4 => {
+                const $N: usize = 4;
+                $e
+            }
+            5 => {
+                const $N: usize = 5;
+                $e
+            }
+            6 => {
+                const $N: usize = 6;
+                $e
+            }
+            7 => {
+                const $N: usize = 7;
+                $e
+            }
+            8 => {
+                const $N: usize = 8;
+                $e
+            }
+            n => unreachable!("by_n: {n} input rows (1..=8)"),
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use by_n;
 
 /// Batched product for prefill: for `t in 0..n_x` and `r in 0..n_rows`,
 /// `y[r * n_x + t] = dot(row r of W, x[t*k .. t*k+k])` (weight-row major).
@@ -531,6 +665,81 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// The multi-row product equals, bit for bit, one one-row product per
+    /// input row: every level, every type, R = 2, 3, 5, 8, 16 input rows,
+    /// weight-row counts that leave tails after the kernels' row groups, odd
+    /// `k` for the float types, inputs of mixed magnitudes (so any change in
+    /// the order of the sums shows in the low bits).
+    #[test]
+    fn gemv_multi_bit_identical_to_one_row() {
+        let mut rng = Rng(0x5EED_0006);
+        let mut checked = 0usize;
+        for lvl in supported_levels() {
+            for dtype in ALL {
+                let ks: Vec<usize> = test_ks(dtype, &[1, 7, 17, 33, 577])
+                    .into_iter()
+                    .filter(|&k| k <= 1536)
+                    .collect();
+                for k in ks {
+                    for n_rows in [1, 3, 5, 9] {
+                        let w = random_weights(&mut rng, dtype, k, n_rows);
+                        for n_x in [2, 3, 5, 8, 16] {
+                            let x: Vec<f32> = (0..n_x * k)
+                                .map(|i| rng.unit() * [1.0, 37.0, 1e-3][i % 3])
+                                .collect();
+                            let mut y = vec![f32::NAN; n_x * n_rows];
+                            gemv_multi_with(lvl, dtype, &w, k, n_rows, &x, n_x, &mut y);
+                            for t in 0..n_x {
+                                let mut y1 = vec![f32::NAN; n_rows];
+                                gemv_with(lvl, dtype, &w, k, &x[t * k..(t + 1) * k], &mut y1);
+                                for r in 0..n_rows {
+                                    let got = y[t * n_rows + r];
+                                    assert_eq!(
+                                        got.to_bits(),
+                                        y1[r].to_bits(),
+                                        "{} {dtype} k={k} rows={n_rows} n_x={n_x} t={t} r={r}: \
+                                         multi {got:e} vs one-row {:e}",
+                                        lvl.name(),
+                                        y1[r]
+                                    );
+                                    checked += 1;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        eprintln!("gemv_multi: {checked} outputs bit-identical to one-row products");
+    }
+
+    #[test]
+    fn gemv_multi_edge_cases() {
+        let mut rng = Rng(31);
+        for lvl in supported_levels() {
+            for dtype in ALL {
+                let k = dtype.block_elems().max(64);
+                // Extra weight bytes beyond n_rows rows are ignored.
+                let w = random_weights(&mut rng, dtype, k, 7);
+                let x: Vec<f32> = (0..3 * k).map(|_| rng.unit()).collect();
+                let mut y = vec![f32::NAN; 3 * 5];
+                gemv_multi_with(lvl, dtype, &w, k, 5, &x, 3, &mut y);
+                let want = reference(dtype, &w, k, 5, &x, 3);
+                for r in 0..5 {
+                    for t in 0..3 {
+                        check_close("multi extra bytes", y[t * 5 + r], want[r * 3 + t]);
+                    }
+                }
+                // k = 0, no rows, no inputs.
+                let mut y = vec![f32::NAN; 6];
+                gemv_multi_with(lvl, dtype, &[], 0, 3, &[], 2, &mut y);
+                assert_eq!(y, [0.0; 6]);
+                gemv_multi_with(lvl, dtype, &[], k, 0, &vec![0.0; 2 * k], 2, &mut []);
+                gemv_multi_with(lvl, dtype, &w, k, 3, &[], 0, &mut []);
             }
         }
     }

@@ -158,6 +158,26 @@ struct XPtr {
     qs: *const i8,
 }
 
+impl XPtr {
+    fn of(xq: &Q8Act) -> Self {
+        XPtr {
+            d: xq.d.as_ptr(),
+            s: xq.s.as_ptr(),
+            qs: xq.qs.as_ptr(),
+        }
+    }
+}
+
+/// Panics unless `xq` holds `k` quantized activations.
+fn check_act(what: &str, xq: &Q8Act, k: usize) {
+    let nb = k / QK;
+    assert!(
+        xq.qs.len() == k && xq.d.len() == nb && xq.s.len() == nb,
+        "{what}: activations hold {} elements, want {k}",
+        xq.qs.len()
+    );
+}
+
 pub(crate) fn gemv_q8_with(
     kern: Kern,
     dtype: DType,
@@ -169,11 +189,7 @@ pub(crate) fn gemv_q8_with(
     assert!(supports_q8(dtype), "gemv_q8: unsupported dtype {dtype}");
     let rb = row_bytes(dtype, k);
     let nb = k / QK;
-    assert!(
-        xq.qs.len() == k && xq.d.len() == nb && xq.s.len() == nb,
-        "gemv_q8: activations hold {} elements, want {k}",
-        xq.qs.len()
-    );
+    check_act("gemv_q8", xq, k);
     let need = rb.checked_mul(y.len()).expect("gemv_q8: size overflow");
     assert!(w.len() >= need, "gemv_q8: weight buffer too short");
     let w = &w[..need];
@@ -190,10 +206,70 @@ pub(crate) fn gemv_q8_with(
     }
 }
 
-/// A row kernel: `R` outputs at `y` from `R` rows at `w` (stride `rb`
-/// bytes) of `nb` blocks and the activations `x` (`nb` blocks).
+/// Multi-row product with quantized activations: for `t < xq.len()` and
+/// `r < n_rows`, `y[t * n_rows + r] = dot(row r of W, dequant(xq[t]))`,
+/// each value **bit-identical** to [`gemv_q8`] of `xq[t]` alone (the
+/// one-row kernels are the one-input instances of the same code). Only for
+/// [`supports_q8`] dtypes; every `xq[t]` holds `k` activations.
+pub fn gemv_q8_multi(dtype: DType, w: &[u8], k: usize, n_rows: usize, xq: &[Q8Act], y: &mut [f32]) {
+    gemv_q8_multi_with(kern_for(super::level()), dtype, w, k, n_rows, xq, y)
+}
+
+pub(crate) fn gemv_q8_multi_with(
+    kern: Kern,
+    dtype: DType,
+    w: &[u8],
+    k: usize,
+    n_rows: usize,
+    xq: &[Q8Act],
+    y: &mut [f32],
+) {
+    assert!(
+        supports_q8(dtype),
+        "gemv_q8_multi: unsupported dtype {dtype}"
+    );
+    let rb = row_bytes(dtype, k);
+    let nb = k / QK;
+    for x in xq {
+        check_act("gemv_q8_multi", x, k);
+    }
+    let n_x = xq.len();
+    assert_eq!(
+        y.len(),
+        n_rows
+            .checked_mul(n_x)
+            .expect("gemv_q8_multi: size overflow"),
+        "gemv_q8_multi: y length"
+    );
+    let need = rb
+        .checked_mul(n_rows)
+        .expect("gemv_q8_multi: size overflow");
+    assert!(w.len() >= need, "gemv_q8_multi: weight buffer too short");
+    let w = &w[..need];
+    if n_x <= 1 || n_rows == 0 {
+        if n_x == 1 {
+            gemv_q8_with(kern, dtype, w, k, &xq[0], y);
+        }
+        return;
+    }
+    match kern {
+        Kern::Scalar => scalar::gemv_multi(dtype, w, rb, n_rows, xq, y),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Kern::Avx2` implies AVX2+FMA+F16C; `w.len() == n_rows *
+        // rb`, `y.len() == n_x * n_rows`, every activation holds `nb` blocks.
+        Kern::Avx2 => unsafe { avx2::gemv_multi(dtype, w, rb, nb, n_rows, xq, y) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Kern::Vnni` implies AVX-512 F/BW/VL + VNNI and AVX2+FMA+
+        // F16C; lengths as above.
+        Kern::Vnni => unsafe { vnni::gemv_multi(dtype, w, rb, nb, n_rows, xq, y) },
+    }
+}
+
+/// A row kernel: for `R` weight rows at `w` (stride `rb` bytes) of `nb`
+/// blocks and `N` activation rows `x[0..N]`, writes output (input `n`,
+/// weight row `r`) to `y[n * ys + r]`.
 #[cfg(target_arch = "x86_64")]
-type RowKernel = unsafe fn(*const u8, usize, usize, XPtr, *mut f32);
+type RowKernel = unsafe fn(*const u8, usize, usize, *const XPtr, *mut f32, usize);
 
 /// Runs `k4` over groups of 4 rows and `k1` over the remaining rows.
 ///
@@ -211,22 +287,61 @@ unsafe fn run_rows(
     k1: RowKernel,
 ) {
     let n = y.len();
-    let x = XPtr {
-        d: xq.d.as_ptr(),
-        s: xq.s.as_ptr(),
-        qs: xq.qs.as_ptr(),
-    };
+    let x = XPtr::of(xq);
     let (wp, yp) = (w.as_ptr(), y.as_mut_ptr());
     let mut r = 0;
     while r + 4 <= n {
-        // SAFETY: rows r..r+4 lie within `w`, outputs r..r+4 within `y`.
-        unsafe { k4(wp.add(r * rb), rb, nb, x, yp.add(r)) };
+        // SAFETY: rows r..r+4 lie within `w`, outputs r..r+4 within `y`;
+        // one activation row (stride unused).
+        unsafe { k4(wp.add(r * rb), rb, nb, &x, yp.add(r), 0) };
         r += 4;
     }
     while r < n {
         // SAFETY: row r < n lies within `w`, output r within `y`.
-        unsafe { k1(wp.add(r * rb), rb, nb, x, yp.add(r)) };
+        unsafe { k1(wp.add(r * rb), rb, nb, &x, yp.add(r), 0) };
         r += 1;
+    }
+}
+
+/// Multi-row driver: weight rows in groups of `rows` (then single rows),
+/// each group running every chunk of activation rows while its bytes are
+/// in L1. `pick(n)` gives the (`rows`-row, 1-row) kernels for `n` inputs.
+///
+/// # Safety
+/// The CPU supports the kernels' features; `w.len() >= n_rows * rb`,
+/// `y.len() == xq.len() * n_rows`, every activation holds `nb` blocks.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn run_multi(
+    w: &[u8],
+    rb: usize,
+    nb: usize,
+    n_rows: usize,
+    xq: &[Q8Act],
+    y: &mut [f32],
+    (rows, max_n): (usize, usize),
+    pick: impl Fn(usize) -> (RowKernel, RowKernel),
+) {
+    let xs: Vec<XPtr> = xq.iter().map(XPtr::of).collect();
+    let chunks = super::multi_chunks(xs.len(), max_n, pick);
+    let (wp, yp) = (w.as_ptr(), y.as_mut_ptr());
+    let mut r = 0;
+    while r < n_rows {
+        let group = r + rows <= n_rows;
+        for &(t0, (kr, k1)) in chunks.iter() {
+            // SAFETY: rows r..r+rows (or r) lie within `w`; the chunk's
+            // activation rows t0.. are in `xs`; outputs (t, r..) at
+            // y[t * n_rows + r ..] lie within `y`.
+            unsafe {
+                let (xc, yc) = (xs.as_ptr().add(t0), yp.add(t0 * n_rows + r));
+                if group {
+                    kr(wp.add(r * rb), rb, nb, xc, yc, n_rows)
+                } else {
+                    k1(wp.add(r * rb), rb, nb, xc, yc, n_rows)
+                }
+            }
+        }
+        r += if group { rows } else { 1 };
     }
 }
 
@@ -280,6 +395,21 @@ mod scalar {
         }
     }
 
+    /// One-row products per (weight row, activation row): the same
+    /// function as the one-row path, so trivially identical to it.
+    pub(super) fn gemv_multi(
+        dtype: DType,
+        w: &[u8],
+        rb: usize,
+        n_rows: usize,
+        xq: &[Q8Act],
+        y: &mut [f32],
+    ) {
+        for (t, x) in xq.iter().enumerate() {
+            gemv(dtype, w, rb, x, &mut y[t * n_rows..(t + 1) * n_rows]);
+        }
+    }
+
     fn dot_row(dtype: DType, row: &[u8], xq: &Q8Act) -> f32 {
         let mut acc = 0f32;
         let xs = xq.qs.chunks_exact(QK).zip(xq.d.iter().zip(&xq.s));
@@ -327,7 +457,7 @@ mod scalar {
 /// SIMD level.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{DType, PF_DIST, Q8Act, QK, RowKernel, XPtr, prefetch, run_rows};
+    use super::{DType, PF_DIST, Q8Act, QK, RowKernel, XPtr, prefetch, run_multi, run_rows};
     use core::arch::x86_64::*;
 
     /// Horizontal sum of 8 lanes.
@@ -452,104 +582,166 @@ mod avx2 {
         xq: &Q8Act,
         y: &mut [f32],
     ) {
-        let (k4, k1): (RowKernel, RowKernel) = match dtype {
-            DType::Q4_0 => (q4_rows::<4, false>, q4_rows::<1, false>),
-            DType::Q4_1 => (q4_rows::<4, true>, q4_rows::<1, true>),
-            _ => (q8_rows::<4>, q8_rows::<1>),
-        };
+        let (k4, k1) = kernels::<4, 1>(dtype);
         // SAFETY: features and lengths as guaranteed by the caller.
         unsafe { run_rows(w, rb, nb, xq, y, k4, k1) }
     }
 
-    /// Q4_0 (`Q41 == false`) or Q4_1 rows.
+    /// # Safety
+    /// AVX2+FMA+F16C available; `w.len() == n_rows * rb`, `rb` the row
+    /// bytes of `nb` blocks of `dtype`; `y.len() == xq.len() * n_rows`;
+    /// every activation holds `nb` blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn gemv_multi(
+        dtype: DType,
+        w: &[u8],
+        rb: usize,
+        nb: usize,
+        n_rows: usize,
+        xq: &[Q8Act],
+        y: &mut [f32],
+    ) {
+        let pick = |n: usize| super::super::by_n!(n, |N| kernels::<MULTI_R, N>(dtype));
+        // SAFETY: features and lengths as guaranteed by the caller.
+        unsafe { run_multi(w, rb, nb, n_rows, xq, y, (MULTI_R, MULTI_N), pick) }
+    }
+
+    /// Weight rows and most activation rows per multi-row kernel call.
+    const MULTI_R: usize = 2;
+    const MULTI_N: usize = 4;
+
+    /// The (`R`-row, 1-row) kernels for `N` activation rows; `N == 1`,
+    /// `R == 4` are the one-row decode kernels.
+    fn kernels<const R: usize, const N: usize>(dtype: DType) -> (RowKernel, RowKernel) {
+        match dtype {
+            DType::Q4_0 => (q4_rows::<R, N, false>, q4_rows::<1, N, false>),
+            DType::Q4_1 => (q4_rows::<R, N, true>, q4_rows::<1, N, true>),
+            _ => (q8_rows::<R, N>, q8_rows::<1, N>),
+        }
+    }
+
+    /// Q4_0 (`Q41 == false`) or Q4_1: `R` weight rows x `N` activation rows.
     ///
     /// # Safety
-    /// `R` rows of `nb` blocks at `w` (stride `rb`), `nb` activation blocks
-    /// at `x`, `R` writable floats at `y`.
+    /// `R` rows of `nb` blocks at `w` (stride `rb`), `N` activation rows of
+    /// `nb` blocks at `x`, outputs `y[n * ys + r]` writable.
+    #[allow(clippy::needless_range_loop)]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q4_rows<const R: usize, const Q41: bool>(
+    unsafe fn q4_rows<const R: usize, const N: usize, const Q41: bool>(
         w: *const u8,
         rb: usize,
         nb: usize,
-        x: XPtr,
+        x: *const XPtr,
         y: *mut f32,
+        ys: usize,
     ) {
         let (bs, qoff) = if Q41 { (20, 4) } else { (18, 2) };
         let ones = _mm256_set1_epi16(1);
         let eight = _mm256_set1_epi8(8);
-        let mut acc = [_mm256_setzero_ps(); R];
-        let mut accm = [_mm_setzero_ps(); R];
+        // SAFETY: the caller guarantees N activation rows at `x`.
+        let x: [XPtr; N] = core::array::from_fn(|n| unsafe { *x.add(n) });
+        let mut acc = [[_mm256_setzero_ps(); N]; R];
+        let mut accm = [[_mm_setzero_ps(); N]; R];
         for b in 0..nb {
-            // SAFETY: b < nb: activation block b and each row's block b
-            // (bytes b*bs .. b*bs+bs <= rb) are in bounds.
+            // SAFETY: b < nb: activation block b of every row and each
+            // weight row's block b (bytes b*bs .. b*bs+bs <= rb) are in
+            // bounds.
             unsafe {
-                let xq = _mm256_loadu_si256(x.qs.add(b * QK) as *const __m256i);
-                let dx = _mm256_set1_ps(*x.d.add(b));
-                // [d_x, s_x]: one multiply gives Q4_1's [d_w d_x, m_w s_x].
-                let dxs = _mm_setr_ps(*x.d.add(b), *x.s.add(b), 0.0, 0.0);
+                // (Loops, not closures: the intrinsics inline into this
+                // function's target features.)
+                let mut xq = [_mm256_setzero_si256(); N];
+                for (n, v) in xq.iter_mut().enumerate() {
+                    *v = _mm256_loadu_si256(x[n].qs.add(b * QK) as *const __m256i);
+                }
                 // Q4_0: 8 * sum(qx) per 32-bit lane, subtracted from the
                 // unsigned-nibble products to give sum((q - 8) * qx).
-                let bias = if Q41 {
-                    _mm256_setzero_si256()
-                } else {
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(eight, xq), ones)
-                };
+                let mut bias = [_mm256_setzero_si256(); N];
+                if !Q41 {
+                    for (v, q) in bias.iter_mut().zip(&xq) {
+                        *v = _mm256_madd_epi16(_mm256_maddubs_epi16(eight, *q), ones);
+                    }
+                }
                 for r in 0..R {
                     let p = w.add(r * rb + b * bs);
                     prefetch(p.wrapping_add(PF_DIST.max(R * rb)));
                     let v = nibbles(p.add(qoff));
-                    let mut isum = _mm256_madd_epi16(_mm256_maddubs_epi16(v, xq), ones);
-                    if !Q41 {
-                        isum = _mm256_sub_epi32(isum, bias);
+                    for n in 0..N {
+                        let mut isum = _mm256_madd_epi16(_mm256_maddubs_epi16(v, xq[n]), ones);
+                        if !Q41 {
+                            isum = _mm256_sub_epi32(isum, bias[n]);
+                        }
+                        let sc = if Q41 {
+                            // [d_x, s_x]: one multiply gives [d_w d_x, m_w s_x].
+                            let dxs = _mm_setr_ps(*x[n].d.add(b), *x[n].s.add(b), 0.0, 0.0);
+                            let dm = _mm_mul_ps(dm_pair(p), dxs);
+                            // Lane 1 accumulates m_w * s_x (lane 0 is unused).
+                            accm[r][n] = _mm_add_ps(accm[r][n], dm);
+                            _mm256_broadcastss_ps(dm)
+                        } else {
+                            _mm256_mul_ps(bcast_f16(p), _mm256_set1_ps(*x[n].d.add(b)))
+                        };
+                        acc[r][n] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(isum), acc[r][n]);
                     }
-                    let sc = if Q41 {
-                        let dm = _mm_mul_ps(dm_pair(p), dxs);
-                        // Lane 1 accumulates m_w * s_x (lane 0 is unused).
-                        accm[r] = _mm_add_ps(accm[r], dm);
-                        _mm256_broadcastss_ps(dm)
-                    } else {
-                        _mm256_mul_ps(bcast_f16(p), dx)
-                    };
-                    acc[r] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(isum), acc[r]);
                 }
             }
         }
         for r in 0..R {
-            // SAFETY: r < R outputs are writable.
-            unsafe { *y.add(r) = hsum(acc[r]) + _mm_cvtss_f32(_mm_movehdup_ps(accm[r])) };
+            for n in 0..N {
+                let v = hsum(acc[r][n]) + _mm_cvtss_f32(_mm_movehdup_ps(accm[r][n]));
+                // SAFETY: r < R, n < N: the output is writable.
+                unsafe { *y.add(n * ys + r) = v };
+            }
         }
     }
 
-    /// Q8_0 rows (sign trick: `|w|` x `sign(w) * qx`).
+    /// Q8_0 (sign trick: `|w|` x `sign(w) * qx`): `R` weight rows x `N`
+    /// activation rows.
     ///
     /// # Safety
     /// As for [`q4_rows`].
+    #[allow(clippy::needless_range_loop)]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q8_rows<const R: usize>(w: *const u8, rb: usize, nb: usize, x: XPtr, y: *mut f32) {
+    unsafe fn q8_rows<const R: usize, const N: usize>(
+        w: *const u8,
+        rb: usize,
+        nb: usize,
+        x: *const XPtr,
+        y: *mut f32,
+        ys: usize,
+    ) {
         let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); R];
+        // SAFETY: the caller guarantees N activation rows at `x`.
+        let x: [XPtr; N] = core::array::from_fn(|n| unsafe { *x.add(n) });
+        let mut acc = [[_mm256_setzero_ps(); N]; R];
         for b in 0..nb {
-            // SAFETY: b < nb: activation block b and each row's 34-byte
-            // block b are in bounds.
+            // SAFETY: b < nb: activation block b of every row and each
+            // weight row's 34-byte block b are in bounds.
             unsafe {
-                let xq = _mm256_loadu_si256(x.qs.add(b * QK) as *const __m256i);
-                let dx = _mm256_set1_ps(*x.d.add(b));
-                for a in acc.iter_mut().enumerate() {
-                    let (r, a) = a;
+                // (Loops, not closures: the intrinsics inline into this
+                // function's target features.)
+                let mut xq = [_mm256_setzero_si256(); N];
+                for (n, v) in xq.iter_mut().enumerate() {
+                    *v = _mm256_loadu_si256(x[n].qs.add(b * QK) as *const __m256i);
+                }
+                for r in 0..R {
                     let p = w.add(r * rb + b * 34);
                     prefetch(p.wrapping_add(PF_DIST));
                     let wq = _mm256_loadu_si256(p.add(2) as *const __m256i);
                     let ax = _mm256_sign_epi8(wq, wq);
-                    let sy = _mm256_sign_epi8(xq, wq);
-                    let isum = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), ones);
-                    let sc = _mm256_mul_ps(bcast_f16(p), dx);
-                    *a = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(isum), *a);
+                    for n in 0..N {
+                        let sy = _mm256_sign_epi8(xq[n], wq);
+                        let isum = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), ones);
+                        let sc = _mm256_mul_ps(bcast_f16(p), _mm256_set1_ps(*x[n].d.add(b)));
+                        acc[r][n] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(isum), acc[r][n]);
+                    }
                 }
             }
         }
-        for (r, a) in acc.iter().enumerate() {
-            // SAFETY: r < R outputs are writable.
-            unsafe { *y.add(r) = hsum(*a) };
+        for r in 0..R {
+            for n in 0..N {
+                // SAFETY: r < R, n < N: the output is writable.
+                unsafe { *y.add(n * ys + r) = hsum(acc[r][n]) };
+            }
         }
     }
 }
@@ -558,7 +750,7 @@ mod avx2 {
 #[cfg(target_arch = "x86_64")]
 mod vnni {
     use super::avx2::{bcast_f16, dm_pair, hsum, nibbles};
-    use super::{DType, PF_DIST, Q8Act, QK, RowKernel, XPtr, prefetch, run_rows};
+    use super::{DType, PF_DIST, Q8Act, QK, RowKernel, XPtr, prefetch, run_multi, run_rows};
     use core::arch::x86_64::*;
 
     /// # Safety
@@ -574,101 +766,168 @@ mod vnni {
         xq: &Q8Act,
         y: &mut [f32],
     ) {
-        let (k4, k1): (RowKernel, RowKernel) = match dtype {
-            DType::Q4_0 => (q4_rows::<4, false>, q4_rows::<1, false>),
-            DType::Q4_1 => (q4_rows::<4, true>, q4_rows::<1, true>),
-            _ => (q8_rows::<4>, q8_rows::<1>),
-        };
+        let (k4, k1) = kernels::<4, 1>(dtype);
         // SAFETY: features and lengths as guaranteed by the caller.
         unsafe { run_rows(w, rb, nb, xq, y, k4, k1) }
     }
 
-    /// Q4_0 (`Q41 == false`) or Q4_1 rows.
+    /// # Safety
+    /// AVX-512 F/BW/VL/VNNI + AVX2/FMA/F16C available; `w.len() == n_rows *
+    /// rb`, `rb` the row bytes of `nb` blocks of `dtype`; `y.len() ==
+    /// xq.len() * n_rows`; every activation holds `nb` blocks.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn gemv_multi(
+        dtype: DType,
+        w: &[u8],
+        rb: usize,
+        nb: usize,
+        n_rows: usize,
+        xq: &[Q8Act],
+        y: &mut [f32],
+    ) {
+        let pick = |n: usize| super::super::by_n!(n, |N| kernels::<MULTI_R, N>(dtype));
+        // SAFETY: features and lengths as guaranteed by the caller.
+        unsafe { run_multi(w, rb, nb, n_rows, xq, y, (MULTI_R, MULTI_N), pick) }
+    }
+
+    /// Weight rows and most activation rows per multi-row kernel call.
+    const MULTI_R: usize = 2;
+    const MULTI_N: usize = 6;
+
+    /// The (`R`-row, 1-row) kernels for `N` activation rows; `N == 1`,
+    /// `R == 4` are the one-row decode kernels.
+    fn kernels<const R: usize, const N: usize>(dtype: DType) -> (RowKernel, RowKernel) {
+        match dtype {
+            DType::Q4_0 => (q4_rows::<R, N, false>, q4_rows::<1, N, false>),
+            DType::Q4_1 => (q4_rows::<R, N, true>, q4_rows::<1, N, true>),
+            _ => (q8_rows::<R, N>, q8_rows::<1, N>),
+        }
+    }
+
+    /// Q4_0 (`Q41 == false`) or Q4_1: `R` weight rows x `N` activation rows.
     ///
     /// # Safety
-    /// `R` rows of `nb` blocks at `w` (stride `rb`), `nb` activation blocks
-    /// at `x`, `R` writable floats at `y`.
+    /// `R` rows of `nb` blocks at `w` (stride `rb`), `N` activation rows of
+    /// `nb` blocks at `x`, outputs `y[n * ys + r]` writable.
+    #[allow(clippy::needless_range_loop)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn q4_rows<const R: usize, const Q41: bool>(
+    unsafe fn q4_rows<const R: usize, const N: usize, const Q41: bool>(
         w: *const u8,
         rb: usize,
         nb: usize,
-        x: XPtr,
+        x: *const XPtr,
         y: *mut f32,
+        ys: usize,
     ) {
         let (bs, qoff) = if Q41 { (20, 4) } else { (18, 2) };
         let zero = _mm256_setzero_si256();
         let eight = _mm256_set1_epi8(8);
-        let mut acc = [_mm256_setzero_ps(); R];
-        let mut accm = [_mm_setzero_ps(); R];
+        // SAFETY: the caller guarantees N activation rows at `x`.
+        let x: [XPtr; N] = core::array::from_fn(|n| unsafe { *x.add(n) });
+        let mut acc = [[_mm256_setzero_ps(); N]; R];
+        let mut accm = [[_mm_setzero_ps(); N]; R];
         for b in 0..nb {
-            // SAFETY: b < nb: activation block b and each row's block b
-            // (bytes b*bs .. b*bs+bs <= rb) are in bounds.
+            // SAFETY: b < nb: activation block b of every row and each
+            // weight row's block b (bytes b*bs .. b*bs+bs <= rb) are in
+            // bounds.
             unsafe {
-                let xq = _mm256_loadu_si256(x.qs.add(b * QK) as *const __m256i);
-                let dx = _mm256_set1_ps(*x.d.add(b));
-                // [d_x, s_x]: one multiply gives Q4_1's [d_w d_x, m_w s_x].
-                let dxs = _mm_setr_ps(*x.d.add(b), *x.s.add(b), 0.0, 0.0);
-                // Q4_0: start every row's integer sum at -8 * sum(qx) (per
-                // lane), so it ends as sum((q - 8) * qx).
-                let start = if Q41 {
-                    zero
-                } else {
-                    _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, eight, xq))
-                };
+                // (Loops, not closures: the intrinsics inline into this
+                // function's target features.)
+                let mut xq = [_mm256_setzero_si256(); N];
+                for (n, v) in xq.iter_mut().enumerate() {
+                    *v = _mm256_loadu_si256(x[n].qs.add(b * QK) as *const __m256i);
+                }
+                // Q4_0: start every integer sum at -8 * sum(qx) (per lane),
+                // so it ends as sum((q - 8) * qx).
+                let mut start = [zero; N];
+                if !Q41 {
+                    for (v, q) in start.iter_mut().zip(&xq) {
+                        *v = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, eight, *q));
+                    }
+                }
                 for r in 0..R {
                     let p = w.add(r * rb + b * bs);
                     prefetch(p.wrapping_add(PF_DIST.max(R * rb)));
-                    let isum = _mm256_dpbusd_epi32(start, nibbles(p.add(qoff)), xq);
-                    let sc = if Q41 {
-                        let dm = _mm_mul_ps(dm_pair(p), dxs);
-                        // Lane 1 accumulates m_w * s_x (lane 0 is unused).
-                        accm[r] = _mm_add_ps(accm[r], dm);
-                        _mm256_broadcastss_ps(dm)
-                    } else {
-                        _mm256_mul_ps(bcast_f16(p), dx)
-                    };
-                    acc[r] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(isum), acc[r]);
+                    let v = nibbles(p.add(qoff));
+                    for n in 0..N {
+                        let isum = _mm256_dpbusd_epi32(start[n], v, xq[n]);
+                        let sc = if Q41 {
+                            // [d_x, s_x]: one multiply gives [d_w d_x, m_w s_x].
+                            let dxs = _mm_setr_ps(*x[n].d.add(b), *x[n].s.add(b), 0.0, 0.0);
+                            let dm = _mm_mul_ps(dm_pair(p), dxs);
+                            // Lane 1 accumulates m_w * s_x (lane 0 is unused).
+                            accm[r][n] = _mm_add_ps(accm[r][n], dm);
+                            _mm256_broadcastss_ps(dm)
+                        } else {
+                            _mm256_mul_ps(bcast_f16(p), _mm256_set1_ps(*x[n].d.add(b)))
+                        };
+                        acc[r][n] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(isum), acc[r][n]);
+                    }
                 }
             }
         }
         for r in 0..R {
-            // SAFETY: r < R outputs are writable.
-            unsafe { *y.add(r) = hsum(acc[r]) + _mm_cvtss_f32(_mm_movehdup_ps(accm[r])) };
+            for n in 0..N {
+                let v = hsum(acc[r][n]) + _mm_cvtss_f32(_mm_movehdup_ps(accm[r][n]));
+                // SAFETY: r < R, n < N: the output is writable.
+                unsafe { *y.add(n * ys + r) = v };
+            }
         }
     }
 
-    /// Q8_0 rows: `sum(w * qx) = sum((w + 128) * qx) - 128 * sum(qx)`, with
+    /// Q8_0: `sum(w * qx) = sum((w + 128) * qx) - 128 * sum(qx)`, with
     /// `w + 128 = w ^ 0x80` as an unsigned byte and the bias shared by rows.
     ///
     /// # Safety
     /// As for [`q4_rows`].
+    #[allow(clippy::needless_range_loop)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn q8_rows<const R: usize>(w: *const u8, rb: usize, nb: usize, x: XPtr, y: *mut f32) {
+    unsafe fn q8_rows<const R: usize, const N: usize>(
+        w: *const u8,
+        rb: usize,
+        nb: usize,
+        x: *const XPtr,
+        y: *mut f32,
+        ys: usize,
+    ) {
         let zero = _mm256_setzero_si256();
         let off = _mm256_set1_epi8(i8::MIN);
-        let mut acc = [_mm256_setzero_ps(); R];
+        // SAFETY: the caller guarantees N activation rows at `x`.
+        let x: [XPtr; N] = core::array::from_fn(|n| unsafe { *x.add(n) });
+        let mut acc = [[_mm256_setzero_ps(); N]; R];
         for b in 0..nb {
-            // SAFETY: b < nb: activation block b and each row's 34-byte
-            // block b are in bounds.
+            // SAFETY: b < nb: activation block b of every row and each
+            // weight row's 34-byte block b are in bounds.
             unsafe {
-                let xq = _mm256_loadu_si256(x.qs.add(b * QK) as *const __m256i);
-                let dx = _mm256_set1_ps(*x.d.add(b));
+                // (Loops, not closures: the intrinsics inline into this
+                // function's target features.)
+                let mut xq = [_mm256_setzero_si256(); N];
+                for (n, v) in xq.iter_mut().enumerate() {
+                    *v = _mm256_loadu_si256(x[n].qs.add(b * QK) as *const __m256i);
+                }
                 // 0x80 as unsigned is 128: start = -128 * sum(qx) per lane.
-                let start = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, off, xq));
-                for (r, a) in acc.iter_mut().enumerate() {
+                let mut start = [zero; N];
+                for (v, q) in start.iter_mut().zip(&xq) {
+                    *v = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, off, *q));
+                }
+                for r in 0..R {
                     let p = w.add(r * rb + b * 34);
                     prefetch(p.wrapping_add(PF_DIST));
                     let wq = _mm256_loadu_si256(p.add(2) as *const __m256i);
-                    let isum = _mm256_dpbusd_epi32(start, _mm256_xor_si256(wq, off), xq);
-                    let sc = _mm256_mul_ps(bcast_f16(p), dx);
-                    *a = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(isum), *a);
+                    let wx = _mm256_xor_si256(wq, off);
+                    for n in 0..N {
+                        let isum = _mm256_dpbusd_epi32(start[n], wx, xq[n]);
+                        let sc = _mm256_mul_ps(bcast_f16(p), _mm256_set1_ps(*x[n].d.add(b)));
+                        acc[r][n] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(isum), acc[r][n]);
+                    }
                 }
             }
         }
-        for (r, a) in acc.iter().enumerate() {
-            // SAFETY: r < R outputs are writable.
-            unsafe { *y.add(r) = hsum(*a) };
+        for r in 0..R {
+            for n in 0..N {
+                // SAFETY: r < R, n < N: the output is writable.
+                unsafe { *y.add(n * ys + r) = hsum(acc[r][n]) };
+            }
         }
     }
 }
@@ -868,6 +1127,52 @@ mod tests {
             }
         }
         eprintln!("q8act worst |err| / sum|w||xq|: {worst:.2e} (bound 1e-6)");
+    }
+
+    /// Multi-row products with quantized activations equal one-row
+    /// products bit for bit: every kernel family, R = 2, 3, 5, 8, 16
+    /// activation rows, weight-row counts with tails.
+    #[test]
+    fn q8act_multi_bit_identical_to_one_row() {
+        let mut rng = Rng(0xC0FF_EE06);
+        let mut checked = 0usize;
+        for kern in kerns() {
+            for dtype in DTYPES {
+                for k in [32, 96, 576, 1536] {
+                    for n_rows in [1, 3, 5, 9] {
+                        let w = random_weights(&mut rng, dtype, k, n_rows);
+                        for n_x in [2, 3, 5, 8, 16] {
+                            let xq: Vec<Q8Act> = (0..n_x)
+                                .map(|_| {
+                                    let mut q = Q8Act::new();
+                                    q.quantize_with(kern, &random_x(&mut rng, k));
+                                    q
+                                })
+                                .collect();
+                            let mut y = vec![f32::NAN; n_x * n_rows];
+                            gemv_q8_multi_with(kern, dtype, &w, k, n_rows, &xq, &mut y);
+                            for (t, x) in xq.iter().enumerate() {
+                                let mut y1 = vec![f32::NAN; n_rows];
+                                gemv_q8_with(kern, dtype, &w, k, x, &mut y1);
+                                for r in 0..n_rows {
+                                    let got = y[t * n_rows + r];
+                                    assert_eq!(
+                                        got.to_bits(),
+                                        y1[r].to_bits(),
+                                        "{} {dtype} k={k} rows={n_rows} n_x={n_x} t={t} r={r}: \
+                                         multi {got:e} vs one-row {:e}",
+                                        kern.name(),
+                                        y1[r]
+                                    );
+                                    checked += 1;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        eprintln!("gemv_q8_multi: {checked} outputs bit-identical to one-row products");
     }
 
     #[test]

@@ -58,95 +58,122 @@ pub(super) fn dequant_row(dtype: DType, src: &[u8], k: usize, out: &mut [f32]) {
     }
 }
 
-/// Elements dequantized at a time by [`dot_row_buffered`]: one K-quant
+/// Elements dequantized at a time by [`dot_rows_buffered`]: one K-quant
 /// super-block, or 8 blocks of the 32-element types.
 const CHUNK: usize = 256;
 
-/// Dot product of a 5-bit / K-quant row with `x`: each chunk of up to 256
-/// elements is dequantized into a buffer, then summed in 8 partial sums.
-fn dot_row_buffered(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
-    let k = x.len();
+/// Dot products of a 5-bit / K-quant row with the input rows `x[n*k..][..k]`
+/// (`acc.len()` of them): each chunk of up to 256 elements is dequantized
+/// once into a buffer, then summed with every input row in 8 partial sums.
+fn dot_rows_buffered(dtype: DType, row: &[u8], x: &[f32], k: usize, acc: &mut [f32]) {
     let mut buf = [0f32; CHUNK];
-    let mut acc = 0f32;
     let mut k0 = 0;
     while k0 < k {
         let kl = CHUNK.min(k - k0);
         let src = &row[row_bytes(dtype, k0)..row_bytes(dtype, k0 + kl)];
         blocks::dequant(dtype, src, &mut buf[..kl]);
-        let mut s = [0f32; 8];
-        for (w8, x8) in buf[..kl]
-            .chunks_exact(8)
-            .zip(x[k0..k0 + kl].chunks_exact(8))
-        {
-            for i in 0..8 {
-                s[i] += w8[i] * x8[i];
+        for (n, a) in acc.iter_mut().enumerate() {
+            let xn = &x[n * k + k0..n * k + k0 + kl];
+            let mut s = [0f32; 8];
+            for (w8, x8) in buf[..kl].chunks_exact(8).zip(xn.chunks_exact(8)) {
+                for i in 0..8 {
+                    s[i] += w8[i] * x8[i];
+                }
             }
+            *a += ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
         }
-        acc += ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
         k0 += kl;
     }
-    acc
 }
 
-/// Dot product of one row (exactly `row_bytes(dtype, k)` bytes) with `x`.
-fn dot_row(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
+/// Dot products of one row (exactly `row_bytes(dtype, k)` bytes) with the
+/// input rows `x[n*k..][..k]` for `n < acc.len()`, into `acc`. Each weight
+/// block is unpacked once; every input row sees the same operations in
+/// the same order (so one input row gives the one-row result).
+#[allow(clippy::needless_range_loop)]
+fn dot_rows(dtype: DType, row: &[u8], x: &[f32], k: usize, acc: &mut [f32]) {
+    acc.fill(0.0);
+    let xb = |n: usize, b: usize| &x[n * k + b * QK..n * k + b * QK + QK];
     match dtype {
-        DType::F32 => row
-            .chunks_exact(4)
-            .zip(x)
-            .map(|(b, &xv)| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) * xv)
-            .sum(),
-        DType::F16 => row
-            .chunks_exact(2)
-            .zip(x)
-            .map(|(b, &xv)| f16_at(b) * xv)
-            .sum(),
-        DType::BF16 => row
-            .chunks_exact(2)
-            .zip(x)
-            .map(|(b, &xv)| bf16_at(b) * xv)
-            .sum(),
+        DType::F32 | DType::F16 | DType::BF16 => {
+            let wv = |j: usize| match dtype {
+                DType::F32 => {
+                    let b = &row[4 * j..4 * j + 4];
+                    f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+                }
+                DType::F16 => f16_at(&row[2 * j..]),
+                _ => bf16_at(&row[2 * j..]),
+            };
+            for j in 0..k {
+                let v = wv(j);
+                for (n, a) in acc.iter_mut().enumerate() {
+                    *a += v * x[n * k + j];
+                }
+            }
+        }
         DType::Q4_0 => {
-            let mut acc = 0f32;
-            for (blk, xb) in row.chunks_exact(18).zip(x.chunks_exact(QK)) {
-                let mut s = 0f32;
+            for (b, blk) in row.chunks_exact(18).enumerate() {
+                let d = f16_at(blk);
+                let mut lo = [0f32; 16];
+                let mut hi = [0f32; 16];
                 for j in 0..16 {
                     let q = blk[2 + j];
-                    s += ((q & 0xF) as i32 - 8) as f32 * xb[j];
-                    s += ((q >> 4) as i32 - 8) as f32 * xb[j + 16];
+                    lo[j] = ((q & 0xF) as i32 - 8) as f32;
+                    hi[j] = ((q >> 4) as i32 - 8) as f32;
                 }
-                acc += f16_at(blk) * s;
+                for (n, a) in acc.iter_mut().enumerate() {
+                    let xv = xb(n, b);
+                    let mut s = 0f32;
+                    for j in 0..16 {
+                        s += lo[j] * xv[j];
+                        s += hi[j] * xv[j + 16];
+                    }
+                    *a += d * s;
+                }
             }
-            acc
         }
         DType::Q4_1 => {
-            let mut acc = 0f32;
-            for (blk, xb) in row.chunks_exact(20).zip(x.chunks_exact(QK)) {
-                let mut s = 0f32;
-                let mut sx = 0f32;
+            for (b, blk) in row.chunks_exact(20).enumerate() {
+                let (d, m) = (f16_at(blk), f16_at(&blk[2..]));
+                let mut lo = [0f32; 16];
+                let mut hi = [0f32; 16];
                 for j in 0..16 {
                     let q = blk[4 + j];
-                    s += (q & 0xF) as f32 * xb[j];
-                    s += (q >> 4) as f32 * xb[j + 16];
-                    sx += xb[j] + xb[j + 16];
+                    lo[j] = (q & 0xF) as f32;
+                    hi[j] = (q >> 4) as f32;
                 }
-                acc += f16_at(blk) * s + f16_at(&blk[2..]) * sx;
+                for (n, a) in acc.iter_mut().enumerate() {
+                    let xv = xb(n, b);
+                    let mut s = 0f32;
+                    let mut sx = 0f32;
+                    for j in 0..16 {
+                        s += lo[j] * xv[j];
+                        s += hi[j] * xv[j + 16];
+                        sx += xv[j] + xv[j + 16];
+                    }
+                    *a += d * s + m * sx;
+                }
             }
-            acc
         }
         DType::Q8_0 => {
-            let mut acc = 0f32;
-            for (blk, xb) in row.chunks_exact(34).zip(x.chunks_exact(QK)) {
-                let mut s = 0f32;
+            for (b, blk) in row.chunks_exact(34).enumerate() {
+                let d = f16_at(blk);
+                let mut q = [0f32; QK];
                 for j in 0..QK {
-                    s += (blk[2 + j] as i8) as f32 * xb[j];
+                    q[j] = (blk[2 + j] as i8) as f32;
                 }
-                acc += f16_at(blk) * s;
+                for (n, a) in acc.iter_mut().enumerate() {
+                    let xv = xb(n, b);
+                    let mut s = 0f32;
+                    for j in 0..QK {
+                        s += q[j] * xv[j];
+                    }
+                    *a += d * s;
+                }
             }
-            acc
         }
         DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
-            dot_row_buffered(dtype, row, x)
+            dot_rows_buffered(dtype, row, x, k, acc)
         }
     }
 }
@@ -159,7 +186,33 @@ pub(super) fn gemv(dtype: DType, w: &[u8], k: usize, x: &[f32], y: &mut [f32]) {
         return;
     }
     for (yv, row) in y.iter_mut().zip(w.chunks_exact(rb)) {
-        *yv = dot_row(dtype, row, x);
+        dot_rows(dtype, row, x, k, std::slice::from_mut(yv));
+    }
+}
+
+/// Multi-row product (see `super::gemv_multi`): `w.len() == n_rows *
+/// row_bytes(dtype, k)`, `x.len() == n_x * k`, `y.len() == n_x * n_rows`
+/// (checked by caller).
+pub(super) fn gemv_multi(
+    dtype: DType,
+    w: &[u8],
+    k: usize,
+    n_rows: usize,
+    x: &[f32],
+    n_x: usize,
+    y: &mut [f32],
+) {
+    let rb = super::row_bytes(dtype, k);
+    if rb == 0 {
+        y.fill(0.0);
+        return;
+    }
+    let mut acc = vec![0f32; n_x];
+    for (r, row) in w.chunks_exact(rb).take(n_rows).enumerate() {
+        dot_rows(dtype, row, x, k, &mut acc);
+        for (t, a) in acc.iter().enumerate() {
+            y[t * n_rows + r] = *a;
+        }
     }
 }
 
