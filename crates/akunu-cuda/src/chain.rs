@@ -220,6 +220,27 @@ fn graph_for(
     }
 }
 
+/// Checks that `n` KV positions from `pos` fit every cache the table writes
+/// (kernels inside graphs do not check them per launch).
+fn check_kv_room(table: &DispatchTable, pos: u32, n: u32, what: &str) -> Result<(), BackendError> {
+    for (i, c) in table.commands.iter().enumerate() {
+        if c.kernel == akunu_core::ops::KernelId::RopeKvWrite {
+            let p: akunu_core::ops::RopeParams = c.params();
+            if pos as u64 + n as u64 > p.capacity as u64 {
+                return Err(crate::invalid(
+                    table,
+                    i,
+                    format!(
+                        "{what} ({n}) from position {pos} exceeds the cache ({} positions)",
+                        p.capacity
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// One speculative verification step (`first.rows` rows: the current token
 /// and the draft) as a captured graph, one per table and row count, reused
 /// for every pass: the kernels read the position from the control block,
@@ -235,31 +256,23 @@ pub fn verify_step(
     if first.rows == 0 || first.rows > launch::decode_rows(be, table) {
         // Not a step the graph path takes (the engine caps drafts at
         // `exact_rows`): run it the ordinary way.
-        return be.replay_plain(table, first);
+        return be.run_step(table, &first);
     }
-    // The extents a graph cannot check per launch: the conveyor slots the
-    // step reads and writes, and the KV positions it writes.
-    for (i, c) in table.commands.iter().enumerate() {
+    // The extents a graph cannot check per launch: the KV positions the
+    // step writes, and the conveyor slots it reads and writes.
+    check_kv_room(
+        table,
+        first.pos,
+        first.rows,
+        "a verification step of that many rows",
+    )?;
+    for c in &table.commands {
         let need = match (c.kernel, c.patch) {
             (akunu_core::ops::KernelId::Embedding, akunu_core::table::PatchType::TokenOffset) => {
                 Some((0, first.tok as u64 + first.rows as u64))
             }
             (akunu_core::ops::KernelId::Argmax, akunu_core::table::PatchType::ArgmaxOutput) => {
                 Some((1, first.tok as u64 + first.rows as u64 + 1))
-            }
-            (akunu_core::ops::KernelId::RopeKvWrite, _) => {
-                let p: akunu_core::ops::RopeParams = c.params();
-                if first.pos as u64 + first.rows as u64 > p.capacity as u64 {
-                    return Err(crate::invalid(
-                        table,
-                        i,
-                        format!(
-                            "a verification step of {} rows at position {} exceeds the cache ({} positions)",
-                            first.rows, first.pos, p.capacity
-                        ),
-                    ));
-                }
-                None
             }
             _ => None,
         };
@@ -380,22 +393,7 @@ pub fn decode_chain(
             req.stop_ids.len()
         )));
     }
-    // KV positions the chain will write must fit every cache.
-    for (i, c) in table.commands.iter().enumerate() {
-        if c.kernel == akunu_core::ops::KernelId::RopeKvWrite {
-            let p: akunu_core::ops::RopeParams = c.params();
-            if first.pos as u64 + req.steps as u64 > p.capacity as u64 {
-                return Err(crate::invalid(
-                    table,
-                    i,
-                    format!(
-                        "a chain of {} steps from position {} exceeds the cache ({} positions)",
-                        req.steps, first.pos, p.capacity
-                    ),
-                ));
-            }
-        }
-    }
+    check_kv_room(table, first.pos, req.steps, "a chain of that many steps")?;
     let chunk = req.chunk.clamp(1, req.steps);
     be.chain.ensure_mapped(slots as usize)?;
     be.sync()?;

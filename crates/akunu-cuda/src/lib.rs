@@ -227,7 +227,11 @@ impl CudaBackend {
     }
 
     /// Launches one step of `table` outside any graph.
-    fn run_step(&mut self, table: &DispatchTable, step: &StepInfo) -> Result<(), BackendError> {
+    pub(crate) fn run_step(
+        &mut self,
+        table: &DispatchTable,
+        step: &StepInfo,
+    ) -> Result<(), BackendError> {
         if self.profile.is_some() {
             return self.profile_step(table, step);
         }
@@ -608,9 +612,7 @@ impl Backend for CudaBackend {
                 first.rows, table.max_rows
             )));
         }
-        self.bind()?;
-        self.ensure_attn_scratch(table)?;
-        self.ensure_sample_scratch()?;
+        self.prepare(table)?;
         for s in 0..steps {
             let step = StepInfo {
                 pos: first.pos + s * first.rows,
@@ -636,9 +638,7 @@ impl Backend for CudaBackend {
         req: &ChainRequest<'_>,
         sink: TokenSink<'_>,
     ) -> Result<ChainReport, BackendError> {
-        self.bind()?;
-        self.ensure_attn_scratch(table)?;
-        self.ensure_sample_scratch()?;
+        self.prepare(table)?;
         chain::decode_chain(self, table, first, req, sink)
     }
 
@@ -649,11 +649,10 @@ impl Backend for CudaBackend {
                 first.rows, table.max_rows
             )));
         }
-        self.bind()?;
-        self.ensure_attn_scratch(table)?;
+        self.prepare(table)?;
         if self.profile.is_some() {
             // Per-command timing needs the uncaptured path.
-            return self.replay_plain(table, first);
+            return self.run_step(table, &first);
         }
         chain::verify_step(self, table, first)
     }
@@ -678,13 +677,12 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
-    /// One step launched kernel by kernel, outside any graph.
-    pub(crate) fn replay_plain(
-        &mut self,
-        table: &DispatchTable,
-        step: StepInfo,
-    ) -> Result<(), BackendError> {
-        self.run_step(table, &step)
+    /// Binds the context and sizes the scratch buffers `table`'s steps
+    /// use: what every replay, chain and verification does first.
+    fn prepare(&mut self, table: &DispatchTable) -> Result<(), BackendError> {
+        self.bind()?;
+        self.ensure_attn_scratch(table)?;
+        self.ensure_sample_scratch()
     }
 
     /// Zeroes decode attention's per-head tickets (each merge resets its
