@@ -15,7 +15,7 @@
 #                                 each WHAT of: tests, sanitize, bench, profile, profile-big,
 #                                 trace, features,
 #                                 model-part1, model-part2, model-part3,
-#                                 model. Logs go to $OUT (or ./gpu-out),
+#                                 model, sampler (needs the model). Logs go to $OUT (or ./gpu-out),
 #                                 a summary to stdout.
 #
 # The binaries need no CUDA at build time (cudarc loads the driver and NVRTC
@@ -191,26 +191,65 @@ features() {
         --json-schema bench/person.schema.json -n 96 2>&1 | tail -3
 }
 
+sampler() {
+    echo "== sampled against greedy decode on the default model (A/B of the select kernel's pick)"
+    assemble_model || return 0
+    local r pick
+    local samp=(--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1)
+    for r in 1 2; do
+        bench_one "greedy-$r" "$MODEL" | grep tg128 || true
+        for pick in 1 0; do
+            AKUNU_CUDA_SAMPLE_PICK=$pick bench_one "sampled-pick$pick-$r" "$MODEL" "${samp[@]}" |
+                sed "s/^/pick=$pick /" | grep tg128 || true
+        done
+        # The select kernel's block sort instead of its warp-level top-64.
+        AKUNU_CUDA_SAMPLE_PICK=0 AKUNU_CUDA_DEFINES=-DSMB_NO_TOP64 bench_one "sampled-sort-$r" "$MODEL" \
+            "${samp[@]}" | sed "s/^/pick=0 sort /" | grep tg128 || true
+    done
+    "$BIN/akunu" profile -m "$MODEL" --device cuda -n 64 "${samp[@]}" 2>&1 |
+        tee "$OUTDIR/profile-sampled.log" | grep -E "sample|argmax|logits|total|per token" || true
+    # Phase lengths inside k_sample_select (SM cycles), from its developer timer.
+    AKUNU_CUDA_DEFINES=-DSMB_TIMING "$BIN/akunu" generate -m "$MODEL" --device cuda \
+        --prompt-ids 1,2,3,4 -n 700 --ignore-eos "${samp[@]}" 2>/dev/null | grep '^smb' >"$OUTDIR/smb-timing.log" || true
+    python3 - "$OUTDIR/smb-timing.log" <<'PY'
+import sys, statistics
+rows = {}
+for line in open(sys.argv[1]):
+    head, _, nums = line.partition(": ")
+    who = head.split(" kv ")[0]
+    for q, v in enumerate(nums.split(), 1):
+        if int(v):
+            rows.setdefault((who, q), []).append(int(v))
+for (who, q), v in sorted(rows.items()):
+    print(f"{who:16} phase {q - 1}-{q}: median {statistics.median(v):8.0f} cycles over {len(v)}")
+PY
+}
+
 model_part() { # N
     cp ".gpu-part$1/model.part$1" "$STORE/model.part$1"
     cp ".gpu-part$1/model.sha256" "$STORE/model.sha256"
     echo "stored model part $1"
 }
 
-model() {
+# Joins the carried parts into $MODEL once; fails when they are missing.
+assemble_model() {
     if [ ! -f "$MODEL" ]; then
         if [ -f "$STORE/model.part1" ] && [ -f "$STORE/model.part2" ] && [ -f "$STORE/model.part3" ]; then
             cat "$STORE/model.part1" "$STORE/model.part2" "$STORE/model.part3" >"$MODEL"
         else
             echo "default model: parts missing (the machine was replaced between calls?)"
-            return 0
+            return 1
         fi
     fi
     if [ "$(sha256sum "$MODEL" | cut -d' ' -f1)" != "$(cat "$STORE/model.sha256")" ]; then
         echo "default model: sha256 mismatch"
         rm -f "$MODEL"
-        return 0
+        return 1
     fi
+}
+
+model() {
+    assemble_model || return 0
     echo "== default model"
     AKUNU_TEST_MODEL=$MODEL "$BIN/gpu-tests" --ignored --test-threads=1 --nocapture logits_match_cpu_on_real_shapes 2>&1 |
         tee "$OUTDIR/tests-model.log" | grep -E "^test |rel-L2|result|panicked" || true
@@ -247,6 +286,7 @@ run)
         features) features ;;
         model-part[123]) model_part "${what#model-part}" ;;
         model) model ;;
+        sampler) sampler ;;
         *)
             echo "unknown step $what" >&2
             exit 2

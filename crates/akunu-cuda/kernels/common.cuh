@@ -71,7 +71,7 @@ struct StepArg {
     u32 rows;   // rows of this step
     u32 step;   // step index inside the chunk (ctl != null)
     u32 patch;  // the command's PatchType: which fields the kernel resolves
-    u32 _pad;
+    u32 flags;  // per-kernel launch options (k_sample_select: SMB_PICK*), else 0
     Ctl* ctl;   // null outside chunk graphs
 };
 

@@ -317,6 +317,98 @@ __device__ void bitonic(T* a, u32 P) {
     }
 }
 
+// ---- the 64 largest keys of a shared array, without a block-wide sort
+//
+// A warp holds 64 keys in registers, two per lane: element e = 2 lane + h
+// in x[h]. Bitonic stages whose partner is in the same lane swap
+// registers; the others exchange with lane ^ (j / 2) by shuffles, so a
+// warp sorts or merges with no barrier. A block sorting 1,024 keys in
+// shared memory passes 55 barriers (measured: 16k cycles of a 1,024-key
+// slice on an H200); the top-64 below passes 8.
+
+// One bitonic compare-exchange stage at distance j inside blocks of k, for
+// a final descending order.
+__device__ __forceinline__ void warp64_stage(u64 (&x)[2], u32 k, u32 j) {
+    const u32 lane = threadIdx.x & 31u;
+    if (j == 1u) {
+        // Elements 2 lane and 2 lane + 1: the pair's lower index is x[0].
+        const bool desc = ((2u * lane) & k) == 0u;
+        const u64 a = x[0], b = x[1];
+        const bool sw = desc ? a < b : a > b;
+        x[0] = sw ? b : a;
+        x[1] = sw ? a : b;
+        return;
+    }
+    const u32 d = j >> 1;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u32 e = 2u * lane + (u32)h;
+        const u64 y = __shfl_xor_sync(FULL_MASK, x[h], d);
+        const bool lower = (e & j) == 0u;
+        const bool desc = (e & k) == 0u;
+        // The lower element of a descending pair keeps the larger key.
+        const bool keep_max = lower == desc;
+        x[h] = keep_max ? (x[h] > y ? x[h] : y) : (x[h] < y ? x[h] : y);
+    }
+}
+
+// Sorts the warp's 64 keys, descending.
+__device__ __forceinline__ void warp64_sort(u64 (&x)[2]) {
+#pragma unroll
+    for (u32 k = 2; k <= 64u; k <<= 1)
+#pragma unroll
+        for (u32 j = k >> 1; j > 0u; j >>= 1) warp64_stage(x, k, j);
+}
+
+// r (sorted descending) becomes the 64 largest of r and y (sorted
+// descending): the elementwise max of r and reversed y is a bitonic
+// sequence holding them, which one merge pass sorts.
+__device__ __forceinline__ void warp64_merge(u64 (&r)[2], const u64 (&y)[2]) {
+    const u32 lane = threadIdx.x & 31u;
+    // Element 63 - e of y: lane 31 - lane, the other register.
+    const u64 y0 = __shfl_sync(FULL_MASK, y[1], 31u - lane);
+    const u64 y1 = __shfl_sync(FULL_MASK, y[0], 31u - lane);
+    r[0] = r[0] > y0 ? r[0] : y0;
+    r[1] = r[1] > y1 ? r[1] : y1;
+#pragma unroll
+    for (u32 j = 32; j > 0u; j >>= 1) warp64_stage(r, 64u, j);
+}
+
+// out[0..64) = the 64 largest of a[0..n) (0 = no key; keys distinct
+// otherwise), descending, 0-padded: the first 64 entries of a descending
+// sort of a. `wl` holds 64 keys per warp. Every thread of the block calls
+// it; blockDim.x is a multiple of 32. Ends synchronised.
+__device__ void block_top64(const u64* a, u32 n, u64* out, u64* wl) {
+    const u32 lane = threadIdx.x & 31u, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    u64 r[2] = {0ull, 0ull};
+    for (u32 c = w * 64u; c < n; c += nw * 64u) {
+        u64 x[2];
+        x[0] = c + 2u * lane < n ? a[c + 2u * lane] : 0ull;
+        x[1] = c + 2u * lane + 1u < n ? a[c + 2u * lane + 1u] : 0ull;
+        warp64_sort(x);
+        warp64_merge(r, x);
+    }
+    // Pairwise tree over the warps' lists.
+    for (u32 span = 1; span < nw; span <<= 1) {
+        const bool give = (w & (2u * span - 1u)) == span;
+        if (give) {
+            wl[w * 64u + 2u * lane] = r[0];
+            wl[w * 64u + 2u * lane + 1u] = r[1];
+        }
+        __syncthreads();
+        if ((w & (2u * span - 1u)) == 0u && w + span < nw) {
+            u64 y[2] = {wl[(w + span) * 64u + 2u * lane], wl[(w + span) * 64u + 2u * lane + 1u]};
+            warp64_merge(r, y);
+        }
+        __syncthreads();
+    }
+    if (w == 0) {
+        out[2u * lane] = r[0];
+        out[2u * lane + 1u] = r[1];
+    }
+    __syncthreads();
+}
+
 // Zeroes the histogram. The caller synchronises before filling it.
 __device__ __forceinline__ void hist_clear(SmpShared& s) {
     for (u32 b = threadIdx.x; b < SMP_BINS; b += blockDim.x) {
@@ -422,6 +514,28 @@ __device__ void penalise_window(float* logits, u32 lo, u32 hi, float pen, const 
 // 1. Argmax
 // ---------------------------------------------------------------------------
 
+// What an Argmax command does with its token: store it in conveyor slot
+// `slot`, and inside a chain publish it (and its %globaltimer stamp) to the
+// host, count the step and raise `done` at the limit or a stop token. One
+// thread of one block calls it.
+__device__ void publish_token(u32* tokens, u32 slot, u32 id, Ctl* c) {
+    tokens[slot] = id;
+    if (!c) return;
+    u64 now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    // The host polls the token slot, then reads the stamp: stamp first.
+    *(volatile u64*)&c->host_stamps[slot] = now;
+    __threadfence_system();
+    *(volatile u32*)&c->host_tokens[slot] = id;
+    __threadfence_system();
+    const u32 computed = c->computed + 1u;
+    c->computed = computed;
+    bool stop = computed >= c->limit;
+    const u32 ns = min(c->n_stop, (u32)MAX_STOP);
+    for (u32 j = 0; j < ns; ++j) stop |= c->stop[j] == id;
+    if (stop) *(volatile u32*)&c->done = 1u;
+}
+
 // Index of the largest of p.n logits, lowest index on ties, NaN ignored, 0
 // when nothing beats -inf (the CPU's argmax). Grid 1, block 1024: one
 // vector per step, reduced in one block. Inside a chain thread 0 also
@@ -453,25 +567,8 @@ k_argmax(Bind b, ArgmaxParams p, StepArg a) {
     }
     block_argmax(bv, bi, sf, si);
     if (threadIdx.x != 0) return;
-    const u32 id = bi == NONE32 ? 0u : bi;
     const u32 slot = a.patch == PATCH_ARGMAX_OUTPUT ? st.tok + st.rows : 0u;
-    ((u32*)b.p[1])[slot] = id;
-    Ctl* c = a.ctl;
-    if (c) {
-        u64 now;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-        // The host polls the token slot, then reads the stamp: stamp first.
-        *(volatile u64*)&c->host_stamps[slot] = now;
-        __threadfence_system();
-        *(volatile u32*)&c->host_tokens[slot] = id;
-        __threadfence_system();
-        const u32 computed = c->computed + 1u;
-        c->computed = computed;
-        bool stop = computed >= c->limit;
-        const u32 ns = min(c->n_stop, (u32)MAX_STOP);
-        for (u32 j = 0; j < ns; ++j) stop |= c->stop[j] == id;
-        if (stop) *(volatile u32*)&c->done = 1u;
-    }
+    publish_token((u32*)b.p[1], slot, bi == NONE32 ? 0u : bi, a.ctl);
 }
 
 // ---------------------------------------------------------------------------
@@ -842,11 +939,42 @@ k_gumbel_sample(Bind b, SampleParams p, StepArg a) {
 #define SMB_MASS_OFF (SMB_PART_OFF + 8 * SMB_MAX_GRID)
 #define SMB_CAND_OFF (SMB_MASS_OFF + 8 * SMB_MAX_GRID)
 #define SMB_SCRATCH_BYTES (SMB_CAND_OFF + 8 * SMB_CAND_CAP)
+// StepArg flags of k_sample_select. SMB_PICK: the select kernel also does
+// the table's next command, the Argmax over the logits it writes (launch.rs
+// `sampler_picks`): the last block, which holds every kept candidate, picks
+// the best and publishes it as k_argmax would, and the Argmax launch is
+// dropped. The conveyor is binding 7. SMB_PICK_PATCHED: that Argmax's
+// output is patched (slot tok + rows), else it writes slot 0.
+#define SMB_PICK 1u
+#define SMB_PICK_PATCHED 2u
+
+// Developer timing (AKUNU_CUDA_DEFINES=-DSMB_TIMING): thread 0 of block 0
+// and of the merging block note the SM clock at the phase marks and print
+// the phase lengths in cycles every 64th position.
+#ifdef SMB_TIMING
+#define SMB_MARK(k) (t_mark[k] = clock64())
+#define SMB_TIMING_DECL long long t_mark[10] = {0};
+// One printf per report, so that the two blocks' lines do not interleave.
+#define SMB_D(q) (t_mark[q] && t_mark[q - 1] && (q) < (n) ? t_mark[q] - t_mark[q - 1] : 0ll)
+#define SMB_REPORT(who, cond, n)                                                               \
+    do {                                                                                       \
+        if ((cond) && tid == 0 && kv_len % 64u == 0u)                                          \
+            printf("smb %s kv %u: %lld %lld %lld %lld %lld %lld %lld %lld %lld\n", who, kv_len, \
+                   SMB_D(1), SMB_D(2), SMB_D(3), SMB_D(4), SMB_D(5), SMB_D(6), SMB_D(7),        \
+                   SMB_D(8), SMB_D(9));                                                        \
+    } while (0)
+#else
+#define SMB_REPORT(who, cond, n) ((void)0)
+#define SMB_MARK(k) ((void)0)
+#define SMB_TIMING_DECL
+#endif
 
 struct SmbShared {
     // A block's slice keys, then (last block) the merged keys: SMB_SLICE_MAX
     // == SMB_CAND_CAP, and the two uses are separated by barriers.
     u64 keys[SMB_CAND_CAP];
+    u64 top[64];                      // block_top64's result (top-k <= 64)
+    u64 wl[(SMB_THREADS / 32) * 64];  // block_top64's per-warp lists
     u32 rc[32];
     u64 rm[32];
     float rf[32];
@@ -924,6 +1052,7 @@ k_sample_prep(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
 extern "C" __global__ void __launch_bounds__(SMB_THREADS)
 k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
     AKUNU_PROLOGUE(a);
+    SMB_TIMING_DECL
     Step st = step_of(a);
     __shared__ SmbShared s;
     float* logits = (float*)b.p[0];
@@ -938,6 +1067,7 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
     const bool inv_ok = inv_t > 0.0f && inv_t < POS_INF;
     const u32 base = position_base(p.seed_lo, p.seed_hi, kv_len);
 
+    SMB_MARK(0);
     // ---- the global max and its lowest index, from the prep partials
     // (L2 loads: written by the previous grid)
     float mx = NEG_INF;
@@ -950,6 +1080,7 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
         }
         block_argmax(mx, am, s.rf, s.rc);
     }
+    SMB_MARK(1);
     const bool mx_finite = fabsf(mx) < POS_INF;
 
     // The two unfiltered outcomes need no merge: every block writes its
@@ -967,6 +1098,10 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
     if (!inv_ok || !mx_finite) {
         const u32 tok = am == NONE32 ? 0u : am;
         for (u32 i = lo + tid; i < hi; i += bd) logits[i] = i == tok ? 0.0f : NEG_INF;
+        // The argmax of that vector is `tok`: every block knows it.
+        if ((a.flags & SMB_PICK) && blockIdx.x == 0 && tid == 0)
+            publish_token((u32*)b.p[7], (a.flags & SMB_PICK_PATCHED) ? st.tok + st.rows : 0u, tok,
+                          a.ctl);
         return;
     }
 
@@ -999,14 +1134,29 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
         s.keys[j] = key;
     }
     mass = block_sum_u64(mass, s.rm);  // its barriers also publish s.keys
+    SMB_MARK(2);
     __syncthreads();
-    bitonic<u64, true>(s.keys, P);
-    __syncthreads();  // (bitonic ends synchronised only when P >= 2)
+    // The slice's keys in rank order, at least the first Kc of them: the
+    // warp-level top-64 for top-k <= 64 (the engine's usual settings), a
+    // block sort otherwise.
+#ifdef SMB_NO_TOP64
+    const bool top64 = false;  // developer A/B: the block sort only
+#else
+    const bool top64 = p.top_k <= 64u;
+#endif
+    if (top64) {
+        block_top64(s.keys, cnt, s.top, s.wl);
+    } else {
+        bitonic<u64, true>(s.keys, P);
+        __syncthreads();  // (bitonic ends synchronised only when P >= 2)
+    }
+    const u64* best = top64 ? s.top : s.keys;
 
+    SMB_MARK(3);
     // Publish the best Kc keys (0-padded) and the mass.
     {
         u64* cand = (u64*)(scratch + SMB_CAND_OFF) + (u64)blockIdx.x * Kc;
-        for (u32 j = tid; j < Kc; j += bd) cand[j] = j < cnt ? s.keys[j] : 0ull;
+        for (u32 j = tid; j < Kc; j += bd) cand[j] = j < cnt ? best[j] : 0ull;
         if (tid == 0) ((u64*)(scratch + SMB_MASS_OFF))[blockIdx.x] = mass;
     }
     // Candidates of this slice: nonzero keys >= its kb-th best (keys are
@@ -1016,7 +1166,7 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
     // the thread that read it above.
     {
         const u32 kb = min(Kc, cnt);
-        const u64 thr = s.keys[kb - 1u];
+        const u64 thr = best[kb - 1u];
         for (u32 j = tid; j < cnt; j += bd) {
             const u32 i = lo + j;
             float l = logits[i];
@@ -1029,13 +1179,18 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
         }
     }
 
+    SMB_MARK(4);
     // ---- ticket: the last block to arrive merges (k_attn_decode's pattern)
     u32* ticket = (u32*)scratch;
     __threadfence();  // this block's candidates and mass are visible before its ticket
     __syncthreads();
     if (tid == 0) s.last = atomicAdd(ticket, 1u) == G - 1u;
     __syncthreads();
-    if (!s.last) return;
+    if (!s.last) {
+        SMB_REPORT("block 0", blockIdx.x == 0, 5);
+        return;
+    }
+    SMB_MARK(5);
     __threadfence();
 
     // ---- merge: all G * Kc keys, sorted; the global pool's head
@@ -1057,12 +1212,24 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
         s.incl_m = 0;
     }
     all_mass = block_sum_u64(all_mass, s.rm);  // barriers: s.keys and the fields are set
+    SMB_MARK(6);
     __syncthreads();
-    bitonic<u64, true>(s.keys, PM);
+    // The pool's head in rank order: with top-k <= 64 its first 64 keys,
+    // which hold every key the cuts below read (they stop by the top-k-th;
+    // nnz is then min(nonzero keys, 64), which decides them the same way
+    // because top-k <= 64); else all PM, sorted.
+    if (top64) {
+        block_top64(s.keys, PM, s.top, s.wl);
+    } else {
+        bitonic<u64, true>(s.keys, PM);
+        __syncthreads();
+    }
+    const u64* rk = top64 ? s.top : s.keys;
+    const u32 RK = top64 ? 64u : PM;
+    for (u32 j = tid; j < RK; j += bd)
+        if (rk[j] != 0ull && (j + 1u == RK || rk[j + 1u] == 0ull)) s.nnz = j + 1u;
     __syncthreads();
-    for (u32 j = tid; j < PM; j += bd)
-        if (s.keys[j] != 0ull && (j + 1u == PM || s.keys[j + 1u] == 0ull)) s.nnz = j + 1u;
-    __syncthreads();
+    SMB_MARK(7);
     const u32 nnz = s.nnz;
 
     // Cuts, as in k_gumbel_sample with the whole ranking in one bucket:
@@ -1080,11 +1247,11 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
     const u32 j0 = min(tid * per, m), j1 = min(j0 + per, m);
     u32 dummy = 0, tc;
     u64 run = 0, tm;
-    for (u32 j = j0; j < j1; ++j) run += fixed_weight(scaled(rank_logit(s.keys[j]), f), f);
+    for (u32 j = j0; j < j1; ++j) run += fixed_weight(scaled(rank_logit(rk[j]), f), f);
     block_excl_scan(dummy, run, tc, tm, s.rc, s.rm);
     u64 em = run;
     for (u32 j = j0; j < j1; ++j) {
-        u64 w = fixed_weight(scaled(rank_logit(s.keys[j]), f), f);
+        u64 w = fixed_weight(scaled(rank_logit(rk[j]), f), f);
         if (gm != NONE64 && em < gm && em + w >= gm) {
             s.jm = j;
             s.incl_m = em + w;
@@ -1107,19 +1274,39 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
     }
 
     // ---- write every candidate: kept ones ln p + G, the rest -inf
+    SMB_MARK(8);
     const double ln_sum = log(ldexp((double)kept_mass, -(int)fx_bits));
+    // With SMB_PICK, also the argmax of what is written: the candidates are
+    // every value above -inf in the vector (the blocks wrote -inf over the
+    // rest of their slices), so the best (value, lowest id) here is the one
+    // k_argmax would find.
+    // Kept: the first L + 1 keys in rank order, i.e. (keys being distinct)
+    // every merged key at or above the (L+1)-th; s.keys holds all merged
+    // keys, in any order.
+    const u64 kept_min = rk[L];
+    float bv = NEG_INF;
+    u32 bi = NONE32;
     for (u32 j = tid; j < PM; j += bd) {
         const u64 key = s.keys[j];
         if (key == 0ull) continue;
         const u32 i = ~(u32)key;
         float out = NEG_INF;
-        if (j <= L) {
+        if (key >= kept_min) {
             float sc = scaled(logits[i], f);  // the penalised logit, untouched so far
             float ln_p = __double2float_rn((double)sc - ln_sum);
             out = __fadd_rn(ln_p, gumbel_from_hash(pcg_hash(base ^ i)));
+            if (out > NEG_INF) argmax_combine(bv, bi, out, i);
         }
         logits[i] = out;
     }
+    if (a.flags & SMB_PICK) {
+        block_argmax(bv, bi, s.rf, s.rc);
+        if (tid == 0)
+            publish_token((u32*)b.p[7], (a.flags & SMB_PICK_PATCHED) ? st.tok + st.rows : 0u,
+                          bi == NONE32 ? 0u : bi, a.ctl);
+    }
+    SMB_MARK(9);
+    SMB_REPORT("last block", true, 10);
     if (tid == 0) *ticket = 0u;  // for the next launch
 }
 

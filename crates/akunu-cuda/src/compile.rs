@@ -30,12 +30,29 @@ pub fn full_source() -> String {
 }
 
 fn options(arch: &str) -> Vec<String> {
-    vec![
+    let mut o = vec![
         format!("-arch={arch}"),
         "-default-device".into(),
         "-std=c++17".into(),
         "-lineinfo".into(),
-    ]
+    ];
+    o.extend(extra_defines());
+    o
+}
+
+/// Developer switch: `AKUNU_CUDA_DEFINES="-DSMB_TIMING ..."` adds macro
+/// definitions to the compile (kernel experiments and in-kernel timers
+/// without a rebuild). Words other than `-DNAME[=VALUE]` are ignored. They
+/// are compile options, so they are part of the cache key.
+fn extra_defines() -> Vec<String> {
+    std::env::var("AKUNU_CUDA_DEFINES")
+        .map(|v| {
+            v.split_whitespace()
+                .filter(|w| w.starts_with("-D") && w.len() > 2)
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 fn nvrtc_version() -> Result<(i32, i32), String> {

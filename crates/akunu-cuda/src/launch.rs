@@ -47,9 +47,14 @@ pub struct StepArg {
     pub rows: u32,
     pub step: u32,
     pub patch: u32,
-    pub _pad: u32,
+    /// Per-kernel launch options (`SMB_PICK*` of `k_sample_select`), else 0.
+    pub flags: u32,
     pub ctl: u64,
 }
+
+/// `StepArg::flags` of `k_sample_select` (sampling.cu `SMB_PICK*`).
+const SMB_PICK: u32 = 1;
+const SMB_PICK_PATCHED: u32 = 2;
 
 /// `GemvExtra` of model.cu: the norm fusion.
 #[repr(C)]
@@ -287,8 +292,10 @@ pub fn sample_grid(p: &SampleParams) -> Option<(u32, u32)> {
 
 /// The launches of one `GumbelSample` row, from `l` (bindings, params and
 /// step already set for that row): the multi-block pair (the prep kernel
-/// only, for greedy) or the single-block kernel.
-fn gumbel_launches(be: &CudaBackend, mut l: Launch) -> Vec<Launch> {
+/// only, for greedy) or the single-block kernel. With `pick` (the
+/// conveyor's address and whether the next Argmax patches its slot; see
+/// `sampler_picks`) the select kernel also does that Argmax.
+fn gumbel_launches(be: &CudaBackend, mut l: Launch, pick: Option<(u64, bool)>) -> Vec<Launch> {
     let p: SampleParams =
         bytemuck::pod_read_unaligned(&l.params[..std::mem::size_of::<SampleParams>()]);
     let k = be.kernels();
@@ -311,12 +318,54 @@ fn gumbel_launches(be: &CudaBackend, mut l: Launch) -> Vec<Launch> {
         ..l
     }];
     if p.temperature != 0.0 {
-        out.push(Launch {
+        let mut sel = Launch {
             f: k.sample_select,
             ..l
-        });
+        };
+        if let Some((tokens, patched)) = pick {
+            sel.bind[PICK_CONVEYOR_SLOT] = tokens;
+            sel.step.flags = SMB_PICK | if patched { SMB_PICK_PATCHED } else { 0 };
+        }
+        out.push(sel);
     }
     out
+}
+
+/// The binding where a picking `k_sample_select` finds the conveyor.
+const PICK_CONVEYOR_SLOT: usize = 7;
+
+/// Whether the `GumbelSample` command `i` is launched as a multi-block
+/// select that also does command `i + 1`, an Argmax over the same logits:
+/// the select kernel's last block holds every kept candidate, so it picks
+/// the best one itself and the Argmax launch (a pass over the whole
+/// vocabulary, about 8 us a token) is dropped. Only where the select
+/// kernel merges (a filter: top-k, with or without top-p / min-p); with no
+/// filter every logit stays a candidate and the Argmax runs.
+/// `AKUNU_CUDA_SAMPLE_PICK=0` keeps the Argmax (A/B runs). The answer
+/// depends only on the table and the backend's settings, so the Argmax's
+/// own `plan` call sees the same answer.
+pub fn sampler_picks(be: &CudaBackend, table: &DispatchTable, i: usize) -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *OFF.get_or_init(|| std::env::var("AKUNU_CUDA_SAMPLE_PICK").is_ok_and(|v| v == "0")) {
+        return false;
+    }
+    let (Some(s), Some(a)) = (table.commands.get(i), table.commands.get(i + 1)) else {
+        return false;
+    };
+    if s.kernel != KernelId::GumbelSample || a.kernel != KernelId::Argmax || s.rows != a.rows {
+        return false;
+    }
+    let (sb, ab) = (s.bindings(), a.bindings());
+    if sb.is_empty() || ab.len() < 2 || sb[0] != ab[0] {
+        return false;
+    }
+    let p: SampleParams = s.params();
+    let no_filter = p.top_k == 0 && p.top_p >= 1.0 && p.min_p <= 0.0;
+    p.temperature != 0.0
+        && !no_filter
+        && be.sample_multi_block()
+        && be.sample_scratch().is_some()
+        && sample_grid(&p).is_some()
 }
 
 /// Whether a one-row gemv of `total_rows` rows of type `dtype` takes the
@@ -419,7 +468,7 @@ pub fn plan(
         rows,
         step: s,
         patch: c.patch as u32,
-        _pad: 0,
+        flags: 0,
         ctl,
     };
     let mk = |f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32| Launch {
@@ -583,6 +632,10 @@ pub fn plan(
             // for the previous one in its prologue, PDL or not), so the
             // sampler's rows share its scratch: each row's prep kernel
             // resets the ticket that its select kernel uses.
+            if c.kernel == KernelId::Argmax && i > 0 && sampler_picks(be, table, i - 1) {
+                return Ok(Vec::new());
+            }
+            let pick = pick_target(be, table, i)?;
             let mut out = Vec::new();
             for r in 0..rows {
                 let mut l = mk(f, (1, 1, 1), 1024, 0);
@@ -597,15 +650,20 @@ pub fn plan(
                 }
                 l.step.rows = 1;
                 if c.kernel == KernelId::GumbelSample {
-                    out.extend(gumbel_launches(be, l));
+                    out.extend(gumbel_launches(be, l, pick));
                 } else {
                     out.push(l);
                 }
             }
             out
         }
+        KernelId::Argmax if i > 0 && sampler_picks(be, table, i - 1) => Vec::new(),
         KernelId::Argmax => vec![mk(k.argmax, (1, 1, 1), 1024, 0)],
-        KernelId::GumbelSample => gumbel_launches(be, mk(k.gumbel_sample, (1, 1, 1), 1024, 0)),
+        KernelId::GumbelSample => gumbel_launches(
+            be,
+            mk(k.gumbel_sample, (1, 1, 1), 1024, 0),
+            pick_target(be, table, i)?,
+        ),
         KernelId::TopKSelect => vec![mk(k.topk_select, (1, 1, 1), 1024, 0)],
         KernelId::RepetitionPenalty => vec![mk(k.repetition_penalty, (1, 1, 1), 256, 0)],
         KernelId::TemperatureScale => {
@@ -628,6 +686,27 @@ pub fn plan(
         }
     };
     Ok(out)
+}
+
+/// For a `GumbelSample` command `i` that `sampler_picks`, the next
+/// Argmax's conveyor binding as that Argmax would receive it (a patched
+/// slot is passed at the buffer's base) and whether it is patched.
+fn pick_target(
+    be: &CudaBackend,
+    table: &DispatchTable,
+    i: usize,
+) -> Result<Option<(u64, bool)>, String> {
+    if !sampler_picks(be, table, i) {
+        return Ok(None);
+    }
+    let a = &table.commands[i + 1];
+    let out = a.bindings()[1];
+    let patched = a.patch == PatchType::ArgmaxOutput;
+    let base = be.dptr(out.buffer)?.0;
+    Ok(Some((
+        if patched { base } else { base + out.offset },
+        patched,
+    )))
 }
 
 #[cfg(test)]
