@@ -15,7 +15,7 @@
 #                                 each WHAT of: tests, sanitize, bench, profile, profile-big,
 #                                 trace, features,
 #                                 model-part1, model-part2, model-part3,
-#                                 model, sampler (needs the model). Logs go to $OUT (or ./gpu-out),
+#                                 model, sampler (needs the model), attn. Logs go to $OUT (or ./gpu-out),
 #                                 a summary to stdout.
 #
 # The binaries need no CUDA at build time (cudarc loads the driver and NVRTC
@@ -225,6 +225,25 @@ for (who, q), v in sorted(rows.items()):
 PY
 }
 
+# Decode attention's split layout: keys per split (launch.rs, the split
+# count is capacity / keys, at most 32) and the fewest keys a split takes
+# (model.cu DEC_MIN_KEYS), each pair at a short and a long cache.
+attn() {
+    echo "== decode attention split layout (synthetic smollm2-135m q4_1)"
+    local f=$STORE/smollm2-135m-q4_1.gguf combo keys mk ctx
+    [ -f "$f" ] || "$BIN/akunu" synth --shape smollm2-135m --type q4_1 \
+        --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$f" 2>&1 | tail -1
+    for combo in ${ATTN_COMBOS:-256:64 32:32 64:32 16:16}; do
+        keys=${combo%%:*}
+        mk=${combo##*:}
+        for ctx in 648 8192; do
+            AKUNU_CUDA_ATTN_KEYS=$keys AKUNU_CUDA_DEFINES=-DDEC_MIN_KEYS=$mk "$BIN/akunu" bench -m "$f" \
+                --device cuda -p 512 -n 128 -r 5 --ctx "$ctx" --no-bandwidth 2>&1 |
+                tee "$OUTDIR/attn-$keys-$mk-$ctx.log" | grep -E "tg128|error" | sed "s/^/keys=$keys min=$mk ctx=$ctx /" || true
+        done
+    done
+}
+
 model_part() { # N
     cp ".gpu-part$1/model.part$1" "$STORE/model.part$1"
     cp ".gpu-part$1/model.sha256" "$STORE/model.sha256"
@@ -287,6 +306,7 @@ run)
         model-part[123]) model_part "${what#model-part}" ;;
         model) model ;;
         sampler) sampler ;;
+        attn) attn ;;
         *)
             echo "unknown step $what" >&2
             exit 2

@@ -1357,7 +1357,9 @@ __device__ __forceinline__ int attn_first_key(int pos, u32 window) {
 
 #define DEC_WARPS 4
 #define DEC_KEYS 4  // keys per warp per step
+#ifndef DEC_MIN_KEYS  // (AKUNU_CUDA_DEFINES may set it for experiments)
 #define DEC_MIN_KEYS 64  // fewest keys a split takes while others idle
+#endif
 
 // Keys per decode split: kv_len spread over the splits, but at least
 // DEC_MIN_KEYS, so that a short context uses few splits (fewer partials to
@@ -1397,17 +1399,31 @@ __device__ __forceinline__ void attn_decode_body(const Bind& b, const AttnParams
     float m = NEG_INF, l = 0.0f;
 
     for (int base = j0 + (int)warp * DEC_KEYS; base < j1; base += DEC_WARPS * DEC_KEYS) {
+        // Every K and V element of the step is loaded before any is used:
+        // one memory round trip per step instead of two (V's addresses do
+        // not depend on the scores).
+        float kk[DEC_KEYS][NI], vv[DEC_KEYS][NI];
+#pragma unroll
+        for (int t = 0; t < DEC_KEYS; ++t) {
+            const int j = base + t;
+#pragma unroll
+            for (int i = 0; i < NI; ++i) {
+                const u32 d = lane + 32 * i;
+                const bool in = j < j1 && d < hd;
+                kk[t][i] = in ? K[(u64)j * hd + d] : 0.0f;
+                vv[t][i] = in ? V[(u64)j * hd + d] : 0.0f;
+            }
+        }
         float sc[DEC_KEYS];
 #pragma unroll
         for (int t = 0; t < DEC_KEYS; ++t) {
             const int j = base + t;
             float s = 0.0f;
             if (j < j1) {
-                const float* kr = K + (u64)j * hd;
 #pragma unroll
                 for (int i = 0; i < NI; ++i) {
                     const u32 d = lane + 32 * i;
-                    if (d < hd) s += q[i] * kr[d];
+                    if (d < hd) s += q[i] * kk[t][i];
                 }
             }
             sc[t] = s;
@@ -1434,11 +1450,10 @@ __device__ __forceinline__ void attn_decode_body(const Bind& b, const AttnParams
             if (j < j1) {
                 const float pk = expf(sc[t] - mn);
                 l += pk;
-                const float* vr = V + (u64)j * hd;
 #pragma unroll
                 for (int i = 0; i < NI; ++i) {
                     const u32 d = lane + 32 * i;
-                    if (d < hd) acc[i] += pk * vr[d];
+                    if (d < hd) acc[i] += pk * vv[t][i];
                 }
             }
         }

@@ -214,8 +214,20 @@ pub fn check_patch(c: &DispatchCmd) -> Result<(), String> {
 
 fn attn_split(p: &AttnParams) -> u32 {
     p.capacity
-        .div_ceil(ATTN_KEYS_PER_SPLIT)
+        .div_ceil(attn_keys_per_split())
         .clamp(1, ATTN_MAX_SPLIT)
+}
+
+/// `ATTN_KEYS_PER_SPLIT`, or `AKUNU_CUDA_ATTN_KEYS` (developer A/B runs).
+fn attn_keys_per_split() -> u32 {
+    static K: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *K.get_or_init(|| {
+        std::env::var("AKUNU_CUDA_ATTN_KEYS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&k| k >= 1)
+            .unwrap_or(ATTN_KEYS_PER_SPLIT)
+    })
 }
 
 /// Bytes of attention scratch the table's decode steps need: the tickets,
