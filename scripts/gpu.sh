@@ -12,15 +12,17 @@
 #                                 (the GPU machine keeps files while warm).
 #   scripts/gpu.sh run WHAT...    (on the GPU machine, from the repository
 #                                 root, with .gpu carried) runs, in order,
-#                                 each WHAT of: tests, sanitize, bench, profile, profile-big,
-#                                 trace, features,
+#                                 each WHAT of: tests, sanitize, bench, bench-ab,
+#                                 profile, profile-big, trace, features,
 #                                 model-part1, model-part2, model-part3,
 #                                 model, sampler (needs the model), attn. Logs go to $OUT (or ./gpu-out),
 #                                 a summary to stdout.
 #
-# The binaries need no CUDA at build time (cudarc loads the driver and NVRTC
-# at run time); on the GPU machine the toolkit's lib64 is put on
-# LD_LIBRARY_PATH so that NVRTC is found.
+# The binaries need no CUDA at build time (cudarc loads the driver, NVRTC
+# and cuBLAS at run time); on the GPU machine the toolkit's lib64 is put on
+# LD_LIBRARY_PATH so that NVRTC is found, and the directory of
+# libcublas.so.13 (the toolkit's, else PyTorch's pip nvidia/cu13/lib) so that
+# prefill runs on cuBLAS. AKUNU_CUDA_CUBLAS=0 turns cuBLAS off (A/B runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -79,6 +81,22 @@ setup() {
     if [ -n "$nvrtc" ]; then
         export LD_LIBRARY_PATH="$(dirname "$nvrtc")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     fi
+    local cublas
+    cublas=$(ls /usr/local/cuda/lib64/libcublas.so.13 /usr/local/cuda*/lib64/libcublas.so.13 2>/dev/null | head -1 || true)
+    if [ -z "$cublas" ]; then
+        cublas=$(python3 -c 'import nvidia, os
+for p in nvidia.__path__:
+    f = os.path.join(p, "cu13", "lib", "libcublas.so.13")
+    if os.path.exists(f):
+        print(f)
+        break' 2>/dev/null || true)
+    fi
+    if [ -n "$cublas" ]; then
+        export LD_LIBRARY_PATH="$(dirname "$cublas"):$LD_LIBRARY_PATH"
+        echo "cuBLAS: $cublas" | tee -a "$OUTDIR/gpu.txt"
+    else
+        echo "cuBLAS: libcublas.so.13 not found (prefill uses k_gemm_tc)" | tee -a "$OUTDIR/gpu.txt"
+    fi
     export AKUNU_REPO=$ROOT AKUNU_CACHE=$STORE/cache
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader |
         tee "$OUTDIR/gpu.txt"
@@ -134,6 +152,21 @@ bench() {
         [ -f "$f" ] || "$BIN/akunu" synth --shape "$shape" --type "$type" \
             --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$f" 2>&1 | tail -1
         bench_one "$shape-$type" "$f"
+        if [ "$shape" = llama-8b ]; then rm -f "$f"; fi # disk: big files only while used
+    done
+}
+
+bench_ab() {
+    echo "== prefill A/B: cuBLAS off (AKUNU_CUDA_CUBLAS=0), then on (synthetic shapes)"
+    local spec shape type f
+    for spec in ${BENCH_SHAPES:-llama-1b:f16 llama-8b:q4_0 llama-8b:f16}; do
+        shape=${spec%%:*}
+        type=${spec##*:}
+        f=$STORE/$shape-$type.gguf
+        [ -f "$f" ] || "$BIN/akunu" synth --shape "$shape" --type "$type" \
+            --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$f" 2>&1 | tail -1
+        AKUNU_CUDA_CUBLAS=0 bench_one "$shape-$type-nocublas" "$f" --no-bandwidth
+        AKUNU_CUDA_CUBLAS=1 bench_one "$shape-$type-cublas" "$f" --no-bandwidth
         if [ "$shape" = llama-8b ]; then rm -f "$f"; fi # disk: big files only while used
     done
 }
@@ -299,6 +332,7 @@ run)
         tests) tests ;;
         sanitize) sanitize ;;
         bench) bench ;;
+        bench-ab) bench_ab ;;
         profile) profile ;;
         profile-big) profile_big ;;
         trace) trace ;;

@@ -1274,6 +1274,139 @@ k_gemm_tc(Bind b, GemvParams p, StepArg a) {
 }
 
 // ---------------------------------------------------------------------------
+// Operands of the cuBLAS prefill products (blas.rs runs the products).
+//
+// cuBLAS multiplies f16 matrices with f32 accumulation. Exactness comes from
+// splitting every value that is not exact in f16 into hi + lo halves, as in
+// k_gemm_tc:
+//  - inputs: x = hi + lo, hi = f16(x), lo = f16(x - hi), stored per input
+//    row r as [lo (k halves) | hi (k halves)] at xs + r * 2k;
+//  - F16 weights are used in place; Q8_0/Q4_0/Q4_1 weights w = d * q (+ m)
+//    are exact in f32 but not in f16, so each command dequantizes them into
+//    a scratch as [hi (k halves) | lo (k halves)] per weight row, a chunk of
+//    rows at a time.
+// The products (blas.rs) are then W_hi.X_hi (F16: W.X_hi) and, as one
+// product of depth 2k, [W_hi | W_lo].[X_lo ; X_hi] = W_hi.X_lo + W_lo.X_hi
+// (F16: W.X_lo), accumulated into the output in f32. Only W_lo.X_lo (about
+// 2^-22 of the product) is left out.
+//
+// Both kernels take (Bind, GemvParams, StepArg, u16* scratch, u32 o0,
+// u32 o1): the command's own arguments plus where their f16 operand goes.
+// ---------------------------------------------------------------------------
+
+// Four elements [j, j + 4) of the product's input row `xr` (the activation
+// applied), with one 16-byte load per operand where `vec`.
+__device__ __forceinline__ void gemm_input4(const float* __restrict__ xr, u32 j, u32 k, u32 act,
+                                            bool vec, float (&v)[4]) {
+    if (vec) {
+        const float4 t = *(const float4*)(xr + j);
+        v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w;
+        if (act != ACT_NONE) {
+            const float4 u = *(const float4*)(xr + k + j);
+            const float up[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i)
+                v[i] = (act == ACT_GEGLU ? gelu_tanh(v[i]) : silu(v[i])) * up[i];
+        }
+    } else {
+#pragma unroll
+        for (u32 i = 0; i < 4; ++i) v[i] = gemv_input(xr, j + i, k, act);
+    }
+}
+
+// Splits the step's input rows into f16 halves (`xs`, layout above) and,
+// for a product with a bias, seeds the output rows with it (added to them
+// when the product accumulates) so that every cuBLAS product adds into the
+// output (beta = 1). grid = (ceil(max(k, bias ? total : 0) / 1024), rows),
+// block 256: four elements per thread. o0 and o1 are unused.
+extern "C" __global__ void __launch_bounds__(256)
+k_gemm_split(Bind b, GemvParams p, StepArg a, u16* __restrict__ xs, u32 o0, u32 o1) {
+    AKUNU_PROLOGUE(a);
+    const u32 r = blockIdx.y, k = p.k;
+    if (r >= a.rows) return;
+    const u32 j = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
+    const float* __restrict__ xr = (const float*)b.p[0] + (u64)r * p.x_stride;
+    if (j < k) {  // k is a multiple of 32: a group of 4 is whole
+        const bool vec = (p.x_stride & 3) == 0 && ((u64)b.p[0] & 15) == 0;
+        float v[4];
+        gemm_input4(xr, j, k, p.input_act, vec, v);
+        const float h0 = f16_round(v[0]), h1 = f16_round(v[1]);
+        const float h2 = f16_round(v[2]), h3 = f16_round(v[3]);
+        u16* dst = xs + (u64)r * 2 * k + j;
+        *(uint2*)dst = make_uint2(pack_h2(v[0] - h0, v[1] - h1), pack_h2(v[2] - h2, v[3] - h3));
+        *(uint2*)(dst + k) = make_uint2(pack_h2(h0, h1), pack_h2(h2, h3));
+    }
+    if (p.bias) {
+        const u32 total = gemv_total_rows(p);
+        float* __restrict__ out = (float*)b.p[1] + (u64)r * p.out_stride;
+#pragma unroll
+        for (u32 i = 0; i < 4; ++i) {
+            const u32 o = j + i;
+            if (o < total) {
+                const float bias = *seg_row(b, p, o).bias;
+                out[o] = p.accumulate ? out[o] + bias : bias;
+            }
+        }
+    }
+}
+
+// Dequantizes weight rows [o0, o1) of the product (global row numbers: the
+// rows may span segments, each resolved by seg_row) into `ws`, row o at
+// ws + (o - o0) * 2k as [hi | lo]. The values are the CPU's: Q8_0 d * q,
+// Q4_0 d * (q - 8), Q4_1 d * q + m, each rounded once to f32 (d * q is exact
+// there). grid = ceil((o1 - o0) * k / 32 / 256), block 256: one 32-element
+// block per thread, 64 contiguous bytes of hi and of lo per thread.
+extern "C" __global__ void __launch_bounds__(256)
+k_gemm_dequant(Bind b, GemvParams p, StepArg a, u16* __restrict__ ws, u32 o0, u32 o1) {
+    AKUNU_PROLOGUE(a);
+    const u32 k = p.k, nb = k >> 5;
+    const u64 unit = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (unit >= (u64)(o1 - o0) * nb) return;
+    const u32 o = o0 + (u32)(unit / nb), blk = (u32)(unit % nb);
+    const SegRow g = seg_row(b, p, o);
+    float v[32];
+    if (g.dt == DT_Q8_0) {
+        const uint4* q = (const uint4*)(g.row.w + (u64)blk * 32);
+        const uint4 q0 = q[0], q1 = q[1];
+        const u32 wv[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+        const float d = f16_to_f32(ld_u16(g.row.sc + 2 * (u64)blk));
+#pragma unroll
+        for (u32 i = 0; i < 32; ++i) v[i] = d * (float)(i8)((wv[i >> 2] >> (8 * (i & 3))) & 0xff);
+    } else if (g.dt == DT_Q4_0 || g.dt == DT_Q4_1) {
+        // Elements 0..15 are the low nibbles of bytes 0..15, 16..31 the high.
+        const bool q41 = g.dt == DT_Q4_1;
+        const uint4 q = *(const uint4*)(g.row.w + (u64)blk * 16);
+        const u32 wv[4] = {q.x, q.y, q.z, q.w};
+        const u8* sc = g.row.sc + (u64)blk * (q41 ? 4 : 2);
+        const float d = f16_to_f32(ld_u16(sc));
+        const float m = q41 ? f16_to_f32(ld_u16(sc + 2)) : 0.0f;
+#pragma unroll
+        for (u32 i = 0; i < 32; ++i) {
+            const u32 byte = (wv[(i & 15) >> 2] >> (8 * (i & 3))) & 0xff;
+            const u32 nib = i < 16 ? (byte & 15) : (byte >> 4);
+            v[i] = q41 ? d * (float)nib + m : d * (float)((int)nib - 8);
+        }
+    } else {  // F16 (the launcher keeps F16 weights in place; for completeness)
+#pragma unroll
+        for (u32 i = 0; i < 32; ++i) v[i] = f16_to_f32(ld_u16(g.row.w + 2 * (u64)(blk * 32 + i)));
+    }
+    u32 hi[16], lo[16];
+#pragma unroll
+    for (u32 i = 0; i < 16; ++i) {
+        const float h0 = f16_round(v[2 * i]), h1 = f16_round(v[2 * i + 1]);
+        hi[i] = pack_h2(h0, h1);
+        lo[i] = pack_h2(v[2 * i] - h0, v[2 * i + 1] - h1);
+    }
+    uint4* dh = (uint4*)(ws + (u64)(o - o0) * 2 * k + (u64)blk * 32);
+    uint4* dl = (uint4*)(ws + (u64)(o - o0) * 2 * k + k + (u64)blk * 32);
+#pragma unroll
+    for (u32 i = 0; i < 4; ++i) {
+        dh[i] = make_uint4(hi[4 * i], hi[4 * i + 1], hi[4 * i + 2], hi[4 * i + 3]);
+        dl[i] = make_uint4(lo[4 * i], lo[4 * i + 1], lo[4 * i + 2], lo[4 * i + 3]);
+    }
+}
+
+// ---------------------------------------------------------------------------
 // RoPE + KV-cache write
 //
 // grid = (rows, n_heads + n_kv_heads), block 64. Block (r, y) rotates head y

@@ -83,6 +83,35 @@ pub enum Tail {
         scratch: u64,
         slice: u32,
     },
+    /// `(u16* scratch, u32 o0, u32 o1)` of the cuBLAS operand kernels
+    /// (`blas`).
+    Gemm {
+        ptr: u64,
+        o0: u32,
+        o1: u32,
+    },
+}
+
+/// One operation of a planned command: a kernel launch, or a cuBLAS
+/// product (prefill: `blas`).
+#[derive(Copy, Clone)]
+pub enum Op {
+    Kernel(Launch),
+    Gemm(crate::blas::Gemm),
+}
+
+impl Op {
+    /// Enqueues the operation on `stream` (or records it, while capturing).
+    pub fn fire(&self, stream: sys::CUstream) -> Result<(), String> {
+        match self {
+            Op::Kernel(l) => l.fire(stream),
+            Op::Gemm(g) => g.fire(stream),
+        }
+    }
+
+    pub fn is_gemm(&self) -> bool {
+        matches!(self, Op::Gemm(_))
+    }
 }
 
 /// One kernel launch, with its arguments by value.
@@ -108,22 +137,25 @@ impl Launch {
         let mut bind = self.bind;
         let mut params = self.params;
         let mut step = self.step;
-        let (mut part, mut n_split, mut gemv) = match self.tail {
-            Tail::Attn { part, n_split } => (part, n_split, GemvExtra::default()),
-            Tail::Sample { scratch, slice } => (scratch, slice, GemvExtra::default()),
-            Tail::Gemv(g) => (0, 0, g),
-            Tail::None => (0, 0, GemvExtra::default()),
+        let (mut part, mut n_split, mut last, mut gemv) = match self.tail {
+            Tail::Attn { part, n_split } => (part, n_split, 0, GemvExtra::default()),
+            Tail::Sample { scratch, slice } => (scratch, slice, 0, GemvExtra::default()),
+            Tail::Gemm { ptr, o0, o1 } => (ptr, o0, o1, GemvExtra::default()),
+            Tail::Gemv(g) => (0, 0, 0, g),
+            Tail::None => (0, 0, 0, GemvExtra::default()),
         };
-        let mut args: [*mut c_void; 5] = [
+        let mut args: [*mut c_void; 6] = [
             bind.as_mut_ptr() as *mut c_void,
             params.as_mut_ptr() as *mut c_void,
             &mut step as *mut StepArg as *mut c_void,
             &mut part as *mut u64 as *mut c_void,
             &mut n_split as *mut u32 as *mut c_void,
+            &mut last as *mut u32 as *mut c_void,
         ];
         let n = match self.tail {
             Tail::None => 3,
             Tail::Attn { .. } | Tail::Sample { .. } => 5,
+            Tail::Gemm { .. } => 6,
             Tail::Gemv(_) => {
                 args[3] = &mut gemv as *mut GemvExtra as *mut c_void;
                 4
@@ -399,9 +431,10 @@ fn gemv_two_rows(total_rows: u32, dtype: u32, sm_count: u32) -> bool {
     !off && quantized && total_rows >= sm_count * 24
 }
 
-/// Whether a multi-row product runs on the tensor cores (`k_gemm_tc`):
-/// every segment F16, Q8_0, Q4_0 or Q4_1, and whole 32-element blocks.
-/// `AKUNU_CUDA_TC=0` keeps the f32 tiled kernel (A/B runs).
+/// Whether a multi-row product runs on the tensor cores (`k_gemm_tc`, or
+/// cuBLAS for steps of many rows: `blas`): every segment F16, Q8_0, Q4_0
+/// or Q4_1, and whole 32-element blocks. `AKUNU_CUDA_TC=0` keeps the f32
+/// tiled kernel (A/B runs).
 fn gemm_on_tensor_cores(p: &GemvParams) -> bool {
     use akunu_core::dtype::DType;
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -418,9 +451,10 @@ fn gemm_on_tensor_cores(p: &GemvParams) -> bool {
         })
 }
 
-/// The launches that run command `i` for `step`. `chain` is
-/// `Some((ctl, s))` inside a chunk graph: step `s` of the chunk, positions
-/// read from the control block at `ctl`.
+/// The operations that run command `i` for `step`: kernel launches, and
+/// for prefill products cuBLAS calls (`blas`). `chain` is `Some((ctl, s))`
+/// inside a chunk graph: step `s` of the chunk, positions read from the
+/// control block at `ctl`.
 pub fn plan(
     be: &CudaBackend,
     table: &DispatchTable,
@@ -429,7 +463,7 @@ pub fn plan(
     step: &StepInfo,
     chain: Option<(Dptr, u32)>,
     decode: bool,
-) -> Result<Vec<Launch>, String> {
+) -> Result<Vec<Op>, String> {
     let k = be.kernels();
     let rows = step.rows;
     let mut bind = [0u64; MAX_BUFFERS];
@@ -567,6 +601,15 @@ pub fn plan(
                 l.grid = (groups.min(resident), 1, 1);
                 l.tail = Tail::Gemv(extra);
             } else if gemm_on_tensor_cores(&p) {
+                // Steps of many rows on cuBLAS where it is loaded (outside
+                // graphs: its scratch is the backend's, not a chain's).
+                let blas = be.blas().filter(|_| chain.is_none());
+                if let Some(ops) = blas.zip(be.blas_scratch()).and_then(|(b, s)| {
+                    crate::blas::plan(b.target(), s, k.gemm_split, k.gemm_dequant, &p, &l, r)
+                }) {
+                    be.count_blas_command();
+                    return Ok(ops);
+                }
                 l.f = k.gemm_tc;
                 l.block = 128;
                 l.grid = (total.div_ceil(64), r.div_ceil(64), 1);
@@ -697,7 +740,7 @@ pub fn plan(
             )]
         }
     };
-    Ok(out)
+    Ok(out.into_iter().map(Op::Kernel).collect())
 }
 
 /// For a `GumbelSample` command `i` that `sampler_picks`, the next

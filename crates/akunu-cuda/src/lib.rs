@@ -5,7 +5,8 @@
 //!   NVRTC for the device's architecture at start and cached on disk
 //!   ([`compile`]).
 //! - Every table command maps onto one or more kernel launches ([`launch`]);
-//!   prefill and profiling replay the table launch by launch.
+//!   prefill and profiling replay the table launch by launch. Prefill
+//!   products of many rows run on cuBLAS where it can be loaded ([`blas`]).
 //! - Chain decode ([`chain`]) captures N steps of the table into one CUDA
 //!   graph per chunk size and relaunches it for every chunk: positions come
 //!   from a device-resident control block that the graph itself advances,
@@ -16,6 +17,7 @@
 //! Nothing here loads the driver until [`CudaBackend::new`]; on a machine
 //! without one, [`driver_status`] says so instead of panicking.
 
+mod blas;
 mod chain;
 pub mod compile;
 mod device;
@@ -33,6 +35,7 @@ use cudarc::driver::sys;
 use device::{Dptr, Event, check};
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use device::driver_status;
 
@@ -74,6 +77,9 @@ pub(crate) struct Kernels {
     pub gemv_typed_v8: [(u32, sys::CUfunction); 6],
     pub gemm: sys::CUfunction,
     pub gemm_tc: sys::CUfunction,
+    /// The operand kernels of the cuBLAS prefill products (`blas`).
+    pub gemm_split: sys::CUfunction,
+    pub gemm_dequant: sys::CUfunction,
     pub rope_kv_write: sys::CUfunction,
     pub attn_decode: sys::CUfunction,
     pub attn_prefill: sys::CUfunction,
@@ -120,6 +126,15 @@ pub struct CudaBackend {
     /// memory), asked of the driver once: step-by-step replays plan every
     /// command of every token.
     occupancy: std::sync::Mutex<HashMap<(usize, u32, u32), u32>>,
+    /// cuBLAS for prefill products, or why there is none (`blas`).
+    blas: Result<blas::Blas, String>,
+    /// Whether products may use it (`AKUNU_CUDA_CUBLAS=0`, `set_cublas`).
+    blas_on: bool,
+    /// Split inputs and dequantized weights of the cuBLAS products, sized
+    /// for the tables prepared so far.
+    blas_scratch: Option<blas::Scratch>,
+    /// Commands run on cuBLAS so far (tests check the path was taken).
+    blas_commands: Arc<AtomicU64>,
 }
 
 // SAFETY: the raw handles (streams, module, functions, device pointers,
@@ -171,6 +186,15 @@ impl CudaBackend {
         let side = mk_stream()?;
         let chain = chain::ChainState::new()?;
         let pdl = info.cc.0 >= 9 && std::env::var("AKUNU_CUDA_PDL").map_or(true, |v| v != "0");
+        let blas_on = blas::wanted();
+        let blas = if blas_on {
+            blas::Blas::new(stream)
+        } else {
+            Err("off (AKUNU_CUDA_CUBLAS=0)".to_string())
+        };
+        if let (true, Err(why)) = (blas::verbose(), &blas) {
+            eprintln!("akunu: prefill without cuBLAS: {why}");
+        }
         Ok(CudaBackend {
             ctx,
             stream,
@@ -186,6 +210,10 @@ impl CudaBackend {
             prof_events: Vec::new(),
             pdl,
             occupancy: std::sync::Mutex::new(HashMap::new()),
+            blas,
+            blas_on,
+            blas_scratch: None,
+            blas_commands: Arc::new(AtomicU64::new(0)),
         })
     }
 
@@ -240,8 +268,10 @@ impl CudaBackend {
             let plan = launch::plan(self, table, i, cmd, step, None, decode)
                 .map_err(|why| invalid(table, i, why))?;
             for l in &plan {
-                l.fire(self.stream)
-                    .map_err(|e| invalid(table, i, format!("launch failed: {e}")))?;
+                l.fire(self.stream).map_err(|e| {
+                    let what = if l.is_gemm() { "cuBLAS" } else { "launch" };
+                    invalid(table, i, format!("{what} failed: {e}"))
+                })?;
             }
         }
         Ok(())
@@ -339,6 +369,46 @@ impl CudaBackend {
         self.sample_mb
     }
 
+    /// Whether prefill products may run on cuBLAS (the default where the
+    /// library loads; `AKUNU_CUDA_CUBLAS=0` starts with it off). Off, they
+    /// take `k_gemm_tc`. Affects steps planned from now on (prefill steps
+    /// are never captured into chain graphs).
+    pub fn set_cublas(&mut self, on: bool) {
+        if self.blas_on != on {
+            let _ = self.bind();
+            let _ = self.sync();
+            self.blas_on = on;
+        }
+    }
+
+    /// cuBLAS's version where it is loaded, or why it is not.
+    pub fn cublas_status(&self) -> Result<i32, String> {
+        self.blas
+            .as_ref()
+            .map(|b| b.version())
+            .map_err(|e| e.clone())
+    }
+
+    /// A counter of the commands run on cuBLAS so far (shared, so that it
+    /// can be read after the backend moved into an engine).
+    pub fn cublas_commands(&self) -> Arc<AtomicU64> {
+        self.blas_commands.clone()
+    }
+
+    /// The cuBLAS handle, when products may use it.
+    pub(crate) fn blas(&self) -> Option<&blas::Blas> {
+        self.blas.as_ref().ok().filter(|_| self.blas_on)
+    }
+
+    /// The cuBLAS products' scratch (sized by `prepare`).
+    pub(crate) fn blas_scratch(&self) -> Option<blas::Scratch> {
+        self.blas_scratch
+    }
+
+    pub(crate) fn count_blas_command(&self) {
+        self.blas_commands.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Chooses between the multi-block sampler (the default) and the
     /// single-block `k_gumbel_sample` for `GumbelSample` commands planned
     /// from now on; both give the same bits (the GPU tests compare them).
@@ -430,6 +500,8 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
         ],
         gemm: get("k_gemm")?,
         gemm_tc: get("k_gemm_tc")?,
+        gemm_split: get("k_gemm_split")?,
+        gemm_dequant: get("k_gemm_dequant")?,
         rope_kv_write: get("k_rope_kv_write")?,
         attn_decode: get("k_attn_decode")?,
         attn_prefill: get("k_attn_prefill")?,
@@ -485,7 +557,7 @@ impl Backend for CudaBackend {
     fn describe(&self) -> String {
         let i = &self.info;
         format!(
-            "cuda: {} (sm_{}{}, {} SMs, {} MB L2, {:.0} GiB), driver {}.{}{}",
+            "cuda: {} (sm_{}{}, {} SMs, {} MB L2, {:.0} GiB), driver {}.{}{}{}",
             i.name,
             i.cc.0,
             i.cc.1,
@@ -494,7 +566,11 @@ impl Backend for CudaBackend {
             i.total_mem as f64 / (1u64 << 30) as f64,
             i.driver / 1000,
             (i.driver % 1000) / 10,
-            if self.pdl { "" } else { ", no PDL" }
+            if self.pdl { "" } else { ", no PDL" },
+            match (self.blas_on, &self.blas) {
+                (true, Ok(b)) => format!(", cuBLAS {} prefill", b.version()),
+                _ => ", no cuBLAS".to_string(),
+            }
         )
     }
 
@@ -682,7 +758,44 @@ impl CudaBackend {
     fn prepare(&mut self, table: &DispatchTable) -> Result<(), BackendError> {
         self.bind()?;
         self.ensure_attn_scratch(table)?;
-        self.ensure_sample_scratch()
+        self.ensure_sample_scratch()?;
+        self.ensure_blas_scratch(table)
+    }
+
+    /// Sizes the cuBLAS products' scratch for `table` (when cuBLAS is
+    /// loaded). Without the memory, products keep `k_gemm_tc`.
+    fn ensure_blas_scratch(&mut self, table: &DispatchTable) -> Result<(), BackendError> {
+        if self.blas.is_err() {
+            return Ok(());
+        }
+        let need = blas::scratch_need(table);
+        let have = self.blas_scratch.unwrap_or_default();
+        if need.bytes() == 0 || (have.x_bytes >= need.x_bytes && have.w_bytes >= need.w_bytes) {
+            return Ok(());
+        }
+        let need = blas::Scratch {
+            x_bytes: need.x_bytes.max(have.x_bytes),
+            w_bytes: need.w_bytes.max(have.w_bytes),
+            ptr: 0,
+        };
+        if let Some(old) = self.blas_scratch.take() {
+            self.sync()?;
+            // SAFETY: allocated by us; the stream is idle and no graph
+            // holds it (cuBLAS products are never captured into chains).
+            unsafe { sys::cuMemFree_v2(old.ptr) };
+        }
+        match blas::alloc_scratch(need) {
+            Ok(s) => self.blas_scratch = Some(s),
+            Err(BackendError::OutOfMemory { bytes, .. }) => {
+                if blas::verbose() {
+                    eprintln!(
+                        "akunu: prefill without cuBLAS: no memory for its {bytes}-byte scratch"
+                    );
+                }
+            }
+            Err(e) => return Err(e),
+        }
+        Ok(())
     }
 
     /// Zeroes decode attention's per-head tickets (each merge resets its
@@ -765,6 +878,11 @@ impl Drop for CudaBackend {
             if let Some(p) = self.sample_scratch {
                 sys::cuMemFree_v2(p);
             }
+            if let Some(s) = self.blas_scratch {
+                sys::cuMemFree_v2(s.ptr);
+            }
+            // The handle goes before its stream.
+            self.blas = Err(String::new());
             sys::cuModuleUnload(self.k.module);
             sys::cuStreamDestroy_v2(self.stream);
             sys::cuStreamDestroy_v2(self.side);

@@ -152,10 +152,23 @@ fn prompt(n: u32, vocab: u32) -> Vec<u32> {
 /// decode logits within `tol` of the CPU's, greedy tokens equal except at
 /// near-ties; returns the worst relative L2 error seen.
 fn compare_with_cpu(model: &Arc<Model>, what: &str, tol: f64) -> f64 {
+    compare_with_cpu_on(model, what, tol, 40, 16, cuda())
+}
+
+/// As `compare_with_cpu`, with a prompt of `n_prompt` tokens prefilled in
+/// steps of up to `prefill` rows on the GPU backend `gpu`.
+fn compare_with_cpu_on(
+    model: &Arc<Model>,
+    what: &str,
+    tol: f64,
+    n_prompt: u32,
+    prefill: u32,
+    gpu: Box<dyn Backend>,
+) -> f64 {
     let n_vocab = model.config.n_vocab;
-    let p = prompt(40, n_vocab);
-    let mut c = engine(model, cpu(), 16, 16);
-    let mut g = engine(model, cuda(), 16, 16);
+    let p = prompt(n_prompt, n_vocab);
+    let mut c = engine(model, cpu(), 16, prefill);
+    let mut g = engine(model, gpu, 16, prefill);
     let lc = c.eval_logits(&p).unwrap();
     let lg = g.eval_logits(&p).unwrap();
     let mut worst = rel_l2(&lg, &lc);
@@ -261,6 +274,80 @@ fn logits_match_cpu_on_real_shapes() {
     if let Ok(p) = std::env::var("AKUNU_TEST_MODEL") {
         let m = Arc::new(Model::load(std::path::Path::new(&p)).expect("AKUNU_TEST_MODEL"));
         compare_with_cpu(&m, "default model", 1e-4);
+        // Long prefill steps: the cuBLAS products where cuBLAS loads.
+        compare_with_cpu_on(
+            &m,
+            "default model, 300-token prefill",
+            1e-4,
+            300,
+            256,
+            cuda(),
+        );
+    }
+}
+
+/// A CUDA backend with cuBLAS prefill on or off, and its counter of
+/// commands run on cuBLAS.
+fn cuda_cublas(on: bool) -> (Box<dyn Backend>, Arc<std::sync::atomic::AtomicU64>) {
+    let mut be = akunu_cuda::CudaBackend::new(0, &mut |m| eprintln!("{m}")).expect("CUDA backend");
+    be.set_cublas(on);
+    let n = be.cublas_commands();
+    (Box::new(be), n)
+}
+
+/// Prefill steps of many rows (300 tokens in steps of 128, 128 and 44: the
+/// last below the cuBLAS threshold of 64, so both paths run) with the
+/// products on cuBLAS and on `k_gemm_tc`, each against the CPU, for every
+/// type cuBLAS takes: F16 in place, Q8_0/Q4_0/Q4_1 dequantized; a fused QKV
+/// of F16 and Q8_0 segments; Qwen2's QKV biases. Fails where cuBLAS cannot
+/// be loaded (`AKUNU_CUDA_CUBLAS=1` prints why at backend creation).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
+fn cublas_prefill_matches_cpu_with_and_without_cublas() {
+    {
+        let be = akunu_cuda::CudaBackend::new(0, &mut |m| eprintln!("{m}")).expect("CUDA backend");
+        match be.cublas_status() {
+            Ok(v) => eprintln!("cuBLAS {v}"),
+            Err(why) => panic!("cuBLAS is not available: {why}"),
+        }
+    }
+    let mut models = Vec::new();
+    for dt in [DType::F16, DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        models.push((
+            format!("smollm2-135m {}", dt.name()),
+            synth(Shape::SmolLm2_135M, dt),
+        ));
+    }
+    let (f16, q8) = (
+        synth(Shape::SmolLm2_135M, DType::F16),
+        synth(Shape::SmolLm2_135M, DType::Q8_0),
+    );
+    models.push((
+        "smollm2-135m F16 + Q8_0 attn_v".into(),
+        mixed(&f16, &q8, &["attn_v.weight"], "f16_q8_0"),
+    ));
+    models.push((
+        "qwen2 tiny Q4_0".into(),
+        synth_arch(SynthArch::Qwen2, Shape::Tiny, DType::Q4_0),
+    ));
+    for (what, m) in &models {
+        let mut worst = [0f64; 2];
+        for (i, on) in [true, false].into_iter().enumerate() {
+            let (be, n) = cuda_cublas(on);
+            let label = format!("{what}, cuBLAS {}", if on { "on" } else { "off" });
+            worst[i] = compare_with_cpu_on(m, &label, 1e-4, 300, 128, be);
+            let ran = n.load(std::sync::atomic::Ordering::Relaxed);
+            if on {
+                assert!(ran > 0, "{label}: no product ran on cuBLAS");
+            } else {
+                assert_eq!(ran, 0, "{label}: products ran on cuBLAS");
+            }
+            eprintln!("{label}: {ran} commands on cuBLAS");
+        }
+        eprintln!(
+            "{what}: worst rel-L2 cuBLAS {:.2e}, k_gemm_tc {:.2e}",
+            worst[0], worst[1]
+        );
     }
 }
 

@@ -1,0 +1,880 @@
+//! Prefill products on cuBLAS (issue 5): tensor-core GEMMs for steps of many
+//! rows, with results that match an f32 product as `k_gemm_tc`'s do.
+//!
+//! A `Gemv` command of `rows >= min_rows()` input rows whose weights are
+//! F16, Q8_0, Q4_0 or Q4_1 becomes (model.cu, "Operands of the cuBLAS
+//! prefill products"):
+//!
+//! ```text
+//! k_gemm_split      x (activation applied) -> X = [X_lo | X_hi] f16 per row; bias seeded into out
+//! per F16 segment:  out (+)= W . X_hi            cublasGemmEx, depth k
+//!                   out  += W . X_lo             cublasGemmEx, depth k
+//! per chunk of quantized rows:
+//!   k_gemm_dequant  W -> [W_hi | W_lo] f16 per row (scratch)
+//!                   out (+)= W_hi . X_hi                         depth k
+//!                   out  += [W_hi | W_lo] . [X_lo ; X_hi]         depth 2k
+//! ```
+//!
+//! Every product is f16 x f16 with f32 accumulation (`CUBLAS_COMPUTE_32F`,
+//! default math: no TF32 or other reduced modes) into the f32 output, in
+//! place (`ldc` = the output's row stride, so fused QKV / gate|up segments
+//! land in their columns). The first product of an output range overwrites
+//! it unless the command accumulates or has a bias (which `k_gemm_split`
+//! seeds); the others add (beta = 1). Soft-capped products stay on
+//! `k_gemm_tc` (only the last-row logits have one).
+//!
+//! In cuBLAS's column-major terms a row-major weight [n x k] is a k x n
+//! matrix with leading dimension k, used transposed; the input rows
+//! (row-major [rows x 2k] halves) are a 2k x rows matrix, of which the hi
+//! half is the k x rows matrix starting k elements in, with the same
+//! leading dimension 2k; the output is an n x rows matrix with leading
+//! dimension `out_stride`.
+//!
+//! The library is loaded at run time (`cudarc`'s dynamic loading). Where it
+//! cannot be found, or `AKUNU_CUDA_CUBLAS=0`, prefill keeps `k_gemm_tc`;
+//! `AKUNU_CUDA_CUBLAS=1` prints why cuBLAS is not used, if it is not.
+//! Prefill steps run outside graphs, except a step profiled by `akunu
+//! profile`, which is captured: the handle's workspace is set explicitly
+//! (`cublasSetWorkspace`), so cuBLAS allocates nothing during a capture.
+
+use crate::device::{self, Dptr};
+use crate::launch::{Launch, Tail};
+use akunu_core::backend::BackendError;
+use akunu_core::dtype::DType;
+use akunu_core::ops::{GemvParams, KernelId};
+use akunu_core::table::{DispatchTable, RowMode};
+use cudarc::cublas::sys as cb;
+use cudarc::driver::sys;
+use std::ffi::c_void;
+use std::path::PathBuf;
+
+/// Fewest input rows that take cuBLAS; smaller steps keep `k_gemm_tc`.
+/// Below this a product is too narrow to fill the GPU with cuBLAS's tiles
+/// and the split and dequantization passes cost more than they save; a
+/// first guess, to be measured (`AKUNU_CUDA_CUBLAS_MIN_ROWS` overrides it).
+const MIN_ROWS: u32 = 64;
+
+/// Bytes of dequantized weights (hi + lo, 4 bytes a weight) per chunk of a
+/// quantized product. Larger chunks make taller (more efficient) GEMMs;
+/// smaller ones may stay in L2 between the dequantization and the two
+/// products that read them. A first guess, to be measured
+/// (`AKUNU_CUDA_CUBLAS_CHUNK_MB` overrides it).
+const CHUNK_BYTES: u64 = 64 << 20;
+
+/// cuBLAS workspace, set explicitly so that no call allocates (32 MiB is
+/// NVIDIA's recommendation for Hopper).
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+fn env_u64(name: &str) -> Option<u64> {
+    std::env::var(name).ok().and_then(|v| v.trim().parse().ok())
+}
+
+/// Fewest input rows of a step whose products take cuBLAS.
+pub fn min_rows() -> u32 {
+    static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        env_u64("AKUNU_CUDA_CUBLAS_MIN_ROWS")
+            .map(|v| v.clamp(1, u32::MAX as u64) as u32)
+            .unwrap_or(MIN_ROWS)
+    })
+}
+
+fn chunk_bytes() -> u64 {
+    static V: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        env_u64("AKUNU_CUDA_CUBLAS_CHUNK_MB")
+            .map(|mb| mb.max(1) << 20)
+            .unwrap_or(CHUNK_BYTES)
+    })
+}
+
+/// Whether `AKUNU_CUDA_CUBLAS` asks for cuBLAS (anything but `0`; unset
+/// means yes).
+pub fn wanted() -> bool {
+    std::env::var("AKUNU_CUDA_CUBLAS").map_or(true, |v| v != "0")
+}
+
+/// Whether `AKUNU_CUDA_CUBLAS=1` asks to be told why cuBLAS is not used.
+pub fn verbose() -> bool {
+    std::env::var("AKUNU_CUDA_CUBLAS").is_ok_and(|v| v == "1")
+}
+
+/// Directories searched for `libcublas.so.13` when the dynamic loader's own
+/// search (`LD_LIBRARY_PATH`, the ld.so cache) finds no cuBLAS: the CUDA
+/// toolkit's library directories.
+fn toolkit_dirs() -> Vec<PathBuf> {
+    let mut dirs = Vec::new();
+    for var in ["CUDA_HOME", "CUDA_PATH", "CUDA_ROOT"] {
+        if let Some(root) = std::env::var_os(var) {
+            let root = PathBuf::from(root);
+            dirs.push(root.join("lib64"));
+            dirs.push(root.join("lib"));
+        }
+    }
+    dirs.push(PathBuf::from("/usr/local/cuda/lib64"));
+    if let Ok(rd) = std::fs::read_dir("/usr/local") {
+        let mut versioned: Vec<PathBuf> = rd
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().starts_with("cuda-"))
+            .map(|e| e.path().join("lib64"))
+            .collect();
+        versioned.sort();
+        dirs.extend(versioned.into_iter().rev());
+    }
+    dirs
+}
+
+/// Finds and loads cuBLAS once per process. cudarc looks the library up by
+/// name (`libcublas.so`, `libcublas.so.13`, ...); where that fails, the
+/// toolkit directories are tried by path: cuBLAS Lt and cuBLAS are loaded
+/// from there (globally, and kept), after which the lookup by name finds
+/// the loaded library by its soname.
+fn library() -> Result<(), String> {
+    static LIB: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+    LIB.get_or_init(|| {
+        // SAFETY: loading a shared library runs its initialisers; cuBLAS's
+        // have no preconditions.
+        if unsafe { cb::is_culib_present() } {
+            return Ok(());
+        }
+        let mut tried = Vec::new();
+        for dir in toolkit_dirs() {
+            let lib = dir.join("libcublas.so.13");
+            if !lib.exists() {
+                continue;
+            }
+            tried.push(lib.display().to_string());
+            let lt = dir.join("libcublasLt.so.13");
+            let flags = libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL;
+            // SAFETY: as above. The handles are leaked on purpose: the
+            // libraries stay loaded for the process, as cudarc's own do.
+            unsafe {
+                if lt.exists()
+                    && let Ok(h) = libloading::os::unix::Library::open(Some(&lt), flags)
+                {
+                    std::mem::forget(h);
+                }
+                if let Ok(h) = libloading::os::unix::Library::open(Some(&lib), flags) {
+                    std::mem::forget(h);
+                    if cb::is_culib_present() {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        Err(if tried.is_empty() {
+            "no cuBLAS library (libcublas.so.13) on the loader's path or in the CUDA toolkit"
+                .to_string()
+        } else {
+            format!("cuBLAS could not be loaded from {}", tried.join(", "))
+        })
+    })
+    .clone()
+}
+
+fn ok(r: cb::cublasStatus_t, what: &str) -> Result<(), String> {
+    r.result().map_err(|e| format!("{what}: {e}"))
+}
+
+/// A cuBLAS handle bound to the backend's stream, with its own workspace.
+pub struct Blas {
+    handle: cb::cublasHandle_t,
+    stream: sys::CUstream,
+    workspace: Dptr,
+    version: i32,
+}
+
+impl Blas {
+    /// Loads the library if needed and creates a handle that runs on
+    /// `stream`. The backend's context must be current.
+    pub fn new(stream: sys::CUstream) -> Result<Blas, String> {
+        library()?;
+        // cudarc panics when a symbol is missing (an unexpected library):
+        // treat that as "no cuBLAS" rather than taking the process down.
+        std::panic::catch_unwind(|| Self::create(stream))
+            .unwrap_or_else(|_| Err("the cuBLAS library lacks a function akunu uses".into()))
+    }
+
+    fn create(stream: sys::CUstream) -> Result<Blas, String> {
+        let mut handle: cb::cublasHandle_t = std::ptr::null_mut();
+        // SAFETY: out-parameter; the context is current.
+        ok(
+            unsafe { cb::cublasCreate_v2(&mut handle) },
+            "creating a cuBLAS handle",
+        )?;
+        let workspace = match device::alloc(WORKSPACE_BYTES as u64, "cuBLAS workspace") {
+            Ok(p) => p,
+            Err(e) => {
+                // SAFETY: created above, used by nothing.
+                unsafe { cb::cublasDestroy_v2(handle) };
+                return Err(e.to_string());
+            }
+        };
+        let blas = Blas {
+            handle,
+            stream,
+            workspace,
+            version: 0,
+        };
+        blas.configure()?;
+        let mut version = 0;
+        // SAFETY: live handle, out-parameter.
+        ok(
+            unsafe { cb::cublasGetVersion_v2(blas.handle, &mut version) },
+            "reading the cuBLAS version",
+        )?;
+        Ok(Blas { version, ..blas })
+    }
+
+    /// Stream, then workspace (setting the stream resets the workspace to
+    /// cuBLAS's own pool), then the math mode.
+    fn configure(&self) -> Result<(), String> {
+        // SAFETY: the handle, stream and workspace are live; the workspace
+        // holds WORKSPACE_BYTES bytes and outlives the handle (Drop).
+        unsafe {
+            ok(
+                cb::cublasSetStream_v2(self.handle, self.stream as cb::cudaStream_t),
+                "setting the cuBLAS stream",
+            )?;
+            ok(
+                cb::cublasSetWorkspace_v2(
+                    self.handle,
+                    self.workspace as *mut c_void,
+                    WORKSPACE_BYTES,
+                ),
+                "setting the cuBLAS workspace",
+            )?;
+            // Default math: f16 products on the tensor cores, f32
+            // accumulation as asked by the compute type; nothing reduced.
+            ok(
+                cb::cublasSetMathMode(self.handle, cb::cublasMath_t::CUBLAS_DEFAULT_MATH),
+                "setting the cuBLAS math mode",
+            )
+        }
+    }
+
+    /// cuBLAS's version number (e.g. 130100 for 13.1.0).
+    pub fn version(&self) -> i32 {
+        self.version
+    }
+
+    /// What planned products run with.
+    pub fn target(&self) -> Target {
+        Target {
+            handle: self.handle,
+            stream: self.stream,
+        }
+    }
+}
+
+/// The handle and stream of planned products.
+#[derive(Copy, Clone, Debug)]
+pub struct Target {
+    handle: cb::cublasHandle_t,
+    stream: sys::CUstream,
+}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        // SAFETY: created by `new`, destroyed once; the owner synchronised
+        // the stream first, so no product still uses the workspace.
+        unsafe {
+            cb::cublasDestroy_v2(self.handle);
+            sys::cuMemFree_v2(self.workspace);
+        }
+    }
+}
+
+/// One `cublasGemmEx` call: `C (m x n, f32) = A^T . B + beta C` with A
+/// (k x m, leading dimension lda) and B (k x n, ldb) in f16.
+#[derive(Copy, Clone, Debug)]
+pub struct Gemm {
+    handle: cb::cublasHandle_t,
+    stream: sys::CUstream,
+    m: i32,
+    n: i32,
+    k: i32,
+    a: Dptr,
+    lda: i32,
+    b: Dptr,
+    ldb: i32,
+    c: Dptr,
+    ldc: i32,
+    beta: f32,
+}
+
+impl Gemm {
+    /// Enqueues the product on `stream` (or records it, while capturing),
+    /// which must be the handle's.
+    pub fn fire(&self, stream: sys::CUstream) -> Result<(), String> {
+        if stream != self.stream {
+            return Err("a cuBLAS product planned for another stream".into());
+        }
+        let alpha = 1.0f32;
+        // SAFETY: the handle is live (owned by the backend, which outlives
+        // its plans); A, B and C lie inside the command's bindings and the
+        // backend's GEMM scratch (checked by `plan`); alpha and beta are
+        // host values read during the call.
+        let r = unsafe {
+            cb::cublasGemmEx(
+                self.handle,
+                cb::cublasOperation_t::CUBLAS_OP_T,
+                cb::cublasOperation_t::CUBLAS_OP_N,
+                self.m,
+                self.n,
+                self.k,
+                &alpha as *const f32 as *const c_void,
+                self.a as *const c_void,
+                cb::cudaDataType_t::CUDA_R_16F,
+                self.lda,
+                self.b as *const c_void,
+                cb::cudaDataType_t::CUDA_R_16F,
+                self.ldb,
+                &self.beta as *const f32 as *const c_void,
+                self.c as *mut c_void,
+                cb::cudaDataType_t::CUDA_R_32F,
+                self.ldc,
+                cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cb::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+            )
+        };
+        ok(r, "cublasGemmEx")
+    }
+}
+
+/// The backend's scratch for cuBLAS products: the split input rows, then
+/// the dequantized weights of one chunk.
+#[derive(Copy, Clone, Debug, Default)]
+pub struct Scratch {
+    pub ptr: Dptr,
+    pub x_bytes: u64,
+    pub w_bytes: u64,
+}
+
+impl Scratch {
+    pub fn bytes(&self) -> u64 {
+        self.x_bytes + self.w_bytes
+    }
+}
+
+/// Whether a weight type takes the cuBLAS path (F16 in place, the others
+/// dequantized).
+fn blas_type(dt: u32) -> bool {
+    matches!(
+        DType::from_ggml(dt),
+        Some(DType::F16 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1)
+    )
+}
+
+fn is_f16(dt: u32) -> bool {
+    DType::from_ggml(dt) == Some(DType::F16)
+}
+
+/// Whether a product of these params can run on cuBLAS at all (the row
+/// count aside): every segment of a cuBLAS type, whole 32-element blocks,
+/// no soft-cap, sizes within cuBLAS's 32-bit arguments.
+pub fn eligible(p: &GemvParams) -> bool {
+    let n_seg = (p.n_seg as usize).clamp(1, 3);
+    p.k > 0
+        && p.k.is_multiple_of(32)
+        && p.k < (1 << 29)
+        && p.softcap == 0.0
+        && p.total_rows() > 0
+        && p.out_stride >= p.total_rows()
+        && p.dtype[..n_seg].iter().all(|&d| blas_type(d))
+}
+
+/// Rows of a quantized chunk for products of depth `k`: the chunk budget's
+/// worth, a multiple of 64, at least 64.
+fn chunk_rows(k: u32) -> u64 {
+    let per_row = k as u64 * 4;
+    ((chunk_bytes() / per_row) / 64 * 64).max(64)
+}
+
+/// Scratch the cuBLAS products of `table` need (zero when none of its
+/// steps has `min_rows()` rows or no product qualifies).
+pub fn scratch_need(table: &DispatchTable) -> Scratch {
+    let rows = table.max_rows as u64;
+    let mut need = Scratch::default();
+    if table.max_rows < min_rows() {
+        return need;
+    }
+    for c in &table.commands {
+        if c.kernel != KernelId::Gemv || c.rows != RowMode::AllRows {
+            continue;
+        }
+        let p: GemvParams = c.params();
+        if !eligible(&p) {
+            continue;
+        }
+        let k = p.k as u64;
+        need.x_bytes = need.x_bytes.max(rows * k * 4);
+        let n_seg = (p.n_seg as usize).clamp(1, 3);
+        let quant_rows: u64 = (0..n_seg)
+            .filter(|&s| !is_f16(p.dtype[s]))
+            .map(|s| p.n[s] as u64)
+            .sum();
+        if quant_rows > 0 {
+            need.w_bytes = need.w_bytes.max(quant_rows.min(chunk_rows(p.k)) * k * 4);
+        }
+    }
+    // Keep the weight chunk 256-byte aligned behind the inputs.
+    need.x_bytes = need.x_bytes.div_ceil(256) * 256;
+    need
+}
+
+/// The operations of a `Gemv` command of `rows` input rows on cuBLAS, or
+/// `None` where it does not apply (the caller then launches `k_gemm_tc`).
+/// `l` is the command's launch with bindings, params and step set; the
+/// kernels are `split` and `dequant` (model.cu `k_gemm_split`,
+/// `k_gemm_dequant`).
+pub fn plan(
+    blas: Target,
+    scratch: Scratch,
+    split: sys::CUfunction,
+    dequant: sys::CUfunction,
+    p: &GemvParams,
+    l: &Launch,
+    rows: u32,
+) -> Option<Vec<crate::launch::Op>> {
+    use crate::launch::Op;
+    if rows < min_rows() || !eligible(p) {
+        return None;
+    }
+    let (k, total) = (p.k, p.total_rows());
+    let x_need = rows as u64 * k as u64 * 4;
+    if x_need > scratch.x_bytes || rows as u64 * (k as u64 * 2) > i32::MAX as u64 {
+        return None;
+    }
+    let n_seg = (p.n_seg as usize).clamp(1, 3);
+    let any_quant = p.dtype[..n_seg].iter().any(|&d| !is_f16(d));
+    let chunk = (scratch.w_bytes / (k as u64 * 4)).min(chunk_rows(k));
+    if any_quant && chunk == 0 {
+        return None;
+    }
+    let x = scratch.ptr;
+    let w = scratch.ptr + scratch.x_bytes;
+    let out = l.bind[1];
+    let ld_out = p.out_stride as i32;
+    // The first product of each output range overwrites it, unless the
+    // output already holds what the product adds to.
+    let beta0 = if p.accumulate != 0 || p.bias != 0 {
+        1.0
+    } else {
+        0.0
+    };
+    let gemm = |m: u32, depth: u32, a: Dptr, lda: u32, b: Dptr, o0: u32, beta: f32| {
+        Op::Gemm(Gemm {
+            handle: blas.handle,
+            stream: blas.stream,
+            m: m as i32,
+            n: rows as i32,
+            k: depth as i32,
+            a,
+            lda: lda as i32,
+            b,
+            ldb: 2 * k as i32,
+            c: out + o0 as u64 * 4,
+            ldc: ld_out,
+            beta,
+        })
+    };
+    let x_hi = x + k as u64 * 2;
+    let x_lo = x;
+    let kernel = |f: sys::CUfunction, grid: u32, gy: u32, ptr: Dptr, o0: u32, o1: u32| {
+        Op::Kernel(Launch {
+            f,
+            grid: (grid, gy, 1),
+            block: 256,
+            smem: 0,
+            tail: Tail::Gemm { ptr, o0, o1 },
+            ..*l
+        })
+    };
+    let split_cover = if p.bias != 0 { k.max(total) } else { k };
+    let mut ops = vec![kernel(split, split_cover.div_ceil(1024), rows, x, 0, 0)];
+    // Segments in order; consecutive quantized ones form one run of rows
+    // (the dequantization resolves each row's segment).
+    let mut off = 0u32;
+    let mut run: Option<(u32, u32)> = None;
+    let flush = |run: Option<(u32, u32)>, ops: &mut Vec<Op>| {
+        let Some((a, b)) = run else { return };
+        let mut c0 = a;
+        while c0 < b {
+            let c1 = (c0 as u64 + chunk).min(b as u64) as u32;
+            let units = (c1 - c0) as u64 * (k / 32) as u64;
+            ops.push(kernel(dequant, units.div_ceil(256) as u32, 1, w, c0, c1));
+            ops.push(gemm(c1 - c0, k, w, 2 * k, x_hi, c0, beta0));
+            ops.push(gemm(c1 - c0, 2 * k, w, 2 * k, x_lo, c0, 1.0));
+            c0 = c1;
+        }
+    };
+    for s in 0..n_seg {
+        let n = p.n[s];
+        if n == 0 {
+            continue;
+        }
+        if is_f16(p.dtype[s]) {
+            flush(run.take(), &mut ops);
+            let wptr = l.bind[2 + s];
+            ops.push(gemm(n, k, wptr, k, x_hi, off, beta0));
+            ops.push(gemm(n, k, wptr, k, x_lo, off, 1.0));
+        } else {
+            run = Some((run.map_or(off, |r| r.0), off + n));
+        }
+        off += n;
+    }
+    flush(run, &mut ops);
+    Some(ops)
+}
+
+/// Allocates `need` bytes of GEMM scratch (no clearing needed: every
+/// product writes what it reads first).
+pub fn alloc_scratch(need: Scratch) -> Result<Scratch, BackendError> {
+    let ptr = device::alloc(need.bytes(), "cuBLAS prefill scratch")?;
+    Ok(Scratch { ptr, ..need })
+}
+
+#[cfg(test)]
+mod tests {
+    //! The plan's operations run on the host: the two operand kernels as
+    //! model.cu defines them, `cublasGemmEx` by its definition (column
+    //! major, A transposed), on a toy memory. This checks the layouts,
+    //! leading dimensions, output offsets, chunks and betas against a
+    //! plain f64 product; the device kernels themselves are checked on a
+    //! GPU (tests/gpu.rs).
+    use super::*;
+    use crate::launch::{Op, StepArg};
+    use akunu_core::ops::{ACT_NONE, ACT_SWIGLU};
+    use akunu_core::table::MAX_PARAM_BYTES;
+    use half::f16;
+
+    const SPLIT: usize = 0x51;
+    const DEQUANT: usize = 0xde;
+
+    /// Device memory: regions at 2^32-spaced addresses.
+    struct Mem(Vec<Vec<u8>>);
+
+    impl Mem {
+        fn add(&mut self, bytes: Vec<u8>) -> u64 {
+            self.0.push(bytes);
+            (self.0.len() as u64) << 32
+        }
+        fn at(&mut self, addr: u64, n: usize) -> &mut [u8] {
+            let (r, off) = ((addr >> 32) as usize - 1, (addr & 0xffff_ffff) as usize);
+            &mut self.0[r][off..off + n]
+        }
+        fn f32(&mut self, a: u64) -> f32 {
+            f32::from_le_bytes(self.at(a, 4).try_into().unwrap())
+        }
+        fn set_f32(&mut self, a: u64, v: f32) {
+            self.at(a, 4).copy_from_slice(&v.to_le_bytes());
+        }
+        fn f16(&mut self, a: u64) -> f32 {
+            f16::from_le_bytes(self.at(a, 2).try_into().unwrap()).to_f32()
+        }
+        fn set_f16(&mut self, a: u64, v: f16) {
+            self.at(a, 2).copy_from_slice(&v.to_le_bytes());
+        }
+    }
+
+    fn split(v: f32) -> (f16, f16) {
+        let hi = f16::from_f32(v);
+        (hi, f16::from_f32(v - hi.to_f32()))
+    }
+
+    fn silu(x: f32) -> f32 {
+        x / (1.0 + (-x).exp())
+    }
+
+    /// Runs `ops` on `mem`; `w(o, e)` is weight row o's element e (what
+    /// k_gemm_dequant reads from the quantized blocks).
+    fn run(
+        ops: &[Op],
+        mem: &mut Mem,
+        p: &GemvParams,
+        rows: u32,
+        w: &dyn Fn(u32, u32) -> f32,
+        bias: &dyn Fn(u32) -> f32,
+    ) {
+        let k = p.k as u64;
+        for op in ops {
+            match op {
+                Op::Kernel(l) => {
+                    let Tail::Gemm { ptr, o0, o1 } = l.tail else {
+                        panic!("unexpected tail")
+                    };
+                    match l.f as usize {
+                        SPLIT => {
+                            assert_eq!(l.grid.1, rows);
+                            assert!(l.grid.0 as u64 * 1024 >= k);
+                            for r in 0..rows as u64 {
+                                let xr = l.bind[0] + r * p.x_stride as u64 * 4;
+                                for j in 0..k {
+                                    let mut v = mem.f32(xr + j * 4);
+                                    if p.input_act == ACT_SWIGLU {
+                                        v = silu(v) * mem.f32(xr + (k + j) * 4);
+                                    }
+                                    let (hi, lo) = split(v);
+                                    mem.set_f16(ptr + (r * 2 * k + j) * 2, lo);
+                                    mem.set_f16(ptr + (r * 2 * k + k + j) * 2, hi);
+                                }
+                                if p.bias != 0 {
+                                    assert!(l.grid.0 as u64 * 1024 >= p.total_rows() as u64);
+                                    for o in 0..p.total_rows() {
+                                        let a =
+                                            l.bind[1] + (r * p.out_stride as u64 + o as u64) * 4;
+                                        let old = if p.accumulate != 0 { mem.f32(a) } else { 0.0 };
+                                        mem.set_f32(a, old + bias(o));
+                                    }
+                                }
+                            }
+                        }
+                        DEQUANT => {
+                            let units = (o1 - o0) as u64 * k / 32;
+                            assert!(l.grid.0 as u64 * 256 >= units);
+                            for o in o0..o1 {
+                                for e in 0..k {
+                                    let (hi, lo) = split(w(o, e as u32));
+                                    let row = ptr + (o - o0) as u64 * 2 * k * 2;
+                                    mem.set_f16(row + e * 2, hi);
+                                    mem.set_f16(row + (k + e) * 2, lo);
+                                }
+                            }
+                        }
+                        f => panic!("unexpected kernel {f:#x}"),
+                    }
+                }
+                Op::Gemm(g) => {
+                    assert!(g.lda >= g.k && g.ldb >= g.k && g.ldc >= g.m);
+                    for j in 0..g.n as u64 {
+                        for i in 0..g.m as u64 {
+                            let mut s = 0f64;
+                            for kk in 0..g.k as u64 {
+                                let a = mem.f16(g.a + (i * g.lda as u64 + kk) * 2);
+                                let b = mem.f16(g.b + (j * g.ldb as u64 + kk) * 2);
+                                s += a as f64 * b as f64;
+                            }
+                            let c = g.c + (j * g.ldc as u64 + i) * 4;
+                            let old = if g.beta != 0.0 { mem.f32(c) } else { 0.0 };
+                            mem.set_f32(c, (s + g.beta as f64 * old as f64) as f32);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A product of segments `types` (rows `n`) over `rows` input rows,
+    /// planned and run, against the f64 product.
+    fn check(types: &[DType], n: &[u32], k: u32, rows: u32, act: u32, bias: bool, acc: bool) {
+        let mut seed = 0x2545f4914f6cdd1du64;
+        let mut rnd = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            ((seed >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+        };
+        let n_seg = types.len();
+        let total: u32 = n.iter().sum();
+        let out_stride = total + 8;
+        let x_stride = if act == ACT_SWIGLU { 2 * k } else { k } + 4;
+        let mut p = GemvParams {
+            k,
+            x_stride,
+            out_stride,
+            n_seg: n_seg as u32,
+            input_act: act,
+            accumulate: acc as u32,
+            bias: bias as u32,
+            ..bytemuck::Zeroable::zeroed()
+        };
+        for s in 0..n_seg {
+            p.n[s] = n[s];
+            p.dtype[s] = types[s] as u32;
+        }
+        // Weights: F16 segments exact in f16; the others any f32 value
+        // (the dequantized d * q), with a wide spread of magnitudes.
+        let wv: Vec<Vec<f32>> = (0..total)
+            .map(|o| {
+                (0..k)
+                    .map(|e| rnd() * 2f32.powi(((o + e) % 7) as i32 - 3))
+                    .collect()
+            })
+            .collect();
+        let seg_of = |o: u32| {
+            let mut off = 0;
+            for (s, &rows) in n.iter().enumerate() {
+                if o < off + rows {
+                    return (s, o - off);
+                }
+                off += rows;
+            }
+            unreachable!()
+        };
+        let w = |o: u32, e: u32| {
+            let v = wv[o as usize][e as usize];
+            if types[seg_of(o).0] == DType::F16 {
+                f16::from_f32(v).to_f32()
+            } else {
+                v
+            }
+        };
+        let bv: Vec<f32> = (0..total).map(|_| rnd()).collect();
+        let mut mem = Mem(Vec::new());
+        let xv: Vec<f32> = (0..rows * x_stride).map(|_| rnd() * 4.0).collect();
+        let mut bind = [0u64; 8];
+        bind[0] = mem.add(bytemuck::cast_slice(&xv).to_vec());
+        let out0: Vec<f32> = (0..rows * out_stride).map(|_| rnd()).collect();
+        bind[1] = mem.add(bytemuck::cast_slice(&out0).to_vec());
+        let mut off = 0;
+        for s in 0..n_seg {
+            // Only F16 segments are read in place; quantized ones go
+            // through the dequantization (emulated from `w`).
+            let bytes: Vec<u8> = (off..off + n[s])
+                .flat_map(|o| (0..k).flat_map(move |e| f16::from_f32(w(o, e)).to_le_bytes()))
+                .collect();
+            bind[2 + s] = mem.add(bytes);
+            off += n[s];
+        }
+        let need = {
+            let x_bytes = (rows as u64 * k as u64 * 4).div_ceil(256) * 256;
+            let quant: u64 = (0..n_seg)
+                .filter(|&s| types[s] != DType::F16)
+                .map(|s| n[s] as u64)
+                .sum();
+            Scratch {
+                ptr: 0,
+                x_bytes,
+                // A small chunk, so that chunks cross segment boundaries.
+                w_bytes: quant.min(64) * k as u64 * 4,
+            }
+        };
+        let scratch = Scratch {
+            ptr: mem.add(vec![0u8; need.bytes() as usize]),
+            ..need
+        };
+        let mut params = [0u8; MAX_PARAM_BYTES];
+        params[..std::mem::size_of::<GemvParams>()].copy_from_slice(bytemuck::bytes_of(&p));
+        let l = Launch {
+            f: std::ptr::null_mut(),
+            grid: (1, 1, 1),
+            block: 256,
+            smem: 0,
+            bind,
+            params,
+            step: StepArg {
+                rows,
+                ..Default::default()
+            },
+            tail: Tail::None,
+            pdl: false,
+        };
+        let target = Target {
+            handle: std::ptr::null_mut(),
+            stream: std::ptr::null_mut(),
+        };
+        let ops = plan(
+            target,
+            scratch,
+            SPLIT as sys::CUfunction,
+            DEQUANT as sys::CUfunction,
+            &p,
+            &l,
+            rows,
+        )
+        .expect("a cuBLAS plan");
+        run(&ops, &mut mem, &p, rows, &w, &|o| bv[o as usize]);
+        let what = format!("{types:?} {n:?} k {k} rows {rows} act {act} bias {bias} acc {acc}");
+        let (mut num, mut den) = (0f64, 0f64);
+        for r in 0..rows {
+            for o in 0..out_stride {
+                let got = mem.f32(bind[1] + (r * out_stride + o) as u64 * 4) as f64;
+                let old = out0[(r * out_stride + o) as usize] as f64;
+                if o >= total {
+                    assert_eq!(got, old, "{what}: row {r} column {o} beyond the product");
+                    continue;
+                }
+                let xr = &xv[(r * x_stride) as usize..];
+                let mut want = if acc { old } else { 0.0 };
+                if bias {
+                    want += bv[o as usize] as f64;
+                }
+                for e in 0..k as usize {
+                    let x = if act == ACT_SWIGLU {
+                        silu(xr[e]) * xr[k as usize + e]
+                    } else {
+                        xr[e]
+                    };
+                    want += w(o, e as u32) as f64 * x as f64;
+                }
+                num += (got - want).powi(2);
+                den += want.powi(2);
+            }
+        }
+        let err = (num / den).sqrt();
+        assert!(err < 1e-6, "{what}: relative L2 error {err:.2e}");
+    }
+
+    #[test]
+    fn planned_products_match_an_f64_product() {
+        use DType::*;
+        // One segment of each type; fused QKV-like products of mixed types
+        // (F16 segments between quantized runs); gate|up with SwiGLU input;
+        // a bias; accumulation into the output.
+        check(&[F16], &[96], 64, 70, ACT_NONE, false, false);
+        check(&[Q8_0], &[200], 96, 65, ACT_NONE, false, false);
+        check(&[Q4_0], &[130], 64, 64, ACT_SWIGLU, false, true);
+        check(&[Q4_1, Q4_1], &[96, 40], 32, 66, ACT_SWIGLU, false, false);
+        check(
+            &[Q8_0, F16, Q4_0],
+            &[64, 32, 72],
+            64,
+            67,
+            ACT_NONE,
+            true,
+            false,
+        );
+        check(
+            &[F16, Q4_1, Q8_0],
+            &[40, 50, 30],
+            96,
+            64,
+            ACT_NONE,
+            true,
+            true,
+        );
+    }
+
+    #[test]
+    fn what_stays_off_cublas() {
+        let p = GemvParams {
+            k: 64,
+            x_stride: 64,
+            out_stride: 32,
+            n_seg: 1,
+            n: [32, 0, 0],
+            dtype: [DType::Q4_0 as u32, 0, 0],
+            ..bytemuck::Zeroable::zeroed()
+        };
+        assert!(eligible(&p));
+        assert!(!eligible(&GemvParams { softcap: 30.0, ..p }));
+        assert!(!eligible(&GemvParams { k: 48, ..p }));
+        for dt in [
+            DType::F32,
+            DType::BF16,
+            DType::Q5_0,
+            DType::Q4_K,
+            DType::Q6_K,
+        ] {
+            let q = GemvParams {
+                n_seg: 2,
+                n: [32, 32, 0],
+                dtype: [DType::Q4_0 as u32, dt as u32, 0],
+                out_stride: 64,
+                ..p
+            };
+            assert!(!eligible(&q), "{dt:?}");
+        }
+    }
+}
