@@ -210,7 +210,10 @@ impl Blas {
                 return Err(e.to_string());
             }
         };
-        let blas = Blas {
+        // From here `blas` owns the handle and the workspace: an error
+        // drops it, which frees both once. (Building a second `Blas` from
+        // its fields would free them twice: `Blas` is `Drop`.)
+        let mut blas = Blas {
             handle,
             stream,
             workspace,
@@ -223,7 +226,8 @@ impl Blas {
             unsafe { cb::cublasGetVersion_v2(blas.handle, &mut version) },
             "reading the cuBLAS version",
         )?;
-        Ok(Blas { version, ..blas })
+        blas.version = version;
+        Ok(blas)
     }
 
     /// Stream, then workspace (setting the stream resets the workspace to
