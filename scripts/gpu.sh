@@ -15,7 +15,8 @@
 #                                 each WHAT of: tests, sanitize, bench, bench-ab,
 #                                 profile, profile-big, trace, features,
 #                                 model-part1, model-part2, model-part3,
-#                                 model, sampler (needs the model), attn. Logs go to $OUT (or ./gpu-out),
+#                                 model, sampler (needs the model), attn,
+#                                 prefill. Logs go to $OUT (or ./gpu-out),
 #                                 a summary to stdout.
 #
 # The binaries need no CUDA at build time (cudarc loads the driver, NVRTC
@@ -277,6 +278,28 @@ attn() {
     done
 }
 
+# Prefill at several prompt lengths (what grows faster than the prompt is
+# attention) and the cuBLAS dequantization chunk of quantized products.
+prefill() {
+    echo "== prefill scaling (synthetic llama-1b f16) and cuBLAS chunk (llama-8b q4_0)"
+    local f=$STORE/llama-1b-f16.gguf n mb
+    [ -f "$f" ] || "$BIN/akunu" synth --shape llama-1b --type f16 \
+        --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$f" 2>&1 | tail -1
+    for n in 256 512 1024 2048; do
+        "$BIN/akunu" bench -m "$f" --device cuda -p "$n" -n 1 -r 3 --no-bandwidth 2>&1 |
+            tee "$OUTDIR/prefill-1b-$n.log" | grep -E "pp$n|error" || true
+    done
+    f=$STORE/llama-8b-q4_0.gguf
+    [ -f "$f" ] || "$BIN/akunu" synth --shape llama-8b --type q4_0 \
+        --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$f" 2>&1 | tail -1
+    for mb in 64 256 1024; do
+        AKUNU_CUDA_CUBLAS_CHUNK_MB=$mb "$BIN/akunu" bench -m "$f" --device cuda -p 512 -n 1 -r 3 \
+            --no-bandwidth 2>&1 | tee "$OUTDIR/prefill-8b-chunk$mb.log" | grep -E "pp512|error" |
+            sed "s/^/chunk=${mb}MB /" || true
+    done
+    rm -f "$f"
+}
+
 model_part() { # N
     cp ".gpu-part$1/model.part$1" "$STORE/model.part$1"
     cp ".gpu-part$1/model.sha256" "$STORE/model.sha256"
@@ -341,6 +364,7 @@ run)
         model) model ;;
         sampler) sampler ;;
         attn) attn ;;
+        prefill) prefill ;;
         *)
             echo "unknown step $what" >&2
             exit 2

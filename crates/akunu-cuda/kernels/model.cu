@@ -1491,7 +1491,7 @@ __device__ __forceinline__ int attn_first_key(int pos, u32 window) {
 #define DEC_WARPS 4
 #define DEC_KEYS 4  // keys per warp per step
 #ifndef DEC_MIN_KEYS  // (AKUNU_CUDA_DEFINES may set it for experiments)
-#define DEC_MIN_KEYS 64  // fewest keys a split takes while others idle
+#define DEC_MIN_KEYS 16  // fewest keys a split takes while others idle
 #endif
 
 // Keys per decode split: kv_len spread over the splits, but at least

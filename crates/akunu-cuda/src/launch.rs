@@ -27,8 +27,13 @@ pub const GEMV_STATIC_SMEM: u32 = 1024;
 pub const ATTN_TICKET_BYTES: u64 = 4096;
 /// Splits of one head's key range in decode attention (flash-decoding).
 const ATTN_MAX_SPLIT: u32 = 32;
-/// Keys per split below which fewer splits are used.
-const ATTN_KEYS_PER_SPLIT: u32 = 256;
+/// Cache positions per split when sizing the split count (capacity / this,
+/// at most `ATTN_MAX_SPLIT`), so that a short cache still spreads a head
+/// over many blocks; with model.cu `DEC_MIN_KEYS` (the fewest keys a split
+/// takes) at 16 too. Measured on SmolLM2's shape (RESULTS.md): 16 against
+/// 256 gave tg128 1,222 against 1,219 tok/s with a 648-position cache and
+/// 1,222 against 1,195 with 8,192 positions.
+const ATTN_KEYS_PER_SPLIT: u32 = 16;
 /// The multi-block sampler (sampling.cu `SMB_*`): block size, slice sizes
 /// tried (at most `SMB_SLICE_MAX`), most blocks, most merged candidates and
 /// the scratch size (at least `SMB_SCRATCH_BYTES`).
