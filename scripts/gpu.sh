@@ -16,7 +16,7 @@
 #                                 profile, profile-big, trace, features,
 #                                 model-part1, model-part2, model-part3,
 #                                 model, sampler (needs the model), attn,
-#                                 prefill. Logs go to $OUT (or ./gpu-out),
+#                                 prefill, spec-ab (needs the model). Logs go to $OUT (or ./gpu-out),
 #                                 a summary to stdout.
 #
 # The binaries need no CUDA at build time (cudarc loads the driver, NVRTC
@@ -300,6 +300,25 @@ prefill() {
     rm -f "$f"
 }
 
+# Speculative decode with several idle-run caps (plain steps a submission
+# takes while the n-grams have no draft).
+spec_ab() {
+    echo "== speculative decode: idle-run cap A/B on the default model"
+    assemble_model || return 0
+    local t m
+    for m in ${SPEC_IDLE:-8 16 32}; do
+        for t in story repeat-text; do
+            AKUNU_CUDA_SPEC_IDLE_MAX=$m "$BIN/akunu" bench -m "$MODEL" --device cuda \
+                --prompt-file "bench/prompts/$t.txt" --chat -p 0 -n 128 -r 5 --no-bandwidth \
+                --speculative --json 2>/dev/null | tee "$OUTDIR/spec-$t-idle$m.json" | python3 -c '
+import json, sys
+d = json.load(sys.stdin)
+tg = [round(f["median_tok_s"], 1) for f in d["figures"] if f["test"].startswith("tg")]
+print(sys.argv[1], sys.argv[2], tg, json.dumps(d["speculative"]))' "$t" "idle=$m" || true
+        done
+    done
+}
+
 model_part() { # N
     cp ".gpu-part$1/model.part$1" "$STORE/model.part$1"
     cp ".gpu-part$1/model.sha256" "$STORE/model.sha256"
@@ -365,6 +384,7 @@ run)
         sampler) sampler ;;
         attn) attn ;;
         prefill) prefill ;;
+        spec-ab) spec_ab ;;
         *)
             echo "unknown step $what" >&2
             exit 2

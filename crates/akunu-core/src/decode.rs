@@ -764,7 +764,6 @@ impl Engine {
                     plain_cap = Some(sp.idle_run);
                     sp.idle_run = (sp.idle_run * 2).min(self.backend.idle_run_max().max(1));
                 } else {
-                    sp.idle_run = 1;
                     let draft = std::mem::take(&mut sp.draft);
                     let k = draft.len() as u32;
                     let rows = k + 1;
@@ -1068,6 +1067,13 @@ impl SpecState {
             self.k_cur = (self.k_cur * 2).clamp(1, max);
         } else {
             self.k_cur = (m + 1).clamp(1, max);
+        }
+        // Back to short plain runs (checking for drafts after every step)
+        // only where drafts pay: after a pass that rejected everything the
+        // runs keep their length, so that text the n-grams keep guessing
+        // wrong does not cost a submission per token.
+        if m > 0 {
+            self.idle_run = 1;
         }
         if m == 0 {
             self.misses += 1;

@@ -747,8 +747,16 @@ impl Backend for CudaBackend {
     fn idle_run_max(&self) -> u32 {
         // Every plain run is a submission with its own round trip (control
         // block, graph launch, token read-back); runs of up to 8 amortise
-        // it on text the n-grams cannot predict.
-        8
+        // it on text the n-grams cannot predict. `AKUNU_CUDA_SPEC_IDLE_MAX`
+        // overrides it (developer A/B runs).
+        static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+        *V.get_or_init(|| {
+            std::env::var("AKUNU_CUDA_SPEC_IDLE_MAX")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .filter(|&v| v >= 1)
+                .unwrap_or(8)
+        })
     }
 }
 
