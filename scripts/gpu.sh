@@ -306,7 +306,7 @@ spec_ab() {
     echo "== speculative decode: idle-run cap A/B on the default model"
     assemble_model || return 0
     local t m
-    for m in ${SPEC_IDLE:-8 16 32}; do
+    for m in ${SPEC_IDLE:-16}; do
         for t in story repeat-text; do
             AKUNU_CUDA_SPEC_IDLE_MAX=$m "$BIN/akunu" bench -m "$MODEL" --device cuda \
                 --prompt-file "bench/prompts/$t.txt" --chat -p 0 -n 128 -r 5 --no-bandwidth \
