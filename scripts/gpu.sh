@@ -16,7 +16,8 @@
 #                                 profile, profile-big, trace, features,
 #                                 model-part1, model-part2, model-part3,
 #                                 model, sampler (needs the model), attn,
-#                                 prefill, spec-ab (needs the model). Logs go to $OUT (or ./gpu-out),
+#                                 prefill, spec-ab (needs the model), pfattn.
+#                                 Logs go to $OUT (or ./gpu-out),
 #                                 a summary to stdout.
 #
 # The binaries need no CUDA at build time (cudarc loads the driver, NVRTC
@@ -319,6 +320,23 @@ print(sys.argv[1], sys.argv[2], tg, json.dumps(d["speculative"]))' "$t" "idle=$m
     done
 }
 
+pfattn() {
+    echo "== prefill attention A/B: k_attn_prefill (AKUNU_CUDA_PF_ATTN=0), then k_attn_flash (synthetic llama-1b f16)"
+    local f=$STORE/llama-1b-f16.gguf n v
+    [ -f "$f" ] || "$BIN/akunu" synth --shape llama-1b --type f16 \
+        --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$f" 2>&1 | tail -1
+    for n in 256 512 1024 2048; do
+        for v in 0 1; do
+            AKUNU_CUDA_PF_ATTN=$v "$BIN/akunu" bench -m "$f" --device cuda -p "$n" -n 1 -r 3 \
+                --no-bandwidth 2>&1 | tee "$OUTDIR/pfattn-$v-1b-$n.log" | grep -E "pp$n|error" |
+                sed "s/^/PF_ATTN=$v /" || true
+        done
+    done
+    "$BIN/gpu-tests" --ignored --test-threads=1 --nocapture \
+        prefill_attention_matches_cpu_on_every_head_width 2>&1 | tee "$OUTDIR/pfattn-tests.log" |
+        grep -E "rel-L2|test result|panicked" || true
+}
+
 model_part() { # N
     cp ".gpu-part$1/model.part$1" "$STORE/model.part$1"
     cp ".gpu-part$1/model.sha256" "$STORE/model.sha256"
@@ -385,6 +403,7 @@ run)
         attn) attn ;;
         prefill) prefill ;;
         spec-ab) spec_ab ;;
+        pfattn) pfattn ;;
         *)
             echo "unknown step $what" >&2
             exit 2

@@ -196,6 +196,9 @@ impl Shape {
     /// one is global), an 8-position window, RMS epsilon 1e-6 and small
     /// soft-caps that bite on random weights (real Gemma 3 files set
     /// none; Gemma 2 did). Larger shapes get Gemma 3's 512-position window.
+    /// On tiny-k (tests of the GPU prefill attention's head widths) Qwen3
+    /// gets heads of 128 and Gemma 3 heads of 256, six layers, an
+    /// 80-position window and the attention soft-cap.
     pub fn params_for(self, arch: SynthArch) -> ShapeParams {
         let mut p = self.params();
         let tiny = self == Shape::Tiny;
@@ -204,6 +207,8 @@ impl Shape {
             SynthArch::Qwen3 => {
                 if tiny {
                     p.key_length = Some(32);
+                } else if self == Shape::TinyK {
+                    p.key_length = Some(128);
                 }
             }
             SynthArch::Gemma3 => {
@@ -215,6 +220,11 @@ impl Shape {
                     p.sliding_window = 8;
                     p.attn_softcap = 2.0;
                     p.final_softcap = 0.5;
+                } else if self == Shape::TinyK {
+                    p.n_layers = 6;
+                    p.key_length = Some(256);
+                    p.sliding_window = 80;
+                    p.attn_softcap = 2.0;
                 } else {
                     p.sliding_window = 512;
                 }

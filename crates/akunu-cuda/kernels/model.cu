@@ -1876,3 +1876,256 @@ k_attn_prefill(Bind b, AttnParams p, StepArg a) {
     else
         attn_prefill_body<8>(b, p, kv, a.rows, ks, vs, qs);
 }
+
+// ---------------------------------------------------------------------------
+// Flash prefill attention (k_attn_flash_64 / _128 / _256), on the CUDA
+// cores in exact f32.
+//
+// grid = (n_heads, ceil(rows / FA_BQ)), block FA_THREADS = 256, dynamic
+// shared memory fa_smem_bytes(D) (launch.rs `flash_smem_bytes`). A block
+// owns FA_BQ = 64 query rows of one head; its row blocks run in reverse
+// order (blockIdx.y = 0 takes the last rows, which see the most keys), so
+// the longest blocks start first. D is the head width rounded up to 64, 128
+// or 256: narrower heads are zero-padded in shared memory (zero dims add
+// nothing to a score, and the padded output dims are not written).
+//
+// Shared memory (floats): Q [64][D+4] | K [64][D+4] | V [64][D]. The block
+// walks the keys its rows can see, [first key of its first row, position of
+// its last row], in tiles of FA_BK = 64 keys; keys past the last position
+// are zero-filled, never read from the cache. Thread (ty, tx) = (tid / 16,
+// tid % 16) owns query rows ty*4 + i (i < 4) and, per tile, keys
+// tx + 16c (c < 4):
+//   1. S = Q K^T: a 4 x 4 micro-tile per thread, d in steps of 4 with
+//      float4 reads (each Q float4 feeds 4 keys, each K float4 4 rows: 64
+//      FMAs per 8 shared loads). The +4 padding puts the 8 K rows of a
+//      quarter-warp on distinct banks; the warp's two ty read two Q rows
+//      16 banks apart.
+//   2. scale, soft-cap, mask (key j visible to a row at position pos iff
+//      attn_first_key(pos) <= j <= pos, the old kernel's rule), then the
+//      online softmax per row: the row max over the 16 lanes that share the
+//      row (a half-warp: xor shuffles 8, 4, 2, 1), so every owner of a row
+//      applies the same max and the same correction. The row sum l stays
+//      per thread (its own keys; all are rescaled by the same factors) and
+//      is reduced over the half-warp once, at the end.
+//   3. P (64 keys x 64 rows, transposed: P^T[key][row], row stride 68) is
+//      written over the K tile (a barrier first: K is consumed), then
+//      O += P V: each thread accumulates 4 rows x 4*D/64 dims (dims
+//      tx*4 + 64c + e), per key one float4 of P (its 4 rows) and D/64
+//      float4s of V (32 FMAs per 3 loads at D = 128).
+// Exactness: every product and sum is an f32 FMA/add of the true values
+// (no reduced-precision inputs); only the summation order differs from the
+// CPU backend, as it does for the old kernel. Rows past the step's last row
+// (a ragged last block) take the last row's position, so their scores stay
+// finite, and are never written. A row that has seen no visible key yet has
+// m = -inf: the tile's reference max is then taken as 0 (e^(-inf) = 0 for
+// the correction and for masked scores), so no -inf - -inf NaN arises; every
+// row sees at least its own position, so its final l >= 1.
+// ---------------------------------------------------------------------------
+#define FA_BQ 64
+#define FA_BK 64
+#define FA_THREADS 256
+#define FA_LDP (FA_BQ + 4)
+#ifndef FA_UNROLL_S
+#define FA_UNROLL_S 1
+#endif
+#ifndef FA_UNROLL_PV
+#define FA_UNROLL_PV 8
+#endif
+
+// Rows [0, n) of a tile of R rows from src + r * stride (floats), dims
+// [0, hd) of D, into dst with row stride LD; other rows and dims are zero.
+// `vec`: hd == D and src, stride 16-byte aligned (float4 copies).
+template <int D, int R, int LD>
+__device__ __forceinline__ void fa_stage(float* dst, const float* __restrict__ src, u64 stride,
+                                         int n, u32 hd, bool vec) {
+    if (vec) {
+        constexpr int C4 = D / 4;
+        for (int e = threadIdx.x; e < R * C4; e += FA_THREADS) {
+            const int r = e / C4, c = (e - r * C4) * 4;
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (r < n) v = *(const float4*)(src + (u64)r * stride + c);
+            *(float4*)(dst + r * LD + c) = v;
+        }
+    } else {
+        for (int e = threadIdx.x; e < R * D; e += FA_THREADS) {
+            const int r = e / D, c = e - r * D;
+            dst[r * LD + c] = (r < n && c < (int)hd) ? src[(u64)r * stride + c] : 0.0f;
+        }
+    }
+}
+
+template <int D>
+__device__ __forceinline__ void attn_flash_body(const Bind& b, const AttnParams& p, u32 kv,
+                                                u32 rows, float* sm) {
+    constexpr int LDK = D + 4;
+    constexpr int NC = D / 64;  // float4 groups of output dims per thread
+    float* qs = sm;                // [FA_BQ][LDK]
+    float* ks = qs + FA_BQ * LDK;  // [FA_BK][LDK]; P^T [FA_BK][FA_LDP] after S
+    float* vs = ks + FA_BK * LDK;  // [FA_BK][D]
+    float* ps = ks;
+    static_assert(FA_LDP <= LDK, "P^T must fit in the K tile");
+
+    const int tid = (int)threadIdx.x, tx = tid & 15, ty = tid >> 4;
+    const u32 h = blockIdx.x, hd = p.head_dim;
+    const u32 g = h / (p.n_heads / p.n_kv_heads);
+    const int t0 = (int)(gridDim.y - 1 - blockIdx.y) * FA_BQ;
+    const int nq = min(FA_BQ, (int)rows - t0);
+    const int base_pos = (int)kv - (int)rows;
+    const int pos_hi = base_pos + t0 + nq - 1;
+    const int key_lo = attn_first_key(base_pos + t0, p.window);
+
+    const float* __restrict__ Q = (const float*)b.p[0] + (u64)t0 * p.qkv_stride + (u64)h * hd;
+    const float* __restrict__ K = (const float*)b.p[1] + (u64)g * p.capacity * hd;
+    const float* __restrict__ V = (const float*)b.p[2] + (u64)g * p.capacity * hd;
+    float* __restrict__ O = (float*)b.p[3] + (u64)t0 * p.out_stride + (u64)h * hd;
+    const bool vec = hd == (u32)D && (p.qkv_stride & 3) == 0 &&
+                     (((u64)Q | (u64)K | (u64)V) & 15) == 0;
+    const bool vec_o = hd == (u32)D && (p.out_stride & 3) == 0 && ((u64)O & 15) == 0;
+
+    fa_stage<D, FA_BQ, LDK>(qs, Q, p.qkv_stride, nq, hd, vec);
+
+    // Row ty*4 + i is at position min(pos0 + i, pos_hi): rows past the
+    // step's last take its position (finite scores, never written).
+    const int pos0 = base_pos + t0 + ty * 4;
+    float m[4], l[4], o[4][4 * NC];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        m[i] = NEG_INF;
+        l[i] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 4 * NC; ++e) o[i][e] = 0.0f;
+    }
+
+    for (int j0 = key_lo; j0 <= pos_hi; j0 += FA_BK) {
+        const int nt = min(FA_BK, pos_hi + 1 - j0);
+        __syncthreads();  // the previous tile's P and V are consumed
+        fa_stage<D, FA_BK, LDK>(ks, K + (u64)j0 * hd, hd, nt, hd, vec);
+        fa_stage<D, FA_BK, D>(vs, V + (u64)j0 * hd, hd, nt, hd, vec);
+        __syncthreads();  // K, V (and Q, the first time) staged
+
+        float s[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) s[i][c] = 0.0f;
+#pragma unroll FA_UNROLL_S
+        for (int d = 0; d < D; d += 4) {
+            float4 a[4], k4[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[i] = *(const float4*)(qs + (ty * 4 + i) * LDK + d);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) k4[c] = *(const float4*)(ks + (tx + 16 * c) * LDK + d);
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    float t = s[i][c];
+                    t = fmaf(a[i].x, k4[c].x, t);
+                    t = fmaf(a[i].y, k4[c].y, t);
+                    t = fmaf(a[i].z, k4[c].z, t);
+                    t = fmaf(a[i].w, k4[c].w, t);
+                    s[i][c] = t;
+                }
+        }
+        __syncthreads();  // every thread is done with K: P may overwrite it
+
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int qpos = min(pos0 + i, pos_hi);
+            const int qlo = attn_first_key(qpos, p.window);
+            float mx = NEG_INF;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int j = j0 + tx + 16 * c;
+                const bool valid = j >= qlo && j <= qpos;
+                s[i][c] = valid ? softcap_score(s[i][c] * p.scale, p.softcap) : NEG_INF;
+                mx = fmaxf(mx, s[i][c]);
+            }
+#pragma unroll
+            for (int off = 8; off > 0; off >>= 1)
+                mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, off));
+            const float mn = fmaxf(m[i], mx);
+            const float ref = mn == NEG_INF ? 0.0f : mn;
+            const float corr = expf(m[i] - ref);
+            m[i] = mn;
+            float rs = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                s[i][c] = expf(s[i][c] - ref);
+                rs += s[i][c];
+            }
+            l[i] = l[i] * corr + rs;
+#pragma unroll
+            for (int e = 0; e < 4 * NC; ++e) o[i][e] *= corr;
+        }
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+            *(float4*)(ps + (tx + 16 * c) * FA_LDP + ty * 4) =
+                make_float4(s[0][c], s[1][c], s[2][c], s[3][c]);
+        __syncthreads();  // P complete
+
+        // Keys past nt have P = 0 and zero V rows: the loop runs whole
+        // tiles (unrolled) and adds exact zeros there.
+#pragma unroll FA_UNROLL_PV
+        for (int jj = 0; jj < FA_BK; ++jj) {
+            const float4 pj = *(const float4*)(ps + jj * FA_LDP + ty * 4);
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+                const float4 v = *(const float4*)(vs + jj * D + tx * 4 + 64 * c);
+                o[0][4 * c + 0] = fmaf(pj.x, v.x, o[0][4 * c + 0]);
+                o[0][4 * c + 1] = fmaf(pj.x, v.y, o[0][4 * c + 1]);
+                o[0][4 * c + 2] = fmaf(pj.x, v.z, o[0][4 * c + 2]);
+                o[0][4 * c + 3] = fmaf(pj.x, v.w, o[0][4 * c + 3]);
+                o[1][4 * c + 0] = fmaf(pj.y, v.x, o[1][4 * c + 0]);
+                o[1][4 * c + 1] = fmaf(pj.y, v.y, o[1][4 * c + 1]);
+                o[1][4 * c + 2] = fmaf(pj.y, v.z, o[1][4 * c + 2]);
+                o[1][4 * c + 3] = fmaf(pj.y, v.w, o[1][4 * c + 3]);
+                o[2][4 * c + 0] = fmaf(pj.z, v.x, o[2][4 * c + 0]);
+                o[2][4 * c + 1] = fmaf(pj.z, v.y, o[2][4 * c + 1]);
+                o[2][4 * c + 2] = fmaf(pj.z, v.z, o[2][4 * c + 2]);
+                o[2][4 * c + 3] = fmaf(pj.z, v.w, o[2][4 * c + 3]);
+                o[3][4 * c + 0] = fmaf(pj.w, v.x, o[3][4 * c + 0]);
+                o[3][4 * c + 1] = fmaf(pj.w, v.y, o[3][4 * c + 1]);
+                o[3][4 * c + 2] = fmaf(pj.w, v.z, o[3][4 * c + 2]);
+                o[3][4 * c + 3] = fmaf(pj.w, v.w, o[3][4 * c + 3]);
+            }
+        }
+    }
+
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float lt = l[i];
+#pragma unroll
+        for (int off = 8; off > 0; off >>= 1) lt += __shfl_xor_sync(FULL_MASK, lt, off);
+        const int r = ty * 4 + i;
+        if (r >= nq) continue;
+        const float inv = 1.0f / lt;
+        float* __restrict__ op = O + (u64)r * p.out_stride;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const int d = tx * 4 + 64 * c;
+            if (vec_o) {
+                *(float4*)(op + d) = make_float4(o[i][4 * c] * inv, o[i][4 * c + 1] * inv,
+                                                 o[i][4 * c + 2] * inv, o[i][4 * c + 3] * inv);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (d + e < (int)hd) op[d + e] = o[i][4 * c + e] * inv;
+            }
+        }
+    }
+}
+
+// Head widths up to 64 / 128 / 256 (launch.rs picks by head_dim). Dynamic
+// shared memory: 50, 98 and 194 KiB, so 4, 2 and 1 blocks per SM fit by
+// memory on an H100/H200; the register bounds follow.
+#define FA_KERNEL(D, MINB)                                                      \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, MINB)              \
+    k_attn_flash_##D(Bind b, AttnParams p, StepArg a) {                         \
+        AKUNU_PROLOGUE(a);                                                      \
+        extern __shared__ float4 fa_smem[];                                     \
+        attn_flash_body<D>(b, p, attn_kv_len(p, a), a.rows, (float*)fa_smem);   \
+    }
+FA_KERNEL(64, 2)
+FA_KERNEL(128, 2)
+FA_KERNEL(256, 1)

@@ -34,6 +34,31 @@ const ATTN_MAX_SPLIT: u32 = 32;
 /// 256 gave tg128 1,222 against 1,219 tok/s with a 648-position cache and
 /// 1,222 against 1,195 with 8,192 positions.
 const ATTN_KEYS_PER_SPLIT: u32 = 16;
+/// Head widths of the flash prefill attention kernels (model.cu
+/// `k_attn_flash_<width>`); a head takes the narrowest that holds it.
+pub const FLASH_WIDTHS: [u32; 3] = [64, 128, 256];
+/// Query rows per flash attention block (model.cu `FA_BQ`).
+const FLASH_ROWS: u32 = 64;
+
+/// Dynamic shared memory of `k_attn_flash_<width>`: Q and K tiles of 64
+/// rows of width + 4 floats and a V tile of 64 rows of width floats
+/// (model.cu `attn_flash_body`).
+pub const fn flash_smem_bytes(width: u32) -> u32 {
+    (64 * (width + 4) * 2 + 64 * width) * 4
+}
+
+/// The flash prefill attention kernel for heads of `head_dim` and its
+/// shared memory, unless `AKUNU_CUDA_PF_ATTN=0` (the old `k_attn_prefill`,
+/// for A/B runs) or the device could not allow it (`load_kernels`).
+fn flash_attention(k: &crate::Kernels, head_dim: u32) -> Option<(sys::CUfunction, u32)> {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *OFF.get_or_init(|| std::env::var("AKUNU_CUDA_PF_ATTN").is_ok_and(|v| v == "0")) {
+        return None;
+    }
+    let i = FLASH_WIDTHS.iter().position(|&w| head_dim <= w)?;
+    k.attn_flash[i]
+}
+
 /// The multi-block sampler (sampling.cu `SMB_*`): block size, slice sizes
 /// tried (at most `SMB_SLICE_MAX`), most blocks, most merged candidates and
 /// the scratch size (at least `SMB_SCRATCH_BYTES`).
@@ -674,6 +699,8 @@ pub fn plan(
                     n_split,
                 };
                 vec![a]
+            } else if let Some((f, smem)) = flash_attention(k, p.head_dim) {
+                vec![mk(f, (p.n_heads, rows.div_ceil(FLASH_ROWS), 1), 256, smem)]
             } else {
                 vec![mk(k.attn_prefill, (p.n_heads, rows.div_ceil(8), 1), 256, 0)]
             }

@@ -83,6 +83,10 @@ pub(crate) struct Kernels {
     pub rope_kv_write: sys::CUfunction,
     pub attn_decode: sys::CUfunction,
     pub attn_prefill: sys::CUfunction,
+    /// Flash prefill attention for heads up to 64, 128 and 256 wide
+    /// (model.cu `k_attn_flash_*`), each with its dynamic shared memory;
+    /// `None` where the device cannot give a block that much.
+    pub attn_flash: [Option<(sys::CUfunction, u32)>; 3],
     pub argmax: sys::CUfunction,
     pub gumbel_sample: sys::CUfunction,
     /// The multi-block sampler (sampling.cu, "Gumbel sampling on many
@@ -450,7 +454,7 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
         )?;
         Ok(f)
     };
-    let k = Kernels {
+    let mut k = Kernels {
         module,
         embedding: get("k_embedding")?,
         rmsnorm: get("k_rmsnorm")?,
@@ -505,6 +509,7 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
         rope_kv_write: get("k_rope_kv_write")?,
         attn_decode: get("k_attn_decode")?,
         attn_prefill: get("k_attn_prefill")?,
+        attn_flash: [None; 3],
         argmax: get("k_argmax")?,
         gumbel_sample: get("k_gumbel_sample")?,
         sample_prep: get("k_sample_prep")?,
@@ -535,6 +540,27 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
             },
             "raising the gemv shared-memory limit",
         )?;
+    }
+    // The flash prefill attention kernels take their tiles as dynamic
+    // shared memory: allowed where the device has that much per block.
+    for (slot, width) in k.attn_flash.iter_mut().zip(launch::FLASH_WIDTHS) {
+        let bytes = launch::flash_smem_bytes(width);
+        if bytes as i32 > smem_optin {
+            continue;
+        }
+        let f = get(&format!("k_attn_flash_{width}"))?;
+        // SAFETY: valid function handle; the value is within the device's limit.
+        check(
+            unsafe {
+                sys::cuFuncSetAttribute(
+                    f,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+            },
+            "raising the flash attention shared-memory limit",
+        )?;
+        *slot = Some((f, bytes));
     }
     Ok(k)
 }

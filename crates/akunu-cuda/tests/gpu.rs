@@ -286,6 +286,44 @@ fn logits_match_cpu_on_real_shapes() {
     }
 }
 
+/// Prefill attention (`k_attn_flash_*`, or `k_attn_prefill` with
+/// `AKUNU_CUDA_PF_ATTN=0`) over many 64-row blocks: a 300-token prompt in
+/// steps of 256 (4 row blocks, the last ragged, then 44 rows behind 256
+/// cached positions) and of 100 (64 + 36 rows), on heads of 64 (SmolLM2,
+/// 9 heads / 3 KV heads), 128 (Qwen3 on tiny-k) and 256 (Gemma 3 on
+/// tiny-k: an 80-position window and soft-caps, so some rows see none of
+/// the first key tiles).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
+fn prefill_attention_matches_cpu_on_every_head_width() {
+    let models = [
+        (
+            "smollm2-135m F32 (heads of 64)",
+            synth(Shape::SmolLm2_135M, DType::F32),
+        ),
+        (
+            "qwen3 tiny-k F32 (heads of 128)",
+            synth_arch(SynthArch::Qwen3, Shape::TinyK, DType::F32),
+        ),
+        (
+            "gemma3 tiny-k F32 (heads of 256, window 80)",
+            synth_arch(SynthArch::Gemma3, Shape::TinyK, DType::F32),
+        ),
+    ];
+    for (what, m) in &models {
+        for step in [256, 100] {
+            compare_with_cpu_on(
+                m,
+                &format!("{what}, prefill steps of {step}"),
+                1e-4,
+                300,
+                step,
+                cuda(),
+            );
+        }
+    }
+}
+
 /// A CUDA backend with cuBLAS prefill on or off, and its counter of
 /// commands run on cuBLAS.
 fn cuda_cublas(on: bool) -> (Box<dyn Backend>, Arc<std::sync::atomic::AtomicU64>) {
