@@ -140,20 +140,10 @@ pub(super) unsafe fn gemv(dtype: DType, w: &[u8], k: usize, x: &[f32], y: &mut [
     match dtype {
         DType::Q4_0 => run!(q4_rows::<4, 1, false>, q4_rows::<1, 1, false>),
         // Q4_1: the sums of x's blocks (for `Σ_b m_b·S_b`), once per call.
-        DType::Q4_1 => SUMS.with(|cell| {
-            let mut sums = cell.borrow_mut();
-            // The layout of a one-row chunk of `block_sums`: 8 floats per
-            // block, the sum in lane 0.
-            sums.clear();
-            sums.resize(k / QK * 8, 0.0);
-            for b in 0..k / QK {
-                // SAFETY: `x` holds k floats: blocks b < k / 32 are in bounds.
-                sums[b * 8] = unsafe { block_sum(x.as_ptr().add(b * QK)) };
-            }
-            let (k4, k1): (RowKernel, RowKernel) = (q4_rows::<4, 1, true>, q4_rows::<1, 1, true>);
-            // SAFETY: as in `run!`; `sums` holds one sum per block.
-            unsafe { gemv_rows(w, rb, k, x, y, sums.as_ptr(), k4, k1) }
-        }),
+        // SAFETY: as in `run!`.
+        DType::Q4_1 => {
+            SUMS.with(|cell| unsafe { gemv_q41(w, rb, k, x, y, &mut cell.borrow_mut()) })
+        }
         DType::Q8_0 => run!(q8_rows::<4, 1>, q8_rows::<1, 1>),
         DType::Q5_0 => run!(q5_rows::<4, 1, false>, q5_rows::<1, 1, false>),
         DType::Q5_1 => run!(q5_rows::<4, 1, true>, q5_rows::<1, 1, true>),
@@ -163,6 +153,37 @@ pub(super) unsafe fn gemv(dtype: DType, w: &[u8], k: usize, x: &[f32], y: &mut [
         DType::F32 => run!(float_rows::<4, 1, T_F32>, float_rows::<1, 1, T_F32>),
         DType::F16 => run!(float_rows::<4, 1, T_F16>, float_rows::<1, 1, T_F16>),
         DType::BF16 => run!(float_rows::<4, 1, T_BF16>, float_rows::<1, 1, T_BF16>),
+    }
+}
+
+/// The one-row Q4_1 product: the block sums of x ([`block_sum`], in the
+/// layout of a one-row chunk of [`block_sums`]: 8 floats per block, the sum
+/// in lane 0), then the row kernels. A `target_feature` function of its own
+/// so that `gemv_rows` and the kernels inline (through the closure of the
+/// scratch's `with` they became indirect calls, 4-5% slower).
+///
+/// # Safety
+/// As for [`gemv`] with `dtype == Q4_1`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn gemv_q41(w: &[u8], rb: usize, k: usize, x: &[f32], y: &mut [f32], sums: &mut Vec<f32>) {
+    sums.clear();
+    sums.resize(k / QK * 8, 0.0);
+    for b in 0..k / QK {
+        // SAFETY: `x` holds k floats: blocks b < k / 32 are in bounds.
+        sums[b * 8] = unsafe { block_sum(x.as_ptr().add(b * QK)) };
+    }
+    // SAFETY: the caller's contract; `sums` holds one sum per block.
+    unsafe {
+        gemv_rows(
+            w,
+            rb,
+            k,
+            x,
+            y,
+            sums.as_ptr(),
+            q4_rows::<4, 1, true>,
+            q4_rows::<1, 1, true>,
+        )
     }
 }
 
