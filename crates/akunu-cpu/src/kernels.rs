@@ -762,6 +762,11 @@ fn attention(pool: &ThreadPool, p: &AttnParams, rows: usize, qkv: Ptr, kc: Ptr, 
     let cap = p.capacity as usize;
     let pos0 = p.kv_len as usize - rows;
     let items = rows * nh;
+    // The AVX2 kernel where the CPU has it (every level but the portable
+    // ones; the level, and so the choice, is fixed per process).
+    #[cfg(target_arch = "x86_64")]
+    let fast =
+        hd.is_multiple_of(8) && matches!(quant::level(), quant::Level::Avx2 | quant::Level::Avx512);
     let work = |item: usize, scores: &mut Vec<f32>| {
         let (t, h) = (item / nh, item % nh);
         let pos = pos0 + t;
@@ -777,6 +782,18 @@ fn attention(pool: &ThreadPool, p: &AttnParams, rows: usize, qkv: Ptr, kc: Ptr, 
         let q = unsafe { slice(qkv.f32().add(t * p.qkv_stride as usize + h * hd), hd) };
         let kbase = unsafe { slice(kc.f32().add(g * cap * hd), cap * hd) };
         let vbase = unsafe { slice(vc.f32().add(g * cap * hd), cap * hd) };
+        #[cfg(target_arch = "x86_64")]
+        if fast {
+            let o = unsafe { slice_mut(out.f32().add(t * p.out_stride as usize + h * hd), hd) };
+            // SAFETY: AVX2 and FMA available (`fast`); hd % 8 == 0; the
+            // slabs hold `cap > pos` positions; start <= pos.
+            unsafe {
+                crate::attn::head(
+                    q, kbase, vbase, hd, start, pos, p.scale, p.softcap, scores, o,
+                )
+            };
+            return;
+        }
         scores.clear();
         let mut mx = f32::NEG_INFINITY;
         for j in start..=pos {

@@ -5,6 +5,7 @@
 //! chapter's: for each step, for each command, patch a stack copy of the
 //! command and run its kernel, split across the thread pool.
 
+mod attn;
 pub mod kernels;
 pub mod pool;
 pub mod quant;

@@ -134,12 +134,16 @@ pub(super) unsafe fn gemv(dtype: DType, w: &[u8], k: usize, x: &[f32], y: &mut [
         ($k4:expr, $k1:expr) => {
             // SAFETY: features guaranteed by the caller; the length contract
             // above is exactly what the row kernels require (one input row).
-            unsafe { gemv_rows(w, rb, k, x, y, $k4, $k1) }
+            unsafe { gemv_rows(w, rb, k, x, y, core::ptr::null(), $k4, $k1) }
         };
     }
     match dtype {
         DType::Q4_0 => run!(q4_rows::<4, 1, false>, q4_rows::<1, 1, false>),
-        DType::Q4_1 => run!(q4_rows::<4, 1, true>, q4_rows::<1, 1, true>),
+        // Q4_1: the sums of x's blocks (for `Σ_b m_b·S_b`), once per call.
+        // SAFETY: as in `run!`.
+        DType::Q4_1 => {
+            SUMS.with(|cell| unsafe { gemv_q41(w, rb, k, x, y, &mut cell.borrow_mut()) })
+        }
         DType::Q8_0 => run!(q8_rows::<4, 1>, q8_rows::<1, 1>),
         DType::Q5_0 => run!(q5_rows::<4, 1, false>, q5_rows::<1, 1, false>),
         DType::Q5_1 => run!(q5_rows::<4, 1, true>, q5_rows::<1, 1, true>),
@@ -152,12 +156,44 @@ pub(super) unsafe fn gemv(dtype: DType, w: &[u8], k: usize, x: &[f32], y: &mut [
     }
 }
 
+/// The one-row Q4_1 product: the block sums of x ([`block_sum`], in the
+/// layout of a one-row chunk of [`block_sums`]: 8 floats per block, the sum
+/// in lane 0), then the row kernels. A `target_feature` function of its own
+/// so that `gemv_rows` and the kernels inline (through the closure of the
+/// scratch's `with` they became indirect calls, 4-5% slower).
+///
+/// # Safety
+/// As for [`gemv`] with `dtype == Q4_1`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn gemv_q41(w: &[u8], rb: usize, k: usize, x: &[f32], y: &mut [f32], sums: &mut Vec<f32>) {
+    sums.clear();
+    sums.resize(k / QK * 8, 0.0);
+    for b in 0..k / QK {
+        // SAFETY: `x` holds k floats: blocks b < k / 32 are in bounds.
+        sums[b * 8] = unsafe { block_sum(x.as_ptr().add(b * QK)) };
+    }
+    // SAFETY: the caller's contract; `sums` holds one sum per block.
+    unsafe {
+        gemv_rows(
+            w,
+            rb,
+            k,
+            x,
+            y,
+            sums.as_ptr(),
+            q4_rows::<4, 1, true>,
+            q4_rows::<1, 1, true>,
+        )
+    }
+}
+
 /// Runs `k4` over groups of 4 rows and `k1` over the remaining rows (one
-/// input row; the Q4 kernels sum its blocks themselves).
+/// input row; `sx`: the Q4_1 kernels' per-block sums of x, else null).
 ///
 /// # Safety
 /// Features available; `w.len() >= y.len() * rb`, `x.len() == k`, and the
 /// kernels read at most `rb` bytes per row and `k` elements of `x`.
+#[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn gemv_rows(
@@ -166,11 +202,11 @@ unsafe fn gemv_rows(
     k: usize,
     x: &[f32],
     y: &mut [f32],
+    sx: *const f32,
     k4: RowKernel,
     k1: RowKernel,
 ) {
     let (n, wp, xp, yp) = (y.len(), w.as_ptr(), x.as_ptr(), y.as_mut_ptr());
-    let sx = core::ptr::null();
     let mut r = 0;
     while r + 4 <= n {
         // SAFETY: rows r..r+4 lie within `w` (r + 4 <= n) and outputs
@@ -190,26 +226,62 @@ thread_local! {
     static SUMS: core::cell::RefCell<Vec<f32>> = const { core::cell::RefCell::new(Vec::new()) };
 }
 
-/// For the Q4 kernels: the lane-wise partial sums of every 32-element block
-/// of the `n_x` input rows (8 floats per block, row-major), computed once
-/// per product instead of once per weight-row group: Q4_1 `x0+x1+x2+x3`
-/// (for `m * sum(x)`), Q4_0 that times -8 (the start value that folds the
-/// nibble offset into the accumulation). Returns null for other types.
+/// The sum of the 32 floats of a block at `p`, as the Q4_1 kernels use it
+/// (`S_b` of `Σ_b m_b·S_b`): lane-wise `(x0 + x1) + (x2 + x3)`, then [`hsum`].
 ///
 /// # Safety
-/// AVX2/FMA/F16C available; `x.len() == n_x * k`.
+/// `p..p+32` readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_sum(p: *const f32) -> f32 {
+    // SAFETY: the caller guarantees 32 readable floats.
+    unsafe {
+        let (x0, x1) = (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)));
+        let (x2, x3) = (_mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24)));
+        hsum(_mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3)))
+    }
+}
+
+/// For the Q4 kernels, computed once per product instead of once per
+/// weight-row group. Q4_0: the lane-wise partial sums `x0+x1+x2+x3` of
+/// every 32-element block of the `n_x` input rows times -8 (the start value
+/// that folds the nibble offset into the accumulation; 8 floats per block,
+/// input-row major, row t at `t * nb * 8`). Q4_1: per chunk of input rows
+/// (`chunks`: first row and count, at most 8) and block, the chunk's block
+/// sums ([`block_sum`]) in lanes 0.. of 8 floats (chunk c at `c * nb * 8`),
+/// so a multi-row kernel adds `m_b·S_b` for all its input rows in one FMA.
+/// Returns null for other types.
+///
+/// # Safety
+/// AVX2/FMA/F16C available; `x.len() == n_x * k`; the chunks lie in `0..n_x`.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn block_sums(
     dtype: DType,
     x: &[f32],
     n_x: usize,
     k: usize,
+    chunks: &[(usize, usize)],
     buf: &mut Vec<f32>,
 ) -> *const f32 {
-    if !matches!(dtype, DType::Q4_0 | DType::Q4_1) {
+    let nb = k / QK;
+    if dtype == DType::Q4_1 {
+        buf.clear();
+        buf.resize(chunks.len() * nb * 8, 0.0);
+        for (c, &(t0, n)) in chunks.iter().enumerate() {
+            debug_assert!(n <= 8 && t0 + n <= n_x);
+            for b in 0..nb {
+                for j in 0..n {
+                    // SAFETY: row t0 + j < n_x, block b < nb: inside `x`.
+                    buf[(c * nb + b) * 8 + j] =
+                        unsafe { block_sum(x.as_ptr().add((t0 + j) * k + b * QK)) };
+                }
+            }
+        }
+        return buf.as_ptr();
+    }
+    if dtype != DType::Q4_0 {
         return core::ptr::null();
     }
-    let nb = k / QK;
     buf.resize(n_x * nb * 8, 0.0);
     let (xp, bp) = (x.as_ptr(), buf.as_mut_ptr());
     for t in 0..n_x {
@@ -221,11 +293,7 @@ unsafe fn block_sums(
                 let (x0, x1) = (_mm256_loadu_ps(xb), _mm256_loadu_ps(xb.add(8)));
                 let (x2, x3) = (_mm256_loadu_ps(xb.add(16)), _mm256_loadu_ps(xb.add(24)));
                 let v = _mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3));
-                let v = if dtype == DType::Q4_1 {
-                    v
-                } else {
-                    _mm256_mul_ps(v, _mm256_set1_ps(-8.0))
-                };
+                let v = _mm256_mul_ps(v, _mm256_set1_ps(-8.0));
                 _mm256_storeu_ps(bp.add((t * nb + b) * 8), v);
             }
         }
@@ -264,6 +332,11 @@ fn multi_shape(dtype: DType) -> (usize, usize) {
     }
 }
 
+/// Most bytes of input rows per multi-row chunk: with the weight tile
+/// streaming through, the chunk must stay in a 32 KiB L1 (k = 576: 8 rows;
+/// k = 1536: 4).
+const X_CHUNK_BYTES: usize = 24 * 1024;
+
 /// A row kernel: for `R` weight rows starting at `w` (row stride `rb`
 /// bytes) and `N` input rows of `k` elements starting at `x` (input-row
 /// stride `xs` floats), writes output (input `n`, weight row `r`) to
@@ -295,6 +368,9 @@ pub(super) unsafe fn gemv_multi(
     let nb = k / QK;
     debug_assert!(w.len() == n_rows * rb && x.len() == n_x * k && y.len() == n_x * n_rows);
     let (rows, max_n) = multi_shape(dtype);
+    // A chunk's input rows stay in L1 while every weight row of the tile
+    // passes through (see the loop below): at most `X_CHUNK_BYTES` of them.
+    let max_n = max_n.min((X_CHUNK_BYTES / (4 * k.max(1))).max(1));
     let chunks = super::multi_chunks(n_x, max_n, |n| {
         if rows == 1 {
             super::by_n!(n, |N| kernels::<1, N>(dtype))
@@ -302,30 +378,41 @@ pub(super) unsafe fn gemv_multi(
             super::by_n!(n, |N| kernels::<2, N>(dtype))
         }
     });
+    let sizes: Vec<(usize, usize)> = (0..chunks.len())
+        .map(|c| {
+            let end = chunks.get(c + 1).map_or(n_x, |n| n.0);
+            (chunks[c].0, end - chunks[c].0)
+        })
+        .collect();
     SUMS.with(|cell| {
         let mut sums = cell.borrow_mut();
-        // SAFETY: `x` holds n_x rows of `k` floats.
-        let sx = unsafe { block_sums(dtype, x, n_x, k, &mut sums) };
+        // SAFETY: `x` holds n_x rows of `k` floats; the chunks cover 0..n_x.
+        let sx = unsafe { block_sums(dtype, x, n_x, k, &sizes, &mut sums) };
         let (wp, xp, yp) = (w.as_ptr(), x.as_ptr(), y.as_mut_ptr());
-        let mut r = 0;
-        while r < n_rows {
-            let group = r + rows <= n_rows;
-            for &(t0, (kr, k1)) in chunks.iter() {
+        // Chunk-major: a chunk's input rows (<= X_CHUNK_BYTES) stay in L1
+        // while the weight tile (a few hundred rows, from L2 after the first
+        // chunk) streams past them. Weight-row-major order re-read every
+        // input row per weight row, from L2 once they outgrew L1.
+        for (c, &(t0, (kr, k1))) in chunks.iter().enumerate() {
+            // Q4_1's block sums are per chunk, Q4_0's per input row.
+            let sc = sx.wrapping_add(if dtype == DType::Q4_1 { c } else { t0 } * nb * 8);
+            let mut r = 0;
+            while r < n_rows {
+                let group = r + rows <= n_rows;
                 // SAFETY: rows r..r+rows (or r) lie within `w`; the chunk's
                 // input rows t0.. within `x` (k floats each) and their block
-                // sums at sx + t0 * nb * 8 (when the kernel reads them);
-                // outputs (t, r..) at y[t * n_rows + r ..] within `y`.
+                // sums at `sc` (when the kernel reads them); outputs
+                // (t, r..) at y[t * n_rows + r ..] within `y`.
                 unsafe {
                     let (xc, yc) = (xp.add(t0 * k), yp.add(t0 * n_rows + r));
-                    let sc = sx.wrapping_add(t0 * nb * 8);
                     if group {
                         kr(wp.add(r * rb), rb, k, xc, k, yc, n_rows, sc)
                     } else {
                         k1(wp.add(r * rb), rb, k, xc, k, yc, n_rows, sc)
                     }
                 }
+                r += if group { rows } else { 1 };
             }
-            r += if group { rows } else { 1 };
         }
     })
 }
@@ -335,9 +422,19 @@ pub(super) unsafe fn gemv_multi(
 /// the two together), as the generic instance compiled about 4% slower
 /// (register allocation) on the decode path.
 ///
+/// Q4_1 is `Σ_b d_b·(Σ q·x) + Σ_b m_b·S_b`: the first sum lane-wise in a
+/// vector accumulator per weight row, the second an FMA chain over the
+/// blocks' sums `S_b` of x ([`block_sum`], at `sx`), added after the
+/// horizontal sum. Here the chains of the `R <= 4` weight rows run in the
+/// lanes of one vector; a multi-row kernel runs one weight row's chains for
+/// all its input rows in one vector (lane n: input row n). Either way each
+/// (weight row, input row) gets the same sequence of FMAs, and an extra
+/// input row costs 5 FMA-class operations per (weight row, block), not 6.
+///
 /// # Safety
 /// `R` rows of `k / 32` blocks at `w` (stride `rb`), `k` floats at `x`,
-/// `R` writable floats at `y`.
+/// `R` writable floats at `y`; Q4_1: `k / 32` block sums at `sx`, one per
+/// 8 floats (the layout of a one-row chunk of [`block_sums`]).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_rows_one<const R: usize, const Q41: bool>(
     w: *const u8,
@@ -345,11 +442,15 @@ unsafe fn q4_rows_one<const R: usize, const Q41: bool>(
     k: usize,
     x: *const f32,
     y: *mut f32,
+    sx: *const f32,
 ) {
     let (bs, qoff) = if Q41 { (20, 4) } else { (18, 2) };
     let nb = k / QK;
     let mask = _mm256_set1_epi32(0xF);
     let mut acc = [_mm256_setzero_ps(); R];
+    debug_assert!(R <= 4);
+    // Lane r: weight row r's chain `Σ_b m_b·S_b` (Q4_1).
+    let mut accm = _mm_setzero_ps();
     for b in 0..nb {
         // SAFETY: b < nb, so x[b*32 .. b*32+32] is in bounds, and each row's
         // block b (bytes b*bs .. b*bs+bs < rb) is in bounds.
@@ -359,15 +460,24 @@ unsafe fn q4_rows_one<const R: usize, const Q41: bool>(
             let x1 = _mm256_loadu_ps(xb.add(8));
             let x2 = _mm256_loadu_ps(xb.add(16));
             let x3 = _mm256_loadu_ps(xb.add(24));
-            // Lane-wise partial sums of the block of x. Q4_0: the start
-            // value -8*x folds the nibble offset into the accumulation;
-            // Q4_1: m * sum(x) adds the block minimum.
-            let s = _mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3));
+            // Q4_0: lane-wise partial sums of the block of x times -8, the
+            // start value that folds the nibble offset into the
+            // accumulation. Q4_1: the block's sum for m * sum(x).
             let s = if Q41 {
-                s
+                _mm256_setzero_ps()
             } else {
+                let s = _mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3));
                 _mm256_mul_ps(s, _mm256_set1_ps(-8.0))
             };
+            if Q41 {
+                // The rows' minima m (f16) in lanes 0..R.
+                let mut mh = [0u16; 8];
+                for (r, h) in mh.iter_mut().enumerate().take(R) {
+                    *h = (w.add(r * rb + b * bs + 2) as *const u16).read_unaligned();
+                }
+                let m = _mm_cvtph_ps(_mm_loadu_si128(mh.as_ptr() as *const __m128i));
+                accm = _mm_fmadd_ps(m, _mm_set1_ps(*sx.add(b * 8)), accm);
+            }
             for (r, a) in acc.iter_mut().enumerate() {
                 let p = w.add(r * rb + b * bs);
                 prefetch(p.wrapping_add(PF_DIST.max(R * rb)));
@@ -389,15 +499,15 @@ unsafe fn q4_rows_one<const R: usize, const Q41: bool>(
                 t = _mm256_fmadd_ps(q2, x2, t);
                 t = _mm256_fmadd_ps(q3, x3, t);
                 *a = _mm256_fmadd_ps(d, t, *a);
-                if Q41 {
-                    *a = _mm256_fmadd_ps(bcast_f16(p.add(2)), s, *a);
-                }
             }
         }
     }
+    let mut m = [0f32; 4];
+    // SAFETY: 4 writable floats.
+    unsafe { _mm_storeu_ps(m.as_mut_ptr(), accm) };
     for (r, a) in acc.iter().enumerate() {
         // SAFETY: r < R outputs are writable.
-        unsafe { *y.add(r) = hsum(*a) };
+        unsafe { *y.add(r) = if Q41 { hsum(*a) + m[r] } else { hsum(*a) } };
     }
 }
 
@@ -406,9 +516,10 @@ unsafe fn q4_rows_one<const R: usize, const Q41: bool>(
 /// # Safety
 /// `R` rows of `k / 32` blocks at `w` (stride `rb`), `N` rows of `k`
 /// floats at `x` (stride `xs`), outputs `y[n * ys + r]` writable for
-/// `n < N`, `r < R`; for `N > 1`, `N * k / 32` block-sum vectors (8
-/// floats each) of the input rows at `sx` (unused for `N == 1`, which runs
-/// [`q4_rows_one`]).
+/// `n < N`, `r < R`; at `sx` ([`block_sums`]): Q4_0 with `N > 1`, `N * k
+/// / 32` block-sum vectors (8 floats each) of the input rows; Q4_1, `k /
+/// 32` vectors, lane n the sum of input row n's block. `N == 1` runs
+/// [`q4_rows_one`].
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_rows<const R: usize, const N: usize, const Q41: bool>(
@@ -423,25 +534,32 @@ unsafe fn q4_rows<const R: usize, const N: usize, const Q41: bool>(
 ) {
     if N == 1 {
         // SAFETY: the same contract, one input row.
-        return unsafe { q4_rows_one::<R, Q41>(w, rb, k, x, y) };
+        return unsafe { q4_rows_one::<R, Q41>(w, rb, k, x, y, sx) };
     }
     let (bs, qoff) = if Q41 { (20, 4) } else { (18, 2) };
     let nb = k / QK;
     let mask = _mm256_set1_epi32(0xF);
     let mut acc = [[_mm256_setzero_ps(); N]; R];
+    // Q4_1: lane n runs input row n's scalar chain `Σ_b m_b·S_b`.
+    let mut accm = [_mm256_setzero_ps(); R];
     for b in 0..nb {
         // SAFETY: b < nb, so x[n*xs + b*32 .. + 32] is in bounds for n < N,
         // and each row's block b (bytes b*bs .. b*bs+bs <= rb) is in bounds.
         unsafe {
-            // Lane-wise partial sums of the block of each input row (Q4_0:
-            // the start value -8*x that folds the nibble offset into the
-            // accumulation; Q4_1: the sum for m * sum(x)), precomputed once
-            // per call by the one-row kernel's operations ([`block_sums`]).
+            // Q4_0: lane-wise partial sums of the block of each input row
+            // times -8 (the start value that folds the nibble offset into
+            // the accumulation), precomputed once per call by the one-row
+            // kernel's operations ([`block_sums`]). Q4_1: the block's sums.
             let mut s = [_mm256_setzero_ps(); N];
-            for (n, sn) in s.iter_mut().enumerate() {
-                *sn = _mm256_loadu_ps(sx.add((n * nb + b) * 8));
-            }
-            for (r, ar) in acc.iter_mut().enumerate() {
+            let sm = if Q41 {
+                _mm256_loadu_ps(sx.add(b * 8))
+            } else {
+                for (n, sn) in s.iter_mut().enumerate() {
+                    *sn = _mm256_loadu_ps(sx.add((n * nb + b) * 8));
+                }
+                _mm256_setzero_ps()
+            };
+            for (r, (ar, am)) in acc.iter_mut().zip(accm.iter_mut()).enumerate() {
                 let p = w.add(r * rb + b * bs);
                 prefetch(p.wrapping_add(PF_DIST.max(R * rb)));
                 let d = bcast_f16(p);
@@ -453,6 +571,9 @@ unsafe fn q4_rows<const R: usize, const N: usize, const Q41: bool>(
                 let q1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask));
                 let q2 = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(b0));
                 let q3 = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(b1));
+                if Q41 {
+                    *am = _mm256_fmadd_ps(bcast_f16(p.add(2)), sm, *am);
+                }
                 for (n, a) in ar.iter_mut().enumerate() {
                     let xb = x.add(n * xs + b * QK);
                     let xv = [
@@ -470,17 +591,18 @@ unsafe fn q4_rows<const R: usize, const N: usize, const Q41: bool>(
                     t = _mm256_fmadd_ps(q2, xv[2], t);
                     t = _mm256_fmadd_ps(q3, xv[3], t);
                     *a = _mm256_fmadd_ps(d, t, *a);
-                    if Q41 {
-                        *a = _mm256_fmadd_ps(bcast_f16(p.add(2)), s[n], *a);
-                    }
                 }
             }
         }
     }
-    for (r, ar) in acc.iter().enumerate() {
+    for (r, (ar, am)) in acc.iter().zip(&accm).enumerate() {
+        let mut m = [0f32; 8];
+        // SAFETY: 8 writable floats.
+        unsafe { _mm256_storeu_ps(m.as_mut_ptr(), *am) };
         for (n, a) in ar.iter().enumerate() {
-            // SAFETY: r < R, n < N: the output is writable.
-            unsafe { *y.add(n * ys + r) = hsum(*a) };
+            // SAFETY: r < R, n < N: the output is writable. Q4_0's `m` is 0
+            // and not added (the one-row kernel adds nothing).
+            unsafe { *y.add(n * ys + r) = if Q41 { hsum(*a) + m[n] } else { hsum(*a) } };
         }
     }
 }
