@@ -44,6 +44,9 @@ fn tiny_arch_model(arch: SynthArch, dtype: DType) -> Arc<Model> {
     };
     write_synthetic(&path, &spec, &mut |_, _| {}).expect("writing the synthetic model");
     let m = Arc::new(Model::load(&path).expect("loading the synthetic model"));
+    // The file is memory-mapped: unlinking it keeps the data for the
+    // model's lifetime and leaves nothing behind in the temp directory.
+    let _ = std::fs::remove_file(&path);
     c.push(((arch, dtype), m.clone()));
     m
 }
