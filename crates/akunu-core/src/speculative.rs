@@ -27,7 +27,11 @@ impl Default for SpecOptions {
         SpecOptions {
             ngram_min: 2,
             ngram_max: 4,
-            draft: 8,
+            // As long as a pass may be: drafts start short and earn their
+            // length by full accepts, and the backend caps them at its exact
+            // rows (CUDA: 7). On the CPU a copy task gains from the longer
+            // passes: 1.8x at 8, 1.95-2.07x at 15 (bench/RESULTS.md).
+            draft: MAX_DRAFT,
         }
     }
 }
