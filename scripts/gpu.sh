@@ -105,6 +105,13 @@ for p in nvidia.__path__:
     echo "binaries from commit $(cat "$BIN/commit" 2>/dev/null | tr '\n' ' ')" | tee -a "$OUTDIR/gpu.txt"
 }
 
+# Writes the synthetic model FILE of SHAPE and TYPE (SmolLM2's tokenizer)
+# unless it is already there.
+synth_file() { # SHAPE TYPE FILE
+    [ -f "$3" ] || "$BIN/akunu" synth --shape "$1" --type "$2" \
+        --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$3" 2>&1 | tail -1
+}
+
 tests() {
     echo "== GPU tests"
     { "$BIN/gpu-tests" --ignored --test-threads=1 --nocapture 2>&1
@@ -151,8 +158,7 @@ bench() {
         shape=${spec%%:*}
         type=${spec##*:}
         f=$STORE/$shape-$type.gguf
-        [ -f "$f" ] || "$BIN/akunu" synth --shape "$shape" --type "$type" \
-            --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$f" 2>&1 | tail -1
+        synth_file "$shape" "$type" "$f"
         bench_one "$shape-$type" "$f"
         if [ "$shape" = llama-8b ]; then rm -f "$f"; fi # disk: big files only while used
     done
@@ -165,8 +171,7 @@ bench_ab() {
         shape=${spec%%:*}
         type=${spec##*:}
         f=$STORE/$shape-$type.gguf
-        [ -f "$f" ] || "$BIN/akunu" synth --shape "$shape" --type "$type" \
-            --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$f" 2>&1 | tail -1
+        synth_file "$shape" "$type" "$f"
         AKUNU_CUDA_CUBLAS=0 bench_one "$shape-$type-nocublas" "$f" --no-bandwidth
         AKUNU_CUDA_CUBLAS=1 bench_one "$shape-$type-cublas" "$f" --no-bandwidth
         if [ "$shape" = llama-8b ]; then rm -f "$f"; fi # disk: big files only while used
@@ -176,8 +181,7 @@ bench_ab() {
 profile() {
     echo "== profile (synthetic smollm2-135m q4_1)"
     local f=$STORE/smollm2-135m-q4_1.gguf
-    [ -f "$f" ] || "$BIN/akunu" synth --shape smollm2-135m --type q4_1 \
-        --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$f" 2>&1 | tail -1
+    synth_file smollm2-135m q4_1 "$f"
     "$BIN/akunu" profile -m "$f" --device cuda -n 32 2>&1 | tee "$OUTDIR/profile-smollm2.log" | head -40
 }
 
@@ -188,8 +192,7 @@ profile_big() {
         shape=${spec%%:*}
         type=${spec##*:}
         f=$STORE/$shape-$type.gguf
-        [ -f "$f" ] || "$BIN/akunu" synth --shape "$shape" --type "$type" \
-            --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$f" 2>&1 | tail -1
+        synth_file "$shape" "$type" "$f"
         "$BIN/akunu" profile -m "$f" --device cuda -n 16 2>&1 | tee "$OUTDIR/profile-$shape-$type.log" | head -24
     done
 }
@@ -197,8 +200,7 @@ profile_big() {
 trace() {
     echo "== chain trace (synthetic smollm2-135m q4_1) with SM clocks"
     local f=$STORE/smollm2-135m-q4_1.gguf
-    [ -f "$f" ] || "$BIN/akunu" synth --shape smollm2-135m --type q4_1 \
-        --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$f" 2>&1 | tail -1
+    synth_file smollm2-135m q4_1 "$f"
     nvidia-smi dmon -s pc -d 1 >"$OUTDIR/dmon.log" 2>&1 &
     local dmon=$!
     AKUNU_CUDA_TRACE=1 "$BIN/akunu" generate -m "$f" --device cuda --prompt-ids 1,2,3,4 -n 300 \
@@ -266,8 +268,7 @@ PY
 attn() {
     echo "== decode attention split layout (synthetic smollm2-135m q4_1)"
     local f=$STORE/smollm2-135m-q4_1.gguf combo keys mk ctx
-    [ -f "$f" ] || "$BIN/akunu" synth --shape smollm2-135m --type q4_1 \
-        --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$f" 2>&1 | tail -1
+    synth_file smollm2-135m q4_1 "$f"
     for combo in ${ATTN_COMBOS:-256:64 32:32 64:32 16:16}; do
         keys=${combo%%:*}
         mk=${combo##*:}
@@ -284,15 +285,13 @@ attn() {
 prefill() {
     echo "== prefill scaling (synthetic llama-1b f16) and cuBLAS chunk (llama-8b q4_0)"
     local f=$STORE/llama-1b-f16.gguf n mb
-    [ -f "$f" ] || "$BIN/akunu" synth --shape llama-1b --type f16 \
-        --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$f" 2>&1 | tail -1
+    synth_file llama-1b f16 "$f"
     for n in 256 512 1024 2048; do
         "$BIN/akunu" bench -m "$f" --device cuda -p "$n" -n 1 -r 3 --no-bandwidth 2>&1 |
             tee "$OUTDIR/prefill-1b-$n.log" | grep -E "pp$n|error" || true
     done
     f=$STORE/llama-8b-q4_0.gguf
-    [ -f "$f" ] || "$BIN/akunu" synth --shape llama-8b --type q4_0 \
-        --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$f" 2>&1 | tail -1
+    synth_file llama-8b q4_0 "$f"
     for mb in 64 256 1024; do
         AKUNU_CUDA_CUBLAS_CHUNK_MB=$mb "$BIN/akunu" bench -m "$f" --device cuda -p 512 -n 1 -r 3 \
             --no-bandwidth 2>&1 | tee "$OUTDIR/prefill-8b-chunk$mb.log" | grep -E "pp512|error" |
@@ -323,8 +322,7 @@ print(sys.argv[1], sys.argv[2], tg, json.dumps(d["speculative"]))' "$t" "idle=$m
 pfattn() {
     echo "== prefill attention A/B: k_attn_prefill (AKUNU_CUDA_PF_ATTN=0), then k_attn_flash (synthetic llama-1b f16)"
     local f=$STORE/llama-1b-f16.gguf n v
-    [ -f "$f" ] || "$BIN/akunu" synth --shape llama-1b --type f16 \
-        --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$f" 2>&1 | tail -1
+    synth_file llama-1b f16 "$f"
     for n in 256 512 1024 2048; do
         for v in 0 1; do
             AKUNU_CUDA_PF_ATTN=$v "$BIN/akunu" bench -m "$f" --device cuda -p "$n" -n 1 -r 3 \

@@ -38,6 +38,7 @@
 //! (`cublasSetWorkspace`), so cuBLAS allocates nothing during a capture.
 
 use crate::device::{self, Dptr};
+use crate::knob::Knob;
 use crate::launch::{Launch, Tail};
 use akunu_core::backend::BackendError;
 use akunu_core::dtype::DType;
@@ -66,27 +67,15 @@ const CHUNK_BYTES: u64 = 256 << 20;
 /// NVIDIA's recommendation for Hopper).
 const WORKSPACE_BYTES: usize = 32 << 20;
 
-fn env_u64(name: &str) -> Option<u64> {
-    std::env::var(name).ok().and_then(|v| v.trim().parse().ok())
-}
-
 /// Fewest input rows of a step whose products take cuBLAS.
 pub fn min_rows() -> u32 {
-    static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *V.get_or_init(|| {
-        env_u64("AKUNU_CUDA_CUBLAS_MIN_ROWS")
-            .map(|v| v.clamp(1, u32::MAX as u64) as u32)
-            .unwrap_or(MIN_ROWS)
-    })
+    static ROWS: Knob = Knob::new("AKUNU_CUDA_CUBLAS_MIN_ROWS");
+    ROWS.number::<u32>().map_or(MIN_ROWS, |v| v.max(1))
 }
 
 fn chunk_bytes() -> u64 {
-    static V: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *V.get_or_init(|| {
-        env_u64("AKUNU_CUDA_CUBLAS_CHUNK_MB")
-            .map(|mb| mb.max(1) << 20)
-            .unwrap_or(CHUNK_BYTES)
-    })
+    static MB: Knob = Knob::new("AKUNU_CUDA_CUBLAS_CHUNK_MB");
+    MB.number::<u64>().map_or(CHUNK_BYTES, |mb| mb.max(1) << 20)
 }
 
 /// Whether `AKUNU_CUDA_CUBLAS` asks for cuBLAS (anything but `0`; unset

@@ -109,8 +109,8 @@ fn fusable_norm(t: &DispatchTable, i: usize) -> Option<(Binding, Binding, f32, b
 
 /// The role of command `i` in a one-row step of `t`.
 pub fn decode_role(t: &DispatchTable, i: usize) -> Role {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *OFF.get_or_init(|| std::env::var_os("AKUNU_CUDA_FUSE").is_some_and(|v| v == "0")) {
+    static FUSE: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_FUSE");
+    if FUSE.is("0") {
         return Role::Plain;
     }
     if fusable_norm(t, i).is_some() {

@@ -4,6 +4,7 @@
 use crate::CudaBackend;
 use crate::device::Dptr;
 use crate::fusion;
+use crate::knob::Knob;
 use akunu_core::ops::*;
 use akunu_core::table::{
     DispatchCmd, DispatchTable, MAX_BUFFERS, MAX_PARAM_BYTES, PatchType, RowMode, StepInfo,
@@ -51,8 +52,8 @@ pub const fn flash_smem_bytes(width: u32) -> u32 {
 /// shared memory, unless `AKUNU_CUDA_PF_ATTN=0` (the old `k_attn_prefill`,
 /// for A/B runs) or the device could not allow it (`load_kernels`).
 fn flash_attention(k: &crate::Kernels, head_dim: u32) -> Option<(sys::CUfunction, u32)> {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *OFF.get_or_init(|| std::env::var("AKUNU_CUDA_PF_ATTN").is_ok_and(|v| v == "0")) {
+    static PF_ATTN: Knob = Knob::new("AKUNU_CUDA_PF_ATTN");
+    if PF_ATTN.is("0") {
         return None;
     }
     let i = FLASH_WIDTHS.iter().position(|&w| head_dim <= w)?;
@@ -282,14 +283,10 @@ fn attn_split(p: &AttnParams) -> u32 {
 
 /// `ATTN_KEYS_PER_SPLIT`, or `AKUNU_CUDA_ATTN_KEYS` (developer A/B runs).
 fn attn_keys_per_split() -> u32 {
-    static K: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *K.get_or_init(|| {
-        std::env::var("AKUNU_CUDA_ATTN_KEYS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&k| k >= 1)
-            .unwrap_or(ATTN_KEYS_PER_SPLIT)
-    })
+    static KEYS: Knob = Knob::new("AKUNU_CUDA_ATTN_KEYS");
+    KEYS.number()
+        .filter(|&k| k >= 1)
+        .unwrap_or(ATTN_KEYS_PER_SPLIT)
 }
 
 /// Bytes of attention scratch the table's decode steps need: the tickets,
@@ -419,8 +416,8 @@ const PICK_CONVEYOR_SLOT: usize = 7;
 /// depends only on the table and the backend's settings, so the Argmax's
 /// own `plan` call sees the same answer.
 pub fn sampler_picks(be: &CudaBackend, table: &DispatchTable, i: usize) -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *OFF.get_or_init(|| std::env::var("AKUNU_CUDA_SAMPLE_PICK").is_ok_and(|v| v == "0")) {
+    static PICK: Knob = Knob::new("AKUNU_CUDA_SAMPLE_PICK");
+    if PICK.is("0") {
         return false;
     }
     let (Some(s), Some(a)) = (table.commands.get(i), table.commands.get(i + 1)) else {
@@ -448,8 +445,8 @@ pub fn sampler_picks(be: &CudaBackend, table: &DispatchTable, i: usize) -> bool 
 /// there are enough rows to keep every SM's warps busy with two each.
 /// `AKUNU_CUDA_GEMV_RPW=1` turns it off (A/B runs).
 fn gemv_two_rows(total_rows: u32, dtype: u32, sm_count: u32) -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let off = *OFF.get_or_init(|| std::env::var("AKUNU_CUDA_GEMV_RPW").is_ok_and(|v| v == "1"));
+    static RPW: Knob = Knob::new("AKUNU_CUDA_GEMV_RPW");
+    let off = RPW.is("1");
     let quantized = matches!(
         akunu_core::dtype::DType::from_ggml(dtype),
         Some(
@@ -467,8 +464,8 @@ fn gemv_two_rows(total_rows: u32, dtype: u32, sm_count: u32) -> bool {
 /// tiled kernel (A/B runs).
 fn gemm_on_tensor_cores(p: &GemvParams) -> bool {
     use akunu_core::dtype::DType;
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *OFF.get_or_init(|| std::env::var("AKUNU_CUDA_TC").is_ok_and(|v| v == "0")) {
+    static TC: Knob = Knob::new("AKUNU_CUDA_TC");
+    if TC.is("0") {
         return false;
     }
     let n_seg = (p.n_seg as usize).clamp(1, 3);

@@ -22,6 +22,7 @@ mod chain;
 pub mod compile;
 mod device;
 mod fusion;
+mod knob;
 mod launch;
 mod repack;
 
@@ -778,14 +779,8 @@ impl Backend for CudaBackend {
         // caps of 8, 16 and 32 gave 0.969x, 0.976x and 0.987x plain speed
         // (32 found no draft at all), the copy task 2.55x with each.
         // `AKUNU_CUDA_SPEC_IDLE_MAX` overrides it (developer A/B runs).
-        static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-        *V.get_or_init(|| {
-            std::env::var("AKUNU_CUDA_SPEC_IDLE_MAX")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .filter(|&v| v >= 1)
-                .unwrap_or(16)
-        })
+        static IDLE_MAX: knob::Knob = knob::Knob::new("AKUNU_CUDA_SPEC_IDLE_MAX");
+        IDLE_MAX.number().filter(|&v| v >= 1).unwrap_or(16)
     }
 }
 
