@@ -178,6 +178,68 @@ bench_ab() {
     done
 }
 
+# Hardware counters of the decode gemv kernels (Nsight Compute; works on the
+# Firecracker machines only): speed of light, memory, occupancy, warp stalls.
+ncu_gemv() {
+    echo "== ncu: decode gemv kernels (synthetic shapes)"
+    local spec shape type f
+    for spec in ${NCU_SHAPES:-llama-8b:q4_0 llama-1b:f16}; do
+        shape=${spec%%:*}
+        type=${spec##*:}
+        f=$STORE/$shape-$type.gguf
+        synth_file "$shape" "$type" "$f"
+        timeout 240 ncu --clock-control none --kernel-name regex:'k_gemv' --launch-skip 200 \
+            --launch-count ${NCU_COUNT:-8} --section SpeedOfLight --section MemoryWorkloadAnalysis \
+            --metrics smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_barrier_per_warp_active.pct,smsp__warp_issue_stalled_short_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_wait_per_warp_active.pct,smsp__warp_issue_stalled_lg_throttle_per_warp_active.pct,smsp__warp_issue_stalled_mio_throttle_per_warp_active.pct,smsp__warp_issue_stalled_math_pipe_throttle_per_warp_active.pct,smsp__warp_issue_stalled_no_instruction_per_warp_active.pct,smsp__warp_issue_stalled_membar_per_warp_active.pct,smsp__warp_issue_stalled_selected_per_warp_active.pct,smsp__warp_issue_stalled_sleeping_per_warp_active.pct,smsp__warp_issue_stalled_dispatch_stall_per_warp_active.pct,smsp__warp_issue_stalled_drain_per_warp_active.pct,smsp__warp_issue_stalled_imc_miss_per_warp_active.pct,smsp__warp_issue_stalled_misc_per_warp_active.pct,smsp__warp_issue_stalled_branch_resolving_per_warp_active.pct \
+            --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats \
+            "$BIN/akunu" generate -m "$f" --device cuda --prompt-ids 1,2,3 -n 80 --ignore-eos \
+            --chunk 16 >"$OUTDIR/ncu-$shape-$type.txt" 2>&1 || echo "ncu failed (rc $?)"
+        grep -E "k_gemv|stalled|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Theoretical Occupancy|Block Limit|Grid Size|One or More" \
+            "$OUTDIR/ncu-$shape-$type.txt" | head -120
+        if [ "$shape" = llama-8b ]; then rm -f "$f"; fi
+    done
+}
+
+# Decode A/B of the tensor-core gemv: AKUNU_CUDA_TCG=0 (the f32 kernels),
+# then on, on the same binaries (synthetic shapes).
+tcg_ab() {
+    echo "== decode A/B: tensor-core gemv off (AKUNU_CUDA_TCG=0), then on"
+    local spec shape type f
+    for spec in ${BENCH_SHAPES:-smollm2-135m:q4_1 llama-1b:f16 llama-8b:q4_0 llama-8b:f16}; do
+        shape=${spec%%:*}
+        type=${spec##*:}
+        f=$STORE/$shape-$type.gguf
+        synth_file "$shape" "$type" "$f"
+        for v in 0 1; do
+            AKUNU_CUDA_TCG=$v "$BIN/akunu" bench -m "$f" --device cuda -p 0 -n 128 -r 5 2>&1 |
+                tee "$OUTDIR/tcg-$shape-$type-$v.log" | grep -E "tg128|floor|error" | sed "s/^/TCG=$v /" || true
+        done
+        if [ "$shape" = llama-8b ]; then rm -f "$f"; fi
+    done
+}
+
+# Decode with the tensor-core gemv's knobs forced: each of $SPLITS is
+# SPLIT[:DEFINES] (AKUNU_CUDA_TCG_SPLIT, "-" = the launcher's choice;
+# DEFINES: comma-separated -D options for AKUNU_CUDA_DEFINES, such as
+# -DTCG_SV=1 or -DTCG_AHEAD_Q4=2).
+tcg_split() {
+    echo "== decode: tensor-core gemv variants"
+    local spec shape type f v sp defs
+    for spec in ${BENCH_SHAPES:-llama-8b:q4_0 llama-8b:f16 llama-1b:f16 smollm2-135m:q4_1}; do
+        shape=${spec%%:*}
+        type=${spec##*:}
+        f=$STORE/$shape-$type.gguf
+        synth_file "$shape" "$type" "$f"
+        for v in ${SPLITS:-- 8}; do
+            IFS=: read -r sp defs <<<"$v"
+            AKUNU_CUDA_DEFINES="${defs//,/ }" AKUNU_CUDA_TCG_SPLIT=$sp \
+                "$BIN/akunu" bench -m "$f" --device cuda -p 0 -n 128 -r 3 --no-bandwidth 2>&1 |
+                grep -E "tg128|error" | sed "s/^/$shape-$type $v /" | sed 's/| akunu synthetic.*prefill//' || true
+        done
+        if [ "$shape" = llama-8b ]; then rm -f "$f"; fi
+    done
+}
+
 profile() {
     echo "== profile (synthetic smollm2-135m q4_1)"
     local f=$STORE/smollm2-135m-q4_1.gguf
@@ -391,6 +453,9 @@ run)
         sanitize) sanitize ;;
         bench) bench ;;
         bench-ab) bench_ab ;;
+        ncu) ncu_gemv ;;
+        tcg-ab) tcg_ab ;;
+        tcg-split) tcg_split ;;
         profile) profile ;;
         profile-big) profile_big ;;
         trace) trace ;;

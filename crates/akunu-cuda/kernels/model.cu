@@ -365,7 +365,7 @@ k_residual_rmsnorm(Bind b, NormParams p, StepArg a) {
 struct GemvExtra {
     const float* norm_w;  // non-null: stage rmsnorm(x) * norm_w (one input row)
     float norm_eps;
-    u32 _pad;
+    u32 tc_split;  // the tensor-core gemv's warps per row tile (gemv_tc.cu)
 };
 
 // Padded shared-memory index of input element e, and a staged row's length.

@@ -11,9 +11,10 @@ use std::ffi::{CStr, CString};
 use std::path::PathBuf;
 
 /// The kernel sources, in the order they are concatenated.
-pub const SOURCES: [(&str, &str); 3] = [
+pub const SOURCES: [(&str, &str); 4] = [
     ("common.cuh", include_str!("../kernels/common.cuh")),
     ("model.cu", include_str!("../kernels/model.cu")),
+    ("gemv_tc.cu", include_str!("../kernels/gemv_tc.cu")),
     ("sampling.cu", include_str!("../kernels/sampling.cu")),
 ];
 

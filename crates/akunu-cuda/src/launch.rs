@@ -23,6 +23,11 @@ const GEMV_ONE_KERNEL_ROWS: u32 = 4;
 /// Shared memory the gemv kernel declares statically (its reduction
 /// scratch), kept out of the dynamic allowance (lib.rs `load_kernels`).
 pub const GEMV_STATIC_SMEM: u32 = 1024;
+/// Static shared memory of the tensor-core gemv (gemv_tc.cu: `red` and the
+/// split partials of up to 8 rows), kept out of its dynamic allowance.
+pub const TCG_STATIC_SMEM: u32 = 5120;
+/// Warps of a tensor-core gemv block (gemv_tc.cu `TCG_WARPS`).
+const TCG_WARPS: u32 = 8;
 /// Bytes at the start of the attention scratch that hold the per-head
 /// tickets of the fused split merge (`ATTN_TICKET_BYTES` in common.cuh).
 pub const ATTN_TICKET_BYTES: u64 = 4096;
@@ -95,7 +100,8 @@ pub struct GemvExtra {
     /// stages `rmsnorm(x) * w` instead of `x` (see `fusion`).
     pub norm_w: u64,
     pub norm_eps: f32,
-    pub _pad: u32,
+    /// The tensor-core gemv's warps per 16-row tile (`tcg_split`).
+    pub tc_split: u32,
 }
 
 /// The arguments some kernels take after `StepArg`.
@@ -326,6 +332,14 @@ pub fn decode_rows(be: &CudaBackend, table: &DispatchTable) -> u32 {
                 let p: GemvParams = c.params();
                 let per_row = p.k.div_ceil(32) as u64 * 36 * 4;
                 r = r.min(budget / per_row.max(1));
+                // The tensor-core gemv must fit every row too, or the rows
+                // of a step would not be computed as a one-row step's.
+                if let Some(dt) = tcg_type(&p) {
+                    let tc_budget = be.smem_optin().saturating_sub(TCG_STATIC_SMEM) as u64;
+                    let fixed = tcg_smem(dt, p.k, 0);
+                    let per_row = tcg_smem(dt, p.k, 1) - fixed;
+                    r = r.min(tc_budget.saturating_sub(fixed) / per_row.max(1));
+                }
             }
             KernelId::Attention => {
                 let p: AttnParams = c.params();
@@ -456,6 +470,67 @@ fn gemv_two_rows(total_rows: u32, dtype: u32, sm_count: u32) -> bool {
         )
     );
     !off && quantized && total_rows >= sm_count * 24
+}
+
+/// The weight type of a product that the tensor-core gemv (`gemv_tc.cu`)
+/// takes: every segment F16, Q8_0, Q4_0 or Q4_1 (one type), k a multiple of
+/// 64. `AKUNU_CUDA_TCG=0` keeps the f32 kernels (A/B runs).
+fn tcg_type(p: &GemvParams) -> Option<akunu_core::dtype::DType> {
+    use akunu_core::dtype::DType;
+    static TCG: Knob = Knob::new("AKUNU_CUDA_TCG");
+    if TCG.is("0") || !p.k.is_multiple_of(64) {
+        return None;
+    }
+    let n_seg = (p.n_seg as usize).clamp(1, 3);
+    if !p.dtype[..n_seg].iter().all(|&d| d == p.dtype[0]) {
+        return None;
+    }
+    match DType::from_ggml(p.dtype[0])? {
+        d @ (DType::F16 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1) => Some(d),
+        _ => None,
+    }
+}
+
+/// Elements of a tensor-core gemv lane-block (gemv_tc.cu `TcgT::LB`).
+fn tcg_lane_block(dt: akunu_core::dtype::DType) -> u32 {
+    if dt == akunu_core::dtype::DType::F16 {
+        16
+    } else {
+        32
+    }
+}
+
+/// Dynamic shared memory of the tensor-core gemv for `rows` input rows:
+/// one B image per row, then Q4_1's block sums (gemv_tc.cu `tcg_body`).
+pub fn tcg_smem(dt: akunu_core::dtype::DType, k: u32, rows: u32) -> u64 {
+    let lb = tcg_lane_block(dt);
+    // Products per group: a lane-block's elements over the 4 of a k-slot.
+    let mmas = lb as u64 / 4;
+    let groups = (k / lb).div_ceil(4) as u64;
+    let image = rows as u64 * groups * 16 * mmas * 4;
+    let sums = if dt == akunu_core::dtype::DType::Q4_1 {
+        rows as u64 * groups * 16
+    } else {
+        0
+    };
+    image + sums
+}
+
+/// Warps per 16-row tile of the tensor-core gemv (each takes every S-th
+/// group of the tile's k range): the fewest that give every SM 16 warps of
+/// work, at most 8 and at most the groups there are (rounded up to a power
+/// of two). `AKUNU_CUDA_TCG_SPLIT=1|2|4|8` forces it (A/B runs).
+fn tcg_split(tiles: u32, groups: u32, sm_count: u32) -> u32 {
+    static SPLIT: Knob = Knob::new("AKUNU_CUDA_TCG_SPLIT");
+    if let Some(s) = SPLIT.number::<u32>().filter(|s| [1, 2, 4, 8].contains(s)) {
+        return s;
+    }
+    let cap = groups.next_power_of_two().clamp(1, TCG_WARPS);
+    let mut s = 1;
+    while s < cap && tiles * s < sm_count * 16 {
+        s *= 2;
+    }
+    s
 }
 
 /// Whether a multi-row product runs on the tensor cores (`k_gemm_tc`, or
@@ -596,8 +671,30 @@ pub fn plan(
             }
             // Staged rows are padded by 4 floats per 32 (model.cu `xs_row`).
             let smem = r as u64 * p.k.div_ceil(32) as u64 * 36 * 4;
-            if r <= GEMV_MAX_ROWS && smem <= (be.smem_optin() - GEMV_STATIC_SMEM) as u64 {
-                let n_seg = (p.n_seg as usize).clamp(1, 3);
+            let n_seg = (p.n_seg as usize).clamp(1, 3);
+            // The tensor-core gemv reads weight rows with 16-byte copies.
+            let tc = tcg_type(&p)
+                .filter(|_| r <= GEMV_MAX_ROWS)
+                .filter(|_| l.bind[2..2 + n_seg].iter().all(|&a| a % 16 == 0))
+                .map(|dt| (dt, tcg_smem(dt, p.k, r)))
+                .filter(|&(_, m)| m <= (be.smem_optin() - TCG_STATIC_SMEM) as u64);
+            if let Some((dt, tc_smem)) = tc {
+                let Some(&(_, f1, f8)) = k.gemv_tc.iter().find(|t| t.0 == dt as u32) else {
+                    unreachable!("tcg_type returns only the types of gemv_tc")
+                };
+                l.f = if r == 1 { f1 } else { f8 };
+                let groups = (p.k / tcg_lane_block(dt)).div_ceil(4);
+                let tiles = total.div_ceil(16);
+                extra.tc_split = tcg_split(tiles, groups, be.sm_count());
+                let row_groups = tiles.div_ceil(TCG_WARPS / extra.tc_split);
+                l.smem = tc_smem as u32;
+                l.block = TCG_WARPS * 32;
+                // A resident grid (the input is staged once per block);
+                // one block per row group measured no faster.
+                let resident = be.sm_count() * be.occupancy(l.f, l.block, l.smem);
+                l.grid = (row_groups.min(resident), 1, 1);
+                l.tail = Tail::Gemv(extra);
+            } else if r <= GEMV_MAX_ROWS && smem <= (be.smem_optin() - GEMV_STATIC_SMEM) as u64 {
                 let mut rpw = 1;
                 let one_type = p.dtype[..n_seg].iter().all(|&d| d == p.dtype[0]);
                 if r > GEMV_ONE_KERNEL_ROWS {

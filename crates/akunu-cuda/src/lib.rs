@@ -76,6 +76,9 @@ pub(crate) struct Kernels {
     /// generic, and per type where one exists.
     pub gemv_v8: sys::CUfunction,
     pub gemv_typed_v8: [(u32, sys::CUfunction); 6],
+    /// The tensor-core gemv (`gemv_tc.cu`): (GGML type id, one input row,
+    /// 2..=8 input rows).
+    pub gemv_tc: [(u32, sys::CUfunction, sys::CUfunction); 4],
     pub gemm: sys::CUfunction,
     pub gemm_tc: sys::CUfunction,
     /// The operand kernels of the cuBLAS prefill products (`blas`).
@@ -503,6 +506,28 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
             (DType::Q5_K as u32, get("k_gemv_q5_k")?, None),
             (DType::Q6_K as u32, get("k_gemv_q6_k")?, None),
         ],
+        gemv_tc: [
+            (
+                DType::F16 as u32,
+                get("k_gemv_tc_f16")?,
+                get("k_gemv_tc8_f16")?,
+            ),
+            (
+                DType::Q8_0 as u32,
+                get("k_gemv_tc_q8_0")?,
+                get("k_gemv_tc8_q8_0")?,
+            ),
+            (
+                DType::Q4_0 as u32,
+                get("k_gemv_tc_q4_0")?,
+                get("k_gemv_tc8_q4_0")?,
+            ),
+            (
+                DType::Q4_1 as u32,
+                get("k_gemv_tc_q4_1")?,
+                get("k_gemv_tc8_q4_1")?,
+            ),
+        ],
         gemm: get("k_gemm")?,
         gemm_tc: get("k_gemm_tc")?,
         gemm_split: get("k_gemm_split")?,
@@ -540,6 +565,20 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
                 )
             },
             "raising the gemv shared-memory limit",
+        )?;
+    }
+    for f in k.gemv_tc.iter().flat_map(|t| [t.1, t.2]) {
+        // SAFETY: valid function handle; the value is within the device's
+        // limit (less the kernel's static shared memory).
+        check(
+            unsafe {
+                sys::cuFuncSetAttribute(
+                    f,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem_optin - launch::TCG_STATIC_SMEM as i32,
+                )
+            },
+            "raising the tensor-core gemv shared-memory limit",
         )?;
     }
     // The flash prefill attention kernels take their tiles as dynamic

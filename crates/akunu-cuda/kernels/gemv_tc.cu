@@ -1,0 +1,505 @@
+// akunu tensor-core GEMV: decode steps (one input row) and speculative
+// verification steps (2..8 rows) against F16, Q8_0, Q4_0 and Q4_1 weights.
+// Uses model.cu's helpers (seg_row, mma_f16, pack_h2, ...), which precede
+// it in the translation unit.
+//
+// Why: the f32 gemv (model.cu) spends three or four instructions per weight
+// on dequantization and FMAs and spills at its 80 registers, so it runs out
+// of issue slots and warps long before DRAM is busy (Nsight Compute: 16-30%
+// of DRAM bandwidth on an 8B-shaped Q4_0 model, warps stalled on memory).
+// Here a tensor-core product does the multiply-adds and the weights become
+// f16 operands with two or three bit operations per pair.
+//
+// Fragments (mma.sync m16n8k16, f16 operands, f32 accumulators). Each warp
+// computes a tile of 16 output rows. Lane (g, t) = (lane / 4, lane % 4)
+// holds rows g and g + 8 of A and its k-slots 2t, 2t+1, 2t+8, 2t+9 of every
+// product. The k order is ours to choose (a product sums over k), so lane t
+// of each row takes a whole "lane-block" of that row: one quantized block
+// (32 elements, one scale) or 16 F16 elements, and four lane-blocks (lanes
+// t = 0..3) make a "group" of 8 products (4 for F16).
+//
+// The scale differs per block, so the four blocks of a group must not be
+// summed before scaling. B has 8 columns: column 2t holds the hi half of
+// the input on lane-block t's k-slots and zeros elsewhere, column 2t + 1 the
+// lo half (x = hi + lo, both f16: about 22 bits of x, as in k_gemm_tc).
+// Accumulator registers c0, c1 (c2, c3) of lane (g, t) are then row g's
+// (row g + 8's) hi and lo partial products over block t alone: the lane
+// scales them, acc += d * (c0 + c1) (+ m * sum(x) over the block for Q4_1),
+// and goes on. Weights enter the products as exact small integers (q - 8,
+// q) or as the F16 values they are, so the result is the f32 product to
+// within f32 accumulation error.
+//
+// Dequantization to f16 pairs: a nibble or a byte OR-ed into the mantissa
+// of 1024.0 (0x6400) is 1024 + v exactly; one f16x2 subtraction (or a
+// multiply-add for high nibbles, which land as 1024 + 16 v) leaves v.
+//
+// The staged input is an image of B fragments: for each group and each of
+// the 8 lanes that feed B (lane (g, t) with g / 2 == t: block t, hi for
+// even g, lo for odd g), the 16 (8 for F16) u32 that lane passes to the
+// group's products, laid out so that its 16-byte reads are conflict-free.
+// The other 24 lanes pass zeros.
+//
+// Work: warps of a block share out 8 / S row tiles and split each tile's
+// groups S ways (groups s, s + S, ...); split partials are added in a fixed
+// order through shared memory, so a result never depends on timing. With R
+// input rows, a lane dequantizes a group once and runs its products against
+// each row's B in turn: each row's arithmetic is exactly a one-row step's,
+// as lossless speculative verification needs.
+//
+// Weights go straight from global memory into registers, each warp keeping
+// its next groups' loads in flight (a rotating register pipeline). A ring
+// of cp.async copies through shared memory was tried first: it left the
+// registers free but doubled the shared-memory traffic, and decode ran
+// slower on every shape (bench/RESULTS.md). The first tile's weights are
+// requested before the kernel waits on the previous one (programmatic
+// dependent launch): they are constants.
+
+#define TCG_WARPS 8
+
+template <int DT> struct TcgT;
+// LB: elements per lane-block; QB: its bytes of quants (per row);
+// SB: bytes of scale per block (d, or d and m); MMAS: products per group.
+template <> struct TcgT<DT_Q4_0> { static constexpr u32 LB = 32, QB = 16, SB = 2, MMAS = 8; };
+template <> struct TcgT<DT_Q4_1> { static constexpr u32 LB = 32, QB = 16, SB = 4, MMAS = 8; };
+template <> struct TcgT<DT_Q8_0> { static constexpr u32 LB = 32, QB = 32, SB = 2, MMAS = 8; };
+template <> struct TcgT<DT_F16> { static constexpr u32 LB = 16, QB = 32, SB = 0, MMAS = 4; };
+
+// u32 of B image per group and input row.
+template <int DT> __device__ __forceinline__ constexpr u32 tcg_img_u32() {
+    return 16 * TcgT<DT>::MMAS;
+}
+
+__device__ __forceinline__ u32 hsub2_u(u32 a, u32 b) {
+    u32 r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+__device__ __forceinline__ u32 hfma2_u(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+// The 8 weights of quant word `w` (bytes 4j..4j+3 of a Q4 block) as f16
+// pairs: l0 = elements (4j, 4j+2), l1 = (4j+1, 4j+3), h0 = (16+4j, 16+4j+2),
+// h1 = (16+4j+1, 16+4j+3); values q - 8 (Q4_0) or q (Q4_1).
+template <bool Q41>
+__device__ __forceinline__ void tcg_q4_pairs(u32 w, u32& l0, u32& l1, u32& h0, u32& h1) {
+    const u32 w8 = w >> 8;
+    l0 = (w & 0x000F000Fu) | 0x64006400u;   // 1024 + q
+    l1 = (w8 & 0x000F000Fu) | 0x64006400u;
+    h0 = (w & 0x00F000F0u) | 0x64006400u;   // 1024 + 16 q
+    h1 = (w8 & 0x00F000F0u) | 0x64006400u;
+    const u32 sub = Q41 ? 0x64006400u : 0x64086408u;  // 1024, 1032
+    const u32 add = Q41 ? 0xD400D400u : 0xD480D480u;  // -64, -72
+    l0 = hsub2_u(l0, sub);
+    l1 = hsub2_u(l1, sub);
+    h0 = hfma2_u(h0, 0x2C002C00u, add);  // x / 16 - 64 (- 8)
+    h1 = hfma2_u(h1, 0x2C002C00u, add);
+}
+
+// The 4 weights of word `w` (bytes 4i..4i+3 of a Q8_0 block) as f16 pairs:
+// p02 = elements (4i, 4i+2), p13 = (4i+1, 4i+3).
+__device__ __forceinline__ void tcg_q8_pairs(u32 w, u32& p02, u32& p13) {
+    const u32 u = w ^ 0x80808080u;  // q + 128 per byte
+    p02 = hsub2_u(__byte_perm(u, 0x64646464u, 0x4240), 0x64806480u);  // 1024 + q + 128 - 1152
+    p13 = hsub2_u(__byte_perm(u, 0x64646464u, 0x4341), 0x64806480u);
+}
+
+// One group's weights for one lane: its lane-block of rows g and g + 8,
+// and their scales (f16 d for Q4_0/Q8_0, d | m << 16 for Q4_1).
+template <int DT> struct TcgW {
+    uint4 q[2][TcgT<DT>::QB / 16];
+    u32 sc[2];
+};
+
+// Loads group `grp` of rows w0 (row g) and w1 (row g + 8) into registers;
+// lane-blocks past the row read as zeros.
+template <int DT>
+__device__ __forceinline__ void tcg_load(TcgW<DT>& W, WRow w0, WRow w1, u32 grp, u32 n_lb, u32 t) {
+    using T = TcgT<DT>;
+    const u32 lb = grp * 4 + t;
+    if (lb < n_lb) {
+        const uint4* a = (const uint4*)(w0.w + (u64)lb * T::QB);
+        const uint4* c = (const uint4*)(w1.w + (u64)lb * T::QB);
+#pragma unroll
+        for (u32 i = 0; i < T::QB / 16; ++i) {
+            W.q[0][i] = a[i];
+            W.q[1][i] = c[i];
+        }
+        if constexpr (T::SB == 2) {
+            W.sc[0] = ld_u16(w0.sc + 2 * (u64)lb);
+            W.sc[1] = ld_u16(w1.sc + 2 * (u64)lb);
+        } else if constexpr (T::SB == 4) {
+            W.sc[0] = *(const u32*)(w0.sc + 4 * (u64)lb);
+            W.sc[1] = *(const u32*)(w1.sc + 4 * (u64)lb);
+        }
+    } else {
+#pragma unroll
+        for (u32 i = 0; i < T::QB / 16; ++i) W.q[0][i] = W.q[1][i] = make_uint4(0, 0, 0, 0);
+        W.sc[0] = W.sc[1] = 0;
+    }
+}
+
+// The A fragments of one group.
+template <int DT>
+__device__ __forceinline__ void tcg_a_frags(const TcgW<DT>& W, u32 (&af)[TcgT<DT>::MMAS][4]) {
+    if constexpr (DT == DT_Q4_0 || DT == DT_Q4_1) {
+        const uint4 r0 = W.q[0][0], r1 = W.q[1][0];
+        const u32 a[4] = {r0.x, r0.y, r0.z, r0.w}, b[4] = {r1.x, r1.y, r1.z, r1.w};
+#pragma unroll
+        for (u32 j = 0; j < 4; ++j) {
+            u32 l0a, l1a, h0a, h1a, l0b, l1b, h0b, h1b;
+            tcg_q4_pairs<DT == DT_Q4_1>(a[j], l0a, l1a, h0a, h1a);
+            tcg_q4_pairs<DT == DT_Q4_1>(b[j], l0b, l1b, h0b, h1b);
+            af[2 * j][0] = l0a;  // row g, slots 2t, 2t+1
+            af[2 * j][1] = l0b;  // row g + 8
+            af[2 * j][2] = l1a;  // row g, slots 2t+8, 2t+9
+            af[2 * j][3] = l1b;
+            af[2 * j + 1][0] = h0a;
+            af[2 * j + 1][1] = h0b;
+            af[2 * j + 1][2] = h1a;
+            af[2 * j + 1][3] = h1b;
+        }
+    } else {
+        const uint4 ra = W.q[0][0], rb = W.q[0][1], sa = W.q[1][0], sb = W.q[1][1];
+        const u32 a[8] = {ra.x, ra.y, ra.z, ra.w, rb.x, rb.y, rb.z, rb.w};
+        const u32 b[8] = {sa.x, sa.y, sa.z, sa.w, sb.x, sb.y, sb.z, sb.w};
+        if constexpr (DT == DT_Q8_0) {
+#pragma unroll
+            for (u32 i = 0; i < 8; ++i) {
+                tcg_q8_pairs(a[i], af[i][0], af[i][2]);
+                tcg_q8_pairs(b[i], af[i][1], af[i][3]);
+            }
+        } else {
+            // F16: word m of a lane-block holds elements (2m, 2m + 1).
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) {
+                af[i][0] = a[2 * i];
+                af[i][1] = b[2 * i];
+                af[i][2] = a[2 * i + 1];
+                af[i][3] = b[2 * i + 1];
+            }
+        }
+    }
+}
+
+// One group's products for every input row, added into acc[row][g or g+8].
+template <int DT, int MR>
+__device__ __forceinline__ void tcg_group(const TcgW<DT>& W, u32 grp, u32 rows, u32 ng, const u32* img,
+                                          const float* bsum, bool feeds, u32 lane8, u32 t,
+                                          float (&acc)[MR][2]) {
+    using T = TcgT<DT>;
+    constexpr u32 MMAS = T::MMAS, IMG = tcg_img_u32<DT>();
+    u32 af[MMAS][4];
+    tcg_a_frags<DT>(W, af);
+    float d0 = 1.0f, d1 = 1.0f, m0 = 0.0f, m1 = 0.0f;
+    if constexpr (T::SB != 0) {
+        d0 = f16_to_f32((u16)(W.sc[0] & 0xffff));
+        d1 = f16_to_f32((u16)(W.sc[1] & 0xffff));
+        m0 = f16_to_f32((u16)(W.sc[0] >> 16));
+        m1 = f16_to_f32((u16)(W.sc[1] >> 16));
+    }
+#pragma unroll
+    for (u32 r = 0; r < (u32)MR; ++r) {
+        if (r < rows) {
+            u32 bf[2 * MMAS];
+            const uint4* bp = (const uint4*)(img + (r * ng + grp) * IMG + lane8 * 4);
+#pragma unroll
+            for (u32 q = 0; q < MMAS / 2; ++q) {
+                const uint4 v = feeds ? bp[q * 8] : make_uint4(0, 0, 0, 0);
+                bf[4 * q] = v.x, bf[4 * q + 1] = v.y, bf[4 * q + 2] = v.z, bf[4 * q + 3] = v.w;
+            }
+            float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (u32 i = 0; i < MMAS; ++i) mma_f16(c, af[i], bf[2 * i], bf[2 * i + 1]);
+            if constexpr (T::SB == 0) {
+                acc[r][0] += c[0] + c[1];
+                acc[r][1] += c[2] + c[3];
+            } else {
+                acc[r][0] = fmaf(d0, c[0] + c[1], acc[r][0]);
+                acc[r][1] = fmaf(d1, c[2] + c[3], acc[r][1]);
+                if constexpr (T::SB == 4) {
+                    const float sx = bsum[r * ng * 4 + grp * 4 + t];
+                    acc[r][0] = fmaf(m0, sx, acc[r][0]);
+                    acc[r][1] = fmaf(m1, sx, acc[r][1]);
+                }
+            }
+        }
+    }
+}
+
+// Where the float4 of input elements [e, e + 4) goes in a row's B image:
+// the u32 index of its first pair (the second follows). Q4: word j of a
+// block feeds products 2j (low nibbles) and 2j + 1 (high); Q8/F16: word i
+// of the lane-block's elements feeds product i.
+template <int DT>
+__device__ __forceinline__ u32 tcg_img_at(u32 e, u32 hl) {
+    constexpr u32 LB = TcgT<DT>::LB;
+    const u32 lb = e / LB, grp = lb >> 2, t = lb & 3, el = e % LB;
+    u32 i;
+    if constexpr (DT == DT_Q4_0 || DT == DT_Q4_1) i = 2 * ((el & 15) >> 2) + (el >> 4);
+    else i = el >> 2;
+    const u32 idx = 2 * i;  // B0 of product i, then B1
+    return grp * tcg_img_u32<DT>() + (idx >> 2) * 32 + (2 * t + hl) * 4 + (idx & 3);
+}
+
+// float4s of input a thread loads before using any (staging must not be a
+// chain of serial L2 round trips: k reaches 14K in an 8B model's FFN).
+#ifndef TCG_SV
+#define TCG_SV 4
+#endif
+
+__device__ __forceinline__ float4 tcg_ld4(const float* __restrict__ p, u32 j, bool vec) {
+    if (vec) return *(const float4*)(p + j);
+    return make_float4(p[j], p[j + 1], p[j + 2], p[j + 3]);
+}
+
+// Stages `rows` input rows as B images (and per-block sums for Q4_1): the
+// activation applied, or rmsnorm(x) * norm_w with the norm fusion, each
+// value split into f16 hi + lo. Every thread of the block must call it.
+template <int DT, u32 SV>
+__device__ __forceinline__ void tcg_stage(const Bind& b, const GemvParams& p, const GemvExtra& ex,
+                                          u32 rows, u32* img, float* bsum, float* red) {
+    constexpr u32 LB = TcgT<DT>::LB, IMG = tcg_img_u32<DT>();
+    const u32 k = p.k, tid = threadIdx.x, bd = blockDim.x;
+    const u32 n_lb = k / LB, ng = (n_lb + 3) >> 2;
+    const float* __restrict__ x = (const float*)b.p[0];
+    const float* __restrict__ nw = ex.norm_w;
+    const u32 act = nw ? ACT_NONE : p.input_act;
+    const bool vec = ((u64)x & 15) == 0 && (p.x_stride & 3) == 0 && (!nw || ((u64)nw & 15) == 0);
+    for (u32 r = 0; r < rows; ++r) {
+        const float* __restrict__ xr = x + (u64)r * p.x_stride;
+        u32* im = img + r * ng * IMG;
+        float sc = 1.0f;
+        if (nw) {
+            float ss = 0.0f;
+            for (u32 base = 0; base < k; base += bd * 4 * SV) {
+                float4 v[SV];
+#pragma unroll
+                for (u32 i = 0; i < SV; ++i) {
+                    const u32 j = base + (tid + i * bd) * 4;
+                    v[i] = j < k ? tcg_ld4(xr, j, vec) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                }
+#pragma unroll
+                for (u32 i = 0; i < SV; ++i)
+                    ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
+            }
+            sc = rms_inv(block_sum(ss, red), k, ex.norm_eps);
+        }
+        // The loop bound is uniform over each warp (k % 64 == 0 and a warp
+        // covers 128 elements), so the block sums can use shuffles.
+        for (u32 base = 0; base < k; base += bd * 4 * SV) {
+            float4 v[SV], u[SV];
+#pragma unroll
+            for (u32 i = 0; i < SV; ++i) {
+                const u32 j = base + (tid + i * bd) * 4;
+                v[i] = u[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (j < k) {
+                    v[i] = tcg_ld4(xr, j, vec);
+                    if (act != ACT_NONE) u[i] = tcg_ld4(xr + k, j, vec);
+                    else if (nw) u[i] = tcg_ld4(nw, j, vec);
+                }
+            }
+#pragma unroll
+            for (u32 i = 0; i < SV; ++i) {
+                const u32 j = base + (tid + i * bd) * 4;
+                float e[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+                const float f[4] = {u[i].x, u[i].y, u[i].z, u[i].w};
+                if (act != ACT_NONE) {
+                    const bool ge = act == ACT_GEGLU;
+#pragma unroll
+                    for (u32 c = 0; c < 4; ++c) e[c] = (ge ? gelu_tanh(e[c]) : silu(e[c])) * f[c];
+                } else if (nw) {
+#pragma unroll
+                    for (u32 c = 0; c < 4; ++c) e[c] = e[c] * sc * f[c];
+                }
+                if (j < k) {
+                    float h[4];
+#pragma unroll
+                    for (u32 c = 0; c < 4; ++c) h[c] = f16_round(e[c]);
+                    const u32 at_hi = tcg_img_at<DT>(j, 0), at_lo = tcg_img_at<DT>(j, 1);
+                    if constexpr (DT == DT_F16) {
+                        *(uint2*)(im + at_hi) = make_uint2(pack_h2(h[0], h[1]), pack_h2(h[2], h[3]));
+                        *(uint2*)(im + at_lo) = make_uint2(pack_h2(e[0] - h[0], e[1] - h[1]),
+                                                           pack_h2(e[2] - h[2], e[3] - h[3]));
+                    } else {
+                        *(uint2*)(im + at_hi) = make_uint2(pack_h2(h[0], h[2]), pack_h2(h[1], h[3]));
+                        *(uint2*)(im + at_lo) = make_uint2(pack_h2(e[0] - h[0], e[2] - h[2]),
+                                                           pack_h2(e[1] - h[1], e[3] - h[3]));
+                    }
+                }
+                if constexpr (DT == DT_Q4_1) {
+                    // Sum of each 32-element block: 8 consecutive threads.
+                    float s = (e[0] + e[1]) + (e[2] + e[3]);
+                    s += __shfl_xor_sync(FULL_MASK, s, 1);
+                    s += __shfl_xor_sync(FULL_MASK, s, 2);
+                    s += __shfl_xor_sync(FULL_MASK, s, 4);
+                    if (j < k && (tid & 7) == 0) bsum[r * ng * 4 + (j >> 5)] = s;
+                }
+            }
+        }
+        // Lane-blocks past the row in the last group: zero B (their A is
+        // zero-filled too, but 0 * garbage could be NaN).
+        for (u32 i = tid; i < (4 * ng - n_lb) * 2 * (IMG / 8); i += bd) {
+            const u32 per_lb = 2 * (IMG / 8);  // u32 of one lane-block, hi and lo
+            const u32 lb = n_lb + i / per_lb, w = i % per_lb, hl = w / (IMG / 8), idx = w % (IMG / 8);
+            im[(lb >> 2) * IMG + (idx >> 2) * 32 + (2 * (lb & 3) + hl) * 4 + (idx & 3)] = 0;
+            if (DT == DT_Q4_1 && w == 0) bsum[r * ng * 4 + lb] = 0.0f;
+        }
+    }
+}
+
+// Groups a warp has loaded ahead (a rotating register pipeline; 4 and 3
+// measured best against 2 and 6/4, bench/RESULTS.md).
+#ifndef TCG_AHEAD_Q4
+#define TCG_AHEAD_Q4 4
+#endif
+#ifndef TCG_AHEAD
+#define TCG_AHEAD 3
+#endif
+template <int DT> __device__ __forceinline__ constexpr u32 tcg_ahead() {
+    return DT == DT_Q4_0 || DT == DT_Q4_1 ? TCG_AHEAD_Q4 : TCG_AHEAD;
+}
+
+// Shared memory of the kernel (the launcher's `tcg_smem` mirrors it):
+// [B images: rows x groups][Q4_1 block sums].
+template <int DT, int MR>
+__device__ __forceinline__ void tcg_body(const Bind& b, const GemvParams& p, const StepArg& a,
+                                         const GemvExtra& ex) {
+    using T = TcgT<DT>;
+    constexpr u32 IMG = tcg_img_u32<DT>(), D = tcg_ahead<DT>();
+    extern __shared__ float4 gemv_smem[];
+    __shared__ float red[32];
+    __shared__ float part[TCG_WARPS * MR * 16];
+    const u32 k = p.k, n_lb = k / T::LB, ng = (n_lb + 3) >> 2;
+    const u32 rows = a.rows < (u32)MR ? a.rows : (u32)MR;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const u32 S = ex.tc_split;  // warps per tile: 1, 2, 4 or 8
+    const u32 tpb = TCG_WARPS / S, my_tile = warp / S, split = warp % S;
+    const u32 total = gemv_total_rows(p), n_tiles = (total + 15) >> 4;
+    const u32 n_rg = (n_tiles + tpb - 1) / tpb;
+    const u32 my_n = split < ng ? (ng - split + S - 1) / S : 0;  // this warp's groups per tile
+
+    u32* img = (u32*)gemv_smem;
+    float* bsum = (float*)(img + rows * ng * IMG);
+    TcgW<DT> W[D];
+
+    // This lane's rows of a tile (a missing row reads the last one again).
+    auto tile_rows = [&](u32 tile, SegRow& s0, SegRow& s1) {
+        const u32 o0 = tile * 16 + g, o1 = o0 + 8;
+        s0 = seg_row(b, p, o0 < total ? o0 : total - 1);
+        s1 = seg_row(b, p, o1 < total ? o1 : total - 1);
+    };
+    // Requests the tile's first groups.
+    auto prologue = [&](const SegRow& s0, const SegRow& s1) {
+#pragma unroll
+        for (u32 u = 0; u < D; ++u)
+            if (u < my_n) tcg_load<DT>(W[u], s0.row, s1.row, split + u * S, n_lb, t);
+    };
+
+    // The first tile's weights start streaming before the wait.
+    u32 rg = blockIdx.x;
+    SegRow s0, s1;
+    const u32 tile0 = rg * tpb + my_tile;
+    if (rg < n_rg && tile0 < n_tiles) {
+        tile_rows(tile0, s0, s1);
+        prologue(s0, s1);
+    }
+    AKUNU_GRID_DEPS();
+    if (a.ctl && *(volatile const u32*)&a.ctl->done) return;
+    // Staging loads TCG_SV float4s per thread before using any; that hurts
+    // rows of under 2048 (SmolLM2: 1477 against 1281 tok/s), where one
+    // suffices, and helps wider ones (llama-1b F16: 945 against 922).
+    if (k < 2048) tcg_stage<DT, 1>(b, p, ex, rows, img, bsum, red);
+    else tcg_stage<DT, TCG_SV>(b, p, ex, rows, img, bsum, red);
+    __syncthreads();
+
+    const bool feeds = (g >> 1) == t;  // this lane passes B: block t, hi (even g) or lo
+    const u32 lane8 = 2 * t + (g & 1);
+    for (bool first = true; rg < n_rg; rg += gridDim.x, first = false) {
+        const u32 tile = rg * tpb + my_tile;
+        float acc[MR][2];
+#pragma unroll
+        for (u32 r = 0; r < (u32)MR; ++r) acc[r][0] = acc[r][1] = 0.0f;
+        if (tile < n_tiles) {
+            if (!first) {
+                tile_rows(tile, s0, s1);
+                prologue(s0, s1);
+            }
+            // Group n computes from W[n % D] and refills it with group n + D.
+            for (u32 n0 = 0; n0 < my_n; n0 += D) {
+#pragma unroll
+                for (u32 u = 0; u < D; ++u) {
+                    const u32 n = n0 + u;
+                    if (n < my_n) {
+                        tcg_group<DT, MR>(W[u], split + n * S, rows, ng, img, bsum, feeds, lane8, t, acc);
+                        if (n + D < my_n) tcg_load<DT>(W[u], s0.row, s1.row, split + (n + D) * S, n_lb, t);
+                    }
+                }
+            }
+        }
+        // Lanes t = 0..3 of a row hold its four blocks' partials.
+#pragma unroll
+        for (u32 r = 0; r < (u32)MR; ++r) {
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) {
+                acc[r][h] += __shfl_xor_sync(FULL_MASK, acc[r][h], 1);
+                acc[r][h] += __shfl_xor_sync(FULL_MASK, acc[r][h], 2);
+            }
+        }
+        if (S > 1) {
+            if (t == 0) {
+#pragma unroll
+                for (u32 r = 0; r < (u32)MR; ++r) {
+                    part[(warp * MR + r) * 16 + g] = acc[r][0];
+                    part[(warp * MR + r) * 16 + g + 8] = acc[r][1];
+                }
+            }
+            __syncthreads();
+            if (split == 0) {
+#pragma unroll
+                for (u32 r = 0; r < (u32)MR; ++r) {
+                    for (u32 s = 1; s < S; ++s) {
+                        acc[r][0] += part[((warp + s) * MR + r) * 16 + g];
+                        acc[r][1] += part[((warp + s) * MR + r) * 16 + g + 8];
+                    }
+                }
+            }
+            __syncthreads();  // part is rewritten by the next tile
+        }
+        if (split == 0 && t == 0 && tile < n_tiles) {
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) {
+                const u32 o = tile * 16 + g + 8 * h;
+                if (o >= total) continue;
+                const SegRow& sr = h ? s1 : s0;
+                const float bias = sr.bias ? *sr.bias : 0.0f;
+#pragma unroll
+                for (u32 r = 0; r < (u32)MR; ++r) {
+                    if (r < rows) {
+                        float* dst = (float*)b.p[1] + (u64)r * p.out_stride + o;
+                        const float v = softcap_score(acc[r][h] + bias, p.softcap);
+                        *dst = p.accumulate ? *dst + v : v;
+                    }
+                }
+            }
+        }
+    }
+}
+
+// One input row (decode): 256 threads, at least 2 blocks per SM.
+#define TCG_KERNEL(name, dt, mr, minb)                                          \
+    extern "C" __global__ void __launch_bounds__(TCG_WARPS * 32, minb)          \
+    name(Bind b, GemvParams p, StepArg a, GemvExtra ex) {                       \
+        tcg_body<dt, mr>(b, p, a, ex);                                          \
+    }
+TCG_KERNEL(k_gemv_tc_f16, DT_F16, 1, 2)
+TCG_KERNEL(k_gemv_tc_q8_0, DT_Q8_0, 1, 2)
+TCG_KERNEL(k_gemv_tc_q4_0, DT_Q4_0, 1, 2)
+TCG_KERNEL(k_gemv_tc_q4_1, DT_Q4_1, 1, 2)
+// 2..8 input rows (speculative verification): the same per-row arithmetic.
+TCG_KERNEL(k_gemv_tc8_f16, DT_F16, 8, 1)
+TCG_KERNEL(k_gemv_tc8_q8_0, DT_Q8_0, 8, 1)
+TCG_KERNEL(k_gemv_tc8_q4_0, DT_Q4_0, 8, 1)
+TCG_KERNEL(k_gemv_tc8_q4_1, DT_Q4_1, 8, 1)
