@@ -210,9 +210,16 @@ __device__ __forceinline__ void tcg_group(const TcgW<DT>& W, u32 grp, u32 rows, 
                 const uint4 v = feeds ? bp[q * 8] : make_uint4(0, 0, 0, 0);
                 bf[4 * q] = v.x, bf[4 * q + 1] = v.y, bf[4 * q + 2] = v.z, bf[4 * q + 3] = v.w;
             }
-            float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            // Two accumulator chains (even and odd products), half as long
+            // (+1-2% decode against one chain, bench/RESULTS.md).
+            float c[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-            for (u32 i = 0; i < MMAS; ++i) mma_f16(c, af[i], bf[2 * i], bf[2 * i + 1]);
+            for (u32 i = 0; i < MMAS; i += 2) {
+                mma_f16(c, af[i], bf[2 * i], bf[2 * i + 1]);
+                mma_f16(c2, af[i + 1], bf[2 * i + 2], bf[2 * i + 3]);
+            }
+#pragma unroll
+            for (u32 j = 0; j < 4; ++j) c[j] += c2[j];
             if constexpr (T::SB == 0) {
                 acc[r][0] += c[0] + c[1];
                 acc[r][1] += c[2] + c[3];
@@ -488,16 +495,19 @@ __device__ __forceinline__ void tcg_body(const Bind& b, const GemvParams& p, con
     }
 }
 
-// One input row (decode): 256 threads, at least 2 blocks per SM.
+// One input row (decode): 256 threads, at least TCG_MINB blocks per SM.
+#ifndef TCG_MINB
+#define TCG_MINB 2
+#endif
 #define TCG_KERNEL(name, dt, mr, minb)                                          \
     extern "C" __global__ void __launch_bounds__(TCG_WARPS * 32, minb)          \
     name(Bind b, GemvParams p, StepArg a, GemvExtra ex) {                       \
         tcg_body<dt, mr>(b, p, a, ex);                                          \
     }
-TCG_KERNEL(k_gemv_tc_f16, DT_F16, 1, 2)
-TCG_KERNEL(k_gemv_tc_q8_0, DT_Q8_0, 1, 2)
-TCG_KERNEL(k_gemv_tc_q4_0, DT_Q4_0, 1, 2)
-TCG_KERNEL(k_gemv_tc_q4_1, DT_Q4_1, 1, 2)
+TCG_KERNEL(k_gemv_tc_f16, DT_F16, 1, TCG_MINB)
+TCG_KERNEL(k_gemv_tc_q8_0, DT_Q8_0, 1, TCG_MINB)
+TCG_KERNEL(k_gemv_tc_q4_0, DT_Q4_0, 1, TCG_MINB)
+TCG_KERNEL(k_gemv_tc_q4_1, DT_Q4_1, 1, TCG_MINB)
 // 2..8 input rows (speculative verification): the same per-row arithmetic.
 TCG_KERNEL(k_gemv_tc8_f16, DT_F16, 8, 1)
 TCG_KERNEL(k_gemv_tc8_q8_0, DT_Q8_0, 8, 1)

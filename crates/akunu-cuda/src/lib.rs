@@ -813,13 +813,14 @@ impl Backend for CudaBackend {
     fn idle_run_max(&self) -> u32 {
         // Every plain run is a submission with its own round trip (control
         // block, graph launch, token read-back: the GPU idles for it), and
-        // runs of up to 16 amortise it on text the n-grams cannot predict.
-        // Measured on the default model's free-text task (RESULTS.md):
-        // caps of 8, 16 and 32 gave 0.969x, 0.976x and 0.987x plain speed
-        // (32 found no draft at all), the copy task 2.55x with each.
+        // runs of up to 32 amortise it on text the n-grams cannot predict.
+        // Measured on the default model's free-text task (RESULTS.md),
+        // after the tensor-core gemv made plain decode 18% faster: caps of
+        // 16, 32 and 64 gave 0.945x, 0.978x and 0.986x plain speed (32 and
+        // 64 found no draft there), the copy task 2.13x, 2.13x and 2.11x.
         // `AKUNU_CUDA_SPEC_IDLE_MAX` overrides it (developer A/B runs).
         static IDLE_MAX: knob::Knob = knob::Knob::new("AKUNU_CUDA_SPEC_IDLE_MAX");
-        IDLE_MAX.number().filter(|&v| v >= 1).unwrap_or(16)
+        IDLE_MAX.number().filter(|&v| v >= 1).unwrap_or(32)
     }
 }
 
