@@ -52,7 +52,9 @@
 // registers free but doubled the shared-memory traffic, and decode ran
 // slower on every shape (bench/RESULTS.md). The first tile's weights are
 // requested before the kernel waits on the previous one (programmatic
-// dependent launch): they are constants.
+// dependent launch): they are constants (held in registers across the
+// staging: prefetching them into L2 instead, to free those registers, measured
+// 8-17% slower).
 
 #define TCG_WARPS 8
 
@@ -141,46 +143,49 @@ __device__ __forceinline__ void tcg_load(TcgW<DT>& W, WRow w0, WRow w1, u32 grp,
     }
 }
 
-// The A fragments of one group.
+// Word i (0..) of a lane-block's registers.
+template <u32 N> __device__ __forceinline__ u32 tcg_word(const uint4 (&v)[N], u32 i) {
+    const uint4 x = v[i >> 2];
+    switch (i & 3) {
+    case 0: return x.x;
+    case 1: return x.y;
+    case 2: return x.z;
+    default: return x.w;
+    }
+}
+
+// The A fragments of products 2q and 2q + 1 of a group.
 template <int DT>
-__device__ __forceinline__ void tcg_a_frags(const TcgW<DT>& W, u32 (&af)[TcgT<DT>::MMAS][4]) {
+__device__ __forceinline__ void tcg_a_pair(const TcgW<DT>& W, u32 q, u32 (&a0)[4], u32 (&a1)[4]) {
     if constexpr (DT == DT_Q4_0 || DT == DT_Q4_1) {
-        const uint4 r0 = W.q[0][0], r1 = W.q[1][0];
-        const u32 a[4] = {r0.x, r0.y, r0.z, r0.w}, b[4] = {r1.x, r1.y, r1.z, r1.w};
-#pragma unroll
-        for (u32 j = 0; j < 4; ++j) {
-            u32 l0a, l1a, h0a, h1a, l0b, l1b, h0b, h1b;
-            tcg_q4_pairs<DT == DT_Q4_1>(a[j], l0a, l1a, h0a, h1a);
-            tcg_q4_pairs<DT == DT_Q4_1>(b[j], l0b, l1b, h0b, h1b);
-            af[2 * j][0] = l0a;  // row g, slots 2t, 2t+1
-            af[2 * j][1] = l0b;  // row g + 8
-            af[2 * j][2] = l1a;  // row g, slots 2t+8, 2t+9
-            af[2 * j][3] = l1b;
-            af[2 * j + 1][0] = h0a;
-            af[2 * j + 1][1] = h0b;
-            af[2 * j + 1][2] = h1a;
-            af[2 * j + 1][3] = h1b;
-        }
+        // Word q of the block feeds product 2q (low nibbles), 2q + 1 (high).
+        u32 l0a, l1a, h0a, h1a, l0b, l1b, h0b, h1b;
+        tcg_q4_pairs<DT == DT_Q4_1>(tcg_word(W.q[0], q), l0a, l1a, h0a, h1a);
+        tcg_q4_pairs<DT == DT_Q4_1>(tcg_word(W.q[1], q), l0b, l1b, h0b, h1b);
+        a0[0] = l0a;  // row g, slots 2t, 2t+1
+        a0[1] = l0b;  // row g + 8
+        a0[2] = l1a;  // row g, slots 2t+8, 2t+9
+        a0[3] = l1b;
+        a1[0] = h0a;
+        a1[1] = h0b;
+        a1[2] = h1a;
+        a1[3] = h1b;
+    } else if constexpr (DT == DT_Q8_0) {
+        // Word i feeds product i.
+        tcg_q8_pairs(tcg_word(W.q[0], 2 * q), a0[0], a0[2]);
+        tcg_q8_pairs(tcg_word(W.q[1], 2 * q), a0[1], a0[3]);
+        tcg_q8_pairs(tcg_word(W.q[0], 2 * q + 1), a1[0], a1[2]);
+        tcg_q8_pairs(tcg_word(W.q[1], 2 * q + 1), a1[1], a1[3]);
     } else {
-        const uint4 ra = W.q[0][0], rb = W.q[0][1], sa = W.q[1][0], sb = W.q[1][1];
-        const u32 a[8] = {ra.x, ra.y, ra.z, ra.w, rb.x, rb.y, rb.z, rb.w};
-        const u32 b[8] = {sa.x, sa.y, sa.z, sa.w, sb.x, sb.y, sb.z, sb.w};
-        if constexpr (DT == DT_Q8_0) {
-#pragma unroll
-            for (u32 i = 0; i < 8; ++i) {
-                tcg_q8_pairs(a[i], af[i][0], af[i][2]);
-                tcg_q8_pairs(b[i], af[i][1], af[i][3]);
-            }
-        } else {
-            // F16: word m of a lane-block holds elements (2m, 2m + 1).
-#pragma unroll
-            for (u32 i = 0; i < 4; ++i) {
-                af[i][0] = a[2 * i];
-                af[i][1] = b[2 * i];
-                af[i][2] = a[2 * i + 1];
-                af[i][3] = b[2 * i + 1];
-            }
-        }
+        // F16: word m holds elements (2m, 2m + 1); product i takes words 2i, 2i + 1.
+        a0[0] = tcg_word(W.q[0], 4 * q);
+        a0[1] = tcg_word(W.q[1], 4 * q);
+        a0[2] = tcg_word(W.q[0], 4 * q + 1);
+        a0[3] = tcg_word(W.q[1], 4 * q + 1);
+        a1[0] = tcg_word(W.q[0], 4 * q + 2);
+        a1[1] = tcg_word(W.q[1], 4 * q + 2);
+        a1[2] = tcg_word(W.q[0], 4 * q + 3);
+        a1[3] = tcg_word(W.q[1], 4 * q + 3);
     }
 }
 
@@ -191,8 +196,6 @@ __device__ __forceinline__ void tcg_group(const TcgW<DT>& W, u32 grp, u32 rows, 
                                           float (&acc)[MR][2]) {
     using T = TcgT<DT>;
     constexpr u32 MMAS = T::MMAS, IMG = tcg_img_u32<DT>();
-    u32 af[MMAS][4];
-    tcg_a_frags<DT>(W, af);
     float d0 = 1.0f, d1 = 1.0f, m0 = 0.0f, m1 = 0.0f;
     if constexpr (T::SB != 0) {
         d0 = f16_to_f32((u16)(W.sc[0] & 0xffff));
@@ -200,23 +203,32 @@ __device__ __forceinline__ void tcg_group(const TcgW<DT>& W, u32 grp, u32 rows, 
         m0 = f16_to_f32((u16)(W.sc[0] >> 16));
         m1 = f16_to_f32((u16)(W.sc[1] >> 16));
     }
+    // One row (decode): each pair of products' fragments is built just
+    // before use, which keeps fewer registers live. Several rows: built once
+    // for all of them. Either way a row sees the same products in the same
+    // order: even ones into c, odd ones into c2 (two accumulator chains, half
+    // as long: +1-2% decode against one, bench/RESULTS.md), then c + c2.
+    u32 af[MR == 1 ? 1 : MMAS / 2][2][4];
+    if constexpr (MR > 1) {
+#pragma unroll
+        for (u32 q = 0; q < MMAS / 2; ++q) tcg_a_pair<DT>(W, q, af[q][0], af[q][1]);
+    }
 #pragma unroll
     for (u32 r = 0; r < (u32)MR; ++r) {
         if (r < rows) {
-            u32 bf[2 * MMAS];
             const uint4* bp = (const uint4*)(img + (r * ng + grp) * IMG + lane8 * 4);
+            float c[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (u32 q = 0; q < MMAS / 2; ++q) {
                 const uint4 v = feeds ? bp[q * 8] : make_uint4(0, 0, 0, 0);
-                bf[4 * q] = v.x, bf[4 * q + 1] = v.y, bf[4 * q + 2] = v.z, bf[4 * q + 3] = v.w;
-            }
-            // Two accumulator chains (even and odd products), half as long
-            // (+1-2% decode against one chain, bench/RESULTS.md).
-            float c[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-            for (u32 i = 0; i < MMAS; i += 2) {
-                mma_f16(c, af[i], bf[2 * i], bf[2 * i + 1]);
-                mma_f16(c2, af[i + 1], bf[2 * i + 2], bf[2 * i + 3]);
+                if constexpr (MR == 1) {
+                    tcg_a_pair<DT>(W, q, af[0][0], af[0][1]);
+                    mma_f16(c, af[0][0], v.x, v.y);
+                    mma_f16(c2, af[0][1], v.z, v.w);
+                } else {
+                    mma_f16(c, af[q][0], v.x, v.y);
+                    mma_f16(c2, af[q][1], v.z, v.w);
+                }
             }
 #pragma unroll
             for (u32 j = 0; j < 4; ++j) c[j] += c2[j];
