@@ -494,6 +494,11 @@ unsafe fn q4_rows_one<const R: usize, const Q41: bool>(
                 let s = _mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3));
                 _mm256_mul_ps(s, _mm256_set1_ps(-8.0))
             };
+            // Q4_0: the rows' scales d (f16) gathered in general registers
+            // and converted in one instruction, then broadcast from memory
+            // (+3% over a broadcast and a conversion per row and block;
+            // Q4_1 measured 4% slower this way and keeps the latter).
+            let mut dmf = [0f32; 4];
             if Q41 {
                 // The rows' minima m (f16) in lanes 0..R.
                 let mut mh = [0u16; 8];
@@ -502,11 +507,23 @@ unsafe fn q4_rows_one<const R: usize, const Q41: bool>(
                 }
                 let m = _mm_cvtph_ps(_mm_loadu_si128(mh.as_ptr() as *const __m128i));
                 accm = _mm_fmadd_ps(m, _mm_set1_ps(*sx.add(b * 8)), accm);
+            } else {
+                let mut dbits = 0u64;
+                for r in 0..R {
+                    let h = w.add(r * rb + b * bs) as *const u16;
+                    dbits |= u64::from(h.read_unaligned()) << (16 * r);
+                }
+                let dv = _mm_cvtph_ps(_mm_cvtsi64_si128(dbits as i64));
+                _mm_storeu_ps(dmf.as_mut_ptr(), dv);
             }
             for (r, a) in acc.iter_mut().enumerate() {
                 let p = w.add(r * rb + b * bs);
                 prefetch(p.wrapping_add(pf_ahead(R, rb, nb * bs)));
-                let d = bcast_f16(p);
+                let d = if Q41 {
+                    bcast_f16(p)
+                } else {
+                    _mm256_set1_ps(dmf[r])
+                };
                 // bytes 0..8 -> lanes: low nibbles = elements 0..8,
                 // high nibbles = elements 16..24; bytes 8..16 likewise.
                 let b0 = widen_u8(p.add(qoff));
