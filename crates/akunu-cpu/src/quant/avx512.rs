@@ -81,10 +81,24 @@ fn nibble_table(q41: bool) -> __m512 {
     }
 }
 
-/// Software prefetch distance (bytes ahead in each weight row stream). The
-/// 4-bit kernels prefetch at least one row group ahead (`R * rb`): with long
-/// rows (k = 1536) a fixed 1 KiB lands in rows the group is already reading.
+/// Software prefetch distance (bytes ahead in each weight row stream; see
+/// [`pf_ahead`]).
 const PF_DIST: usize = 1024;
+
+/// Bytes ahead of the current block to prefetch in a kernel over `r` weight
+/// rows of `row` bytes at a stride of `stride` bytes. Adjacent rows (the
+/// multi-row kernels) are one interleaved stream: prefetch at least one row
+/// group ahead (with long rows a fixed 1 KiB lands in rows the group is
+/// already reading). Rows of separate spans ([`gemv_rows`]) are each a
+/// stream of their own, which continues into the span's next row.
+#[inline(always)]
+fn pf_ahead(r: usize, stride: usize, row: usize) -> usize {
+    if stride == row {
+        PF_DIST.max(r * row)
+    } else {
+        PF_DIST
+    }
+}
 
 /// Prefetch hint for the cache line holding `p`; never faults, so `p` may
 /// point past the end of the weights (it is only formed with wrapping_add).
@@ -222,7 +236,11 @@ const MULTI_N: usize = 6;
 /// `y[n * ys + r]`.
 type RowKernel = unsafe fn(*const u8, usize, usize, *const f32, usize, *mut f32, usize);
 
-/// Runs `k4` over groups of 4 rows and `k1` over the remaining rows.
+/// Runs `k4` over groups of 4 rows and `k1` over the remaining rows. As in
+/// the AVX2 `gemv_rows`, the rows are cut into 4 equal spans and group `i`
+/// takes row `i` of each span (the kernel's row stride is the span's
+/// length): 4 long sequential streams per thread, which the hardware
+/// prefetchers follow, instead of 4 interleaved one-row streams.
 ///
 /// # Safety
 /// Features available; `w.len() >= y.len() * rb`, `x.len() == k`, and the
@@ -240,17 +258,20 @@ unsafe fn gemv_rows(
 ) {
     let n = y.len();
     let (wp, xp, yp) = (w.as_ptr(), x.as_ptr(), y.as_mut_ptr());
-    let mut r = 0;
-    while r + 4 <= n {
-        // SAFETY: rows r..r+4 lie within `w` (r + 4 <= n) and outputs
-        // r..r+4 within `y`; one input row (strides unused).
-        unsafe { k4(wp.add(r * rb), rb, k, xp, k, yp.add(r), 0) };
-        r += 4;
+    let span = n / 4;
+    let mut t = [0f32; 4];
+    for i in 0..span {
+        // SAFETY: rows i + j * span (j < 4) lie within `w` (i < span, 4 *
+        // span <= n); the kernel writes its 4 outputs to `t`; one input row
+        // (strides unused).
+        unsafe { k4(wp.add(i * rb), span * rb, k, xp, k, t.as_mut_ptr(), 0) };
+        for (j, v) in t.iter().enumerate() {
+            y[i + j * span] = *v;
+        }
     }
-    while r < n {
+    for r in 4 * span..n {
         // SAFETY: row r < n lies within `w`, output r within `y`.
         unsafe { k1(wp.add(r * rb), rb, k, xp, k, yp.add(r), 0) };
-        r += 1;
     }
 }
 
@@ -330,7 +351,7 @@ unsafe fn q4_rows_one<const R: usize, const Q41: bool>(
             let s = if Q41 { _mm512_add_ps(x0, x1) } else { x0 };
             for (r, a) in acc.iter_mut().enumerate() {
                 let p = w.add(r * rb + b * bs);
-                prefetch(p.wrapping_add(PF_DIST.max(R * rb)));
+                prefetch(p.wrapping_add(pf_ahead(R, rb, nb * bs)));
                 let d = bcast_f16(p);
                 // byte j -> lane j; low nibble = element j, high = j + 16.
                 let bw = widen_u8(p.add(qoff));
@@ -466,7 +487,7 @@ unsafe fn q4_rows<const R: usize, const N: usize, const Q41: bool>(
         unsafe {
             for (r, ar) in acc.iter_mut().enumerate() {
                 let p = w.add(r * rb + b * bs);
-                prefetch(p.wrapping_add(PF_DIST.max(R * rb)));
+                prefetch(p.wrapping_add(pf_ahead(R, rb, nb * bs)));
                 let d = bcast_f16(p);
                 // byte j -> lane j; low nibble = element j, high = j + 16.
                 let bw = widen_u8(p.add(qoff));

@@ -16,7 +16,10 @@
 //! # Kernel structure
 //! * GEMV processes 4 weight rows at a time so the `x` loads (and per-block
 //!   sums of `x`) are shared and 4 independent accumulator chains are in
-//!   flight. Nibbles/bytes are widened to 32-bit lanes and converted to f32
+//!   flight. The 4 rows come from the 4 quarters of the call's rows (one
+//!   long sequential stream per quarter, which the hardware prefetchers
+//!   follow; 4 adjacent rows made 4 short interleaved streams that they did
+//!   not). Nibbles/bytes are widened to 32-bit lanes and converted to f32
 //!   in registers; the block scale is applied once per block.
 //!   - Q4_0: `d * sum((q - 8) * x)`; the `-8` is folded into the
 //!     accumulator's start value `-8 * x` (AVX2) or into a 16-entry f32

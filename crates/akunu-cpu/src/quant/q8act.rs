@@ -271,7 +271,11 @@ pub(crate) fn gemv_q8_multi_with(
 #[cfg(target_arch = "x86_64")]
 type RowKernel = unsafe fn(*const u8, usize, usize, *const XPtr, *mut f32, usize);
 
-/// Runs `k4` over groups of 4 rows and `k1` over the remaining rows.
+/// Runs `k4` over groups of 4 rows and `k1` over the remaining rows. As in
+/// the f32 kernels' `gemv_rows`, the rows are cut into 4 equal spans and
+/// group `i` takes row `i` of each span (the kernel's row stride is the
+/// span's length): 4 long sequential streams per thread, which the
+/// hardware prefetchers follow, instead of 4 interleaved one-row streams.
 ///
 /// # Safety
 /// The CPU supports the kernels' features; `w.len() >= y.len() * rb`; `xq`
@@ -289,17 +293,20 @@ unsafe fn run_rows(
     let n = y.len();
     let x = XPtr::of(xq);
     let (wp, yp) = (w.as_ptr(), y.as_mut_ptr());
-    let mut r = 0;
-    while r + 4 <= n {
-        // SAFETY: rows r..r+4 lie within `w`, outputs r..r+4 within `y`;
-        // one activation row (stride unused).
-        unsafe { k4(wp.add(r * rb), rb, nb, &x, yp.add(r), 0) };
-        r += 4;
+    let span = n / 4;
+    let mut t = [0f32; 4];
+    for i in 0..span {
+        // SAFETY: rows i + j * span (j < 4) lie within `w` (i < span, 4 *
+        // span <= n); the kernel writes its 4 outputs to `t`; one
+        // activation row (stride unused).
+        unsafe { k4(wp.add(i * rb), span * rb, nb, &x, t.as_mut_ptr(), 0) };
+        for (j, v) in t.iter().enumerate() {
+            y[i + j * span] = *v;
+        }
     }
-    while r < n {
+    for r in 4 * span..n {
         // SAFETY: row r < n lies within `w`, output r within `y`.
         unsafe { k1(wp.add(r * rb), rb, nb, &x, yp.add(r), 0) };
-        r += 1;
     }
 }
 
@@ -345,11 +352,26 @@ unsafe fn run_multi(
     }
 }
 
-/// Software prefetch distance (bytes ahead in each weight row stream). The
-/// 4-bit kernels prefetch at least one row group ahead (`R * rb`): with long
-/// rows (k = 1536) a fixed 1 KiB lands in rows the group is already reading.
+/// Software prefetch distance (bytes ahead in each weight row stream; see
+/// [`pf_ahead`]).
 #[cfg(target_arch = "x86_64")]
 const PF_DIST: usize = 1024;
+
+/// Bytes ahead of the current block to prefetch in a kernel over `r` weight
+/// rows of `row` bytes at a stride of `stride` bytes. Adjacent rows (the
+/// multi-row kernels) are one interleaved stream: prefetch at least one row
+/// group ahead (with long rows a fixed 1 KiB lands in rows the group is
+/// already reading). Rows of separate spans ([`run_rows`]) are each a
+/// stream of their own, which continues into the span's next row.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn pf_ahead(r: usize, stride: usize, row: usize) -> usize {
+    if stride == row {
+        PF_DIST.max(r * row)
+    } else {
+        PF_DIST
+    }
+}
 
 /// Prefetch hint for the line holding `p` (formed with `wrapping_add`, may
 /// be past the end of the weights: a prefetch never faults).
@@ -457,7 +479,9 @@ mod scalar {
 /// SIMD level.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{DType, PF_DIST, Q8Act, QK, RowKernel, XPtr, prefetch, run_multi, run_rows};
+    use super::{
+        DType, PF_DIST, Q8Act, QK, RowKernel, XPtr, pf_ahead, prefetch, run_multi, run_rows,
+    };
     use core::arch::x86_64::*;
 
     /// Horizontal sum of 8 lanes.
@@ -663,7 +687,7 @@ mod avx2 {
                 }
                 for r in 0..R {
                     let p = w.add(r * rb + b * bs);
-                    prefetch(p.wrapping_add(PF_DIST.max(R * rb)));
+                    prefetch(p.wrapping_add(pf_ahead(R, rb, nb * bs)));
                     let v = nibbles(p.add(qoff));
                     for n in 0..N {
                         let mut isum = _mm256_madd_epi16(_mm256_maddubs_epi16(v, xq[n]), ones);
@@ -750,7 +774,9 @@ mod avx2 {
 #[cfg(target_arch = "x86_64")]
 mod vnni {
     use super::avx2::{bcast_f16, dm_pair, hsum, nibbles};
-    use super::{DType, PF_DIST, Q8Act, QK, RowKernel, XPtr, prefetch, run_multi, run_rows};
+    use super::{
+        DType, PF_DIST, Q8Act, QK, RowKernel, XPtr, pf_ahead, prefetch, run_multi, run_rows,
+    };
     use core::arch::x86_64::*;
 
     /// # Safety
@@ -847,7 +873,7 @@ mod vnni {
                 }
                 for r in 0..R {
                     let p = w.add(r * rb + b * bs);
-                    prefetch(p.wrapping_add(PF_DIST.max(R * rb)));
+                    prefetch(p.wrapping_add(pf_ahead(R, rb, nb * bs)));
                     let v = nibbles(p.add(qoff));
                     for n in 0..N {
                         let isum = _mm256_dpbusd_epi32(start[n], v, xq[n]);
