@@ -151,52 +151,58 @@ bench_one() { # NAME FILE [extra args]
         tee "$OUTDIR/bench-$name.log" | grep -E "^\||kernels|floor|error" || true
 }
 
-bench() {
-    echo "== benchmarks (synthetic shapes)"
+# For each SHAPE:TYPE of LIST, synthesises the model file (unless it is
+# there) and runs FUNC NAME FILE; 8B files are deleted after use (disk).
+each_shape() { # LIST FUNC
     local spec shape type f
-    for spec in ${BENCH_SHAPES:-smollm2-135m:q4_1 llama-1b:f16 llama-8b:q4_0 llama-8b:f16}; do
+    for spec in $1; do
         shape=${spec%%:*}
         type=${spec##*:}
         f=$STORE/$shape-$type.gguf
         synth_file "$shape" "$type" "$f"
-        bench_one "$shape-$type" "$f"
-        if [ "$shape" = llama-8b ]; then rm -f "$f"; fi # disk: big files only while used
+        "$2" "$shape-$type" "$f"
+        if [ "$shape" = llama-8b ]; then rm -f "$f"; fi
     done
+}
+
+bench() {
+    echo "== benchmarks (synthetic shapes)"
+    each_shape "${BENCH_SHAPES:-smollm2-135m:q4_1 llama-1b:f16 llama-8b:q4_0 llama-8b:f16}" bench_one
+}
+
+bench_ab_one() { # NAME FILE
+    AKUNU_CUDA_CUBLAS=0 bench_one "$1-nocublas" "$2" --no-bandwidth
+    AKUNU_CUDA_CUBLAS=1 bench_one "$1-cublas" "$2" --no-bandwidth
 }
 
 bench_ab() {
     echo "== prefill A/B: cuBLAS off (AKUNU_CUDA_CUBLAS=0), then on (synthetic shapes)"
-    local spec shape type f
-    for spec in ${BENCH_SHAPES:-llama-1b:f16 llama-8b:q4_0 llama-8b:f16}; do
-        shape=${spec%%:*}
-        type=${spec##*:}
-        f=$STORE/$shape-$type.gguf
-        synth_file "$shape" "$type" "$f"
-        AKUNU_CUDA_CUBLAS=0 bench_one "$shape-$type-nocublas" "$f" --no-bandwidth
-        AKUNU_CUDA_CUBLAS=1 bench_one "$shape-$type-cublas" "$f" --no-bandwidth
-        if [ "$shape" = llama-8b ]; then rm -f "$f"; fi # disk: big files only while used
-    done
+    each_shape "${BENCH_SHAPES:-llama-1b:f16 llama-8b:q4_0 llama-8b:f16}" bench_ab_one
+}
+
+ncu_one() { # NAME FILE
+    timeout 240 ncu --clock-control none --kernel-name regex:'k_gemv' --launch-skip 200 \
+        --launch-count "${NCU_COUNT:-8}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --metrics smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_barrier_per_warp_active.pct,smsp__warp_issue_stalled_short_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_wait_per_warp_active.pct,smsp__warp_issue_stalled_lg_throttle_per_warp_active.pct,smsp__warp_issue_stalled_mio_throttle_per_warp_active.pct,smsp__warp_issue_stalled_math_pipe_throttle_per_warp_active.pct,smsp__warp_issue_stalled_no_instruction_per_warp_active.pct,smsp__warp_issue_stalled_membar_per_warp_active.pct,smsp__warp_issue_stalled_selected_per_warp_active.pct,smsp__warp_issue_stalled_sleeping_per_warp_active.pct,smsp__warp_issue_stalled_dispatch_stall_per_warp_active.pct,smsp__warp_issue_stalled_drain_per_warp_active.pct,smsp__warp_issue_stalled_imc_miss_per_warp_active.pct,smsp__warp_issue_stalled_misc_per_warp_active.pct,smsp__warp_issue_stalled_branch_resolving_per_warp_active.pct \
+        --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats \
+        "$BIN/akunu" generate -m "$2" --device cuda --prompt-ids 1,2,3 -n 80 --ignore-eos \
+        --chunk 16 >"$OUTDIR/ncu-$1.txt" 2>&1 || echo "ncu failed (rc $?)"
+    grep -E "k_gemv|stalled|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Theoretical Occupancy|Block Limit|Grid Size|One or More" \
+        "$OUTDIR/ncu-$1.txt" | head -120
 }
 
 # Hardware counters of the decode gemv kernels (Nsight Compute; works on the
 # Firecracker machines only): speed of light, memory, occupancy, warp stalls.
 ncu_gemv() {
     echo "== ncu: decode gemv kernels (synthetic shapes)"
-    local spec shape type f
-    for spec in ${NCU_SHAPES:-llama-8b:q4_0 llama-1b:f16}; do
-        shape=${spec%%:*}
-        type=${spec##*:}
-        f=$STORE/$shape-$type.gguf
-        synth_file "$shape" "$type" "$f"
-        timeout 240 ncu --clock-control none --kernel-name regex:'k_gemv' --launch-skip 200 \
-            --launch-count ${NCU_COUNT:-8} --section SpeedOfLight --section MemoryWorkloadAnalysis \
-            --metrics smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_barrier_per_warp_active.pct,smsp__warp_issue_stalled_short_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_wait_per_warp_active.pct,smsp__warp_issue_stalled_lg_throttle_per_warp_active.pct,smsp__warp_issue_stalled_mio_throttle_per_warp_active.pct,smsp__warp_issue_stalled_math_pipe_throttle_per_warp_active.pct,smsp__warp_issue_stalled_no_instruction_per_warp_active.pct,smsp__warp_issue_stalled_membar_per_warp_active.pct,smsp__warp_issue_stalled_selected_per_warp_active.pct,smsp__warp_issue_stalled_sleeping_per_warp_active.pct,smsp__warp_issue_stalled_dispatch_stall_per_warp_active.pct,smsp__warp_issue_stalled_drain_per_warp_active.pct,smsp__warp_issue_stalled_imc_miss_per_warp_active.pct,smsp__warp_issue_stalled_misc_per_warp_active.pct,smsp__warp_issue_stalled_branch_resolving_per_warp_active.pct \
-            --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats \
-            "$BIN/akunu" generate -m "$f" --device cuda --prompt-ids 1,2,3 -n 80 --ignore-eos \
-            --chunk 16 >"$OUTDIR/ncu-$shape-$type.txt" 2>&1 || echo "ncu failed (rc $?)"
-        grep -E "k_gemv|stalled|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Theoretical Occupancy|Block Limit|Grid Size|One or More" \
-            "$OUTDIR/ncu-$shape-$type.txt" | head -120
-        if [ "$shape" = llama-8b ]; then rm -f "$f"; fi
+    each_shape "${NCU_SHAPES:-llama-8b:q4_0 llama-1b:f16}" ncu_one
+}
+
+tcg_ab_one() { # NAME FILE
+    local v
+    for v in 0 1; do
+        AKUNU_CUDA_TCG=$v "$BIN/akunu" bench -m "$2" --device cuda -p 0 -n 128 -r 5 2>&1 |
+            tee "$OUTDIR/tcg-$1-$v.log" | grep -E "tg128|floor|error" | sed "s/^/TCG=$v /" || true
     done
 }
 
@@ -204,17 +210,16 @@ ncu_gemv() {
 # then on, on the same binaries (synthetic shapes).
 tcg_ab() {
     echo "== decode A/B: tensor-core gemv off (AKUNU_CUDA_TCG=0), then on"
-    local spec shape type f
-    for spec in ${BENCH_SHAPES:-smollm2-135m:q4_1 llama-1b:f16 llama-8b:q4_0 llama-8b:f16}; do
-        shape=${spec%%:*}
-        type=${spec##*:}
-        f=$STORE/$shape-$type.gguf
-        synth_file "$shape" "$type" "$f"
-        for v in 0 1; do
-            AKUNU_CUDA_TCG=$v "$BIN/akunu" bench -m "$f" --device cuda -p 0 -n 128 -r 5 2>&1 |
-                tee "$OUTDIR/tcg-$shape-$type-$v.log" | grep -E "tg128|floor|error" | sed "s/^/TCG=$v /" || true
-        done
-        if [ "$shape" = llama-8b ]; then rm -f "$f"; fi
+    each_shape "${BENCH_SHAPES:-smollm2-135m:q4_1 llama-1b:f16 llama-8b:q4_0 llama-8b:f16}" tcg_ab_one
+}
+
+tcg_split_one() { # NAME FILE
+    local v sp defs
+    for v in ${SPLITS:-- 8}; do
+        IFS=: read -r sp defs <<<"$v"
+        AKUNU_CUDA_DEFINES="${defs//,/ }" AKUNU_CUDA_TCG_SPLIT=$sp \
+            "$BIN/akunu" bench -m "$2" --device cuda -p 0 -n 128 -r 3 --no-bandwidth 2>&1 |
+            grep -E "tg128|error" | sed "s/^/$1 $v /" | sed 's/| akunu synthetic.*prefill//' || true
     done
 }
 
@@ -224,20 +229,7 @@ tcg_ab() {
 # -DTCG_SV=1 or -DTCG_AHEAD_Q4=2).
 tcg_split() {
     echo "== decode: tensor-core gemv variants"
-    local spec shape type f v sp defs
-    for spec in ${BENCH_SHAPES:-llama-8b:q4_0 llama-8b:f16 llama-1b:f16 smollm2-135m:q4_1}; do
-        shape=${spec%%:*}
-        type=${spec##*:}
-        f=$STORE/$shape-$type.gguf
-        synth_file "$shape" "$type" "$f"
-        for v in ${SPLITS:-- 8}; do
-            IFS=: read -r sp defs <<<"$v"
-            AKUNU_CUDA_DEFINES="${defs//,/ }" AKUNU_CUDA_TCG_SPLIT=$sp \
-                "$BIN/akunu" bench -m "$f" --device cuda -p 0 -n 128 -r 3 --no-bandwidth 2>&1 |
-                grep -E "tg128|error" | sed "s/^/$shape-$type $v /" | sed 's/| akunu synthetic.*prefill//' || true
-        done
-        if [ "$shape" = llama-8b ]; then rm -f "$f"; fi
-    done
+    each_shape "${BENCH_SHAPES:-llama-8b:q4_0 llama-8b:f16 llama-1b:f16 smollm2-135m:q4_1}" tcg_split_one
 }
 
 profile() {
@@ -247,16 +239,13 @@ profile() {
     "$BIN/akunu" profile -m "$f" --device cuda -n 32 2>&1 | tee "$OUTDIR/profile-smollm2.log" | head -40
 }
 
+profile_big_one() { # NAME FILE
+    "$BIN/akunu" profile -m "$2" --device cuda -n 16 2>&1 | tee "$OUTDIR/profile-$1.log" | head -24
+}
+
 profile_big() {
     echo "== profile (synthetic llama-1b f16, llama-8b q4_0)"
-    local spec shape type f
-    for spec in ${PROFILE_SHAPES:-llama-1b:f16 llama-8b:q4_0}; do
-        shape=${spec%%:*}
-        type=${spec##*:}
-        f=$STORE/$shape-$type.gguf
-        synth_file "$shape" "$type" "$f"
-        "$BIN/akunu" profile -m "$f" --device cuda -n 16 2>&1 | tee "$OUTDIR/profile-$shape-$type.log" | head -24
-    done
+    each_shape "${PROFILE_SHAPES:-llama-1b:f16 llama-8b:q4_0}" profile_big_one
 }
 
 trace() {

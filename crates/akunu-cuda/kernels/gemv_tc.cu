@@ -326,9 +326,8 @@ __device__ __forceinline__ void tcg_stage(const Bind& b, const GemvParams& p, co
                 float e[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
                 const float f[4] = {u[i].x, u[i].y, u[i].z, u[i].w};
                 if (act != ACT_NONE) {
-                    const bool ge = act == ACT_GEGLU;
 #pragma unroll
-                    for (u32 c = 0; c < 4; ++c) e[c] = (ge ? gelu_tanh(e[c]) : silu(e[c])) * f[c];
+                    for (u32 c = 0; c < 4; ++c) e[c] = gated(e[c], f[c], act);
                 } else if (nw) {
 #pragma unroll
                     for (u32 c = 0; c < 4; ++c) e[c] = e[c] * sc * f[c];

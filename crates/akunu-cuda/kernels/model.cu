@@ -202,12 +202,15 @@ __device__ __forceinline__ float gelu_tanh(float x) {
     return 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x)));
 }
 
+// The gated activation (ACT_SWIGLU or ACT_GEGLU) of gate g and up u.
+__device__ __forceinline__ float gated(float g, float u, u32 act) {
+    return (act == ACT_GEGLU ? gelu_tanh(g) : silu(g)) * u;
+}
+
 // Element j of the product's input row `xr` (k wide, or [gate | up] of
 // width 2k with a gated activation).
 __device__ __forceinline__ float gemv_input(const float* __restrict__ xr, u32 j, u32 k, u32 act) {
-    if (act == ACT_SWIGLU) return silu(xr[j]) * xr[k + j];
-    if (act == ACT_GEGLU) return gelu_tanh(xr[j]) * xr[k + j];
-    return xr[j];
+    return act == ACT_NONE ? xr[j] : gated(xr[j], xr[k + j], act);
 }
 
 __device__ __forceinline__ u32 gemv_total_rows(const GemvParams& p) {
@@ -725,11 +728,10 @@ __device__ __forceinline__ float stage_row_vec(const float* __restrict__ xr, flo
             if (j < k) {
                 float4 t = v[i];
                 if (ACT) {
-                    const bool ge = act == ACT_GEGLU;
-                    t.x = (ge ? gelu_tanh(t.x) : silu(t.x)) * g[i].x;
-                    t.y = (ge ? gelu_tanh(t.y) : silu(t.y)) * g[i].y;
-                    t.z = (ge ? gelu_tanh(t.z) : silu(t.z)) * g[i].z;
-                    t.w = (ge ? gelu_tanh(t.w) : silu(t.w)) * g[i].w;
+                    t.x = gated(t.x, g[i].x, act);
+                    t.y = gated(t.y, g[i].y, act);
+                    t.z = gated(t.z, g[i].z, act);
+                    t.w = gated(t.w, g[i].w, act);
                 }
                 ss += t.x * t.x + t.y * t.y + t.z * t.z + t.w * t.w;
                 *(float4*)(dst + xs_at(j)) = t;
@@ -1306,7 +1308,7 @@ __device__ __forceinline__ void gemm_input4(const float* __restrict__ xr, u32 j,
             const float up[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
             for (u32 i = 0; i < 4; ++i)
-                v[i] = (act == ACT_GEGLU ? gelu_tanh(v[i]) : silu(v[i])) * up[i];
+                v[i] = gated(v[i], up[i], act);
         }
     } else {
 #pragma unroll

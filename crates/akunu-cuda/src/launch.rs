@@ -336,9 +336,7 @@ pub fn decode_rows(be: &CudaBackend, table: &DispatchTable) -> u32 {
                 // of a step would not be computed as a one-row step's.
                 if let Some(dt) = tcg_type(&p) {
                     let tc_budget = be.smem_optin().saturating_sub(TCG_STATIC_SMEM) as u64;
-                    let fixed = tcg_smem(dt, p.k, 0);
-                    let per_row = tcg_smem(dt, p.k, 1) - fixed;
-                    r = r.min(tc_budget.saturating_sub(fixed) / per_row.max(1));
+                    r = r.min(tc_budget / tcg_smem(dt, p.k, 1).max(1));
                 }
             }
             KernelId::Attention => {

@@ -547,6 +547,22 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
         chain_advance: get("k_chain_advance")?,
         clock_probe: get("k_clock_probe")?,
     };
+    // Kernels that take more dynamic shared memory than the default 48 KB
+    // must say so per function.
+    let allow_smem = |f: sys::CUfunction, bytes: i32, what: &str| {
+        // SAFETY: valid function handle; callers pass at most the device's
+        // opt-in limit (less the kernel's static shared memory).
+        check(
+            unsafe {
+                sys::cuFuncSetAttribute(
+                    f,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes,
+                )
+            },
+            &format!("raising the {what} shared-memory limit"),
+        )
+    };
     // The matrix-vector kernels stage their input rows in shared memory:
     // allow them the device's whole opt-in amount.
     let typed = k
@@ -555,30 +571,13 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
         .flat_map(|t| std::iter::once(t.1).chain(t.2));
     let v8 = std::iter::once(k.gemv_v8).chain(k.gemv_typed_v8.iter().map(|t| t.1));
     for f in std::iter::once(k.gemv).chain(typed).chain(v8) {
-        // SAFETY: valid function handle; the value is the device's own limit.
-        check(
-            unsafe {
-                sys::cuFuncSetAttribute(
-                    f,
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem_optin - launch::GEMV_STATIC_SMEM as i32,
-                )
-            },
-            "raising the gemv shared-memory limit",
-        )?;
+        allow_smem(f, smem_optin - launch::GEMV_STATIC_SMEM as i32, "gemv")?;
     }
     for f in k.gemv_tc.iter().flat_map(|t| [t.1, t.2]) {
-        // SAFETY: valid function handle; the value is within the device's
-        // limit (less the kernel's static shared memory).
-        check(
-            unsafe {
-                sys::cuFuncSetAttribute(
-                    f,
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem_optin - launch::TCG_STATIC_SMEM as i32,
-                )
-            },
-            "raising the tensor-core gemv shared-memory limit",
+        allow_smem(
+            f,
+            smem_optin - launch::TCG_STATIC_SMEM as i32,
+            "tensor-core gemv",
         )?;
     }
     // The flash prefill attention kernels take their tiles as dynamic
@@ -589,17 +588,7 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
             continue;
         }
         let f = get(&format!("k_attn_flash_{width}"))?;
-        // SAFETY: valid function handle; the value is within the device's limit.
-        check(
-            unsafe {
-                sys::cuFuncSetAttribute(
-                    f,
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    bytes as i32,
-                )
-            },
-            "raising the flash attention shared-memory limit",
-        )?;
+        allow_smem(f, bytes as i32, "flash attention")?;
         *slot = Some((f, bytes));
     }
     Ok(k)

@@ -7,6 +7,7 @@
 //! (checked with `assert!` in `mod.rs` before the call). Inner loops then
 //! read through raw pointers whose offsets stay inside those lengths.
 
+use super::stream::{PF_DIST, pf_ahead, prefetch};
 use super::{QK, blocks, row_bytes};
 use akunu_core::dtype::DType;
 use core::arch::x86_64::*;
@@ -61,19 +62,6 @@ unsafe fn widen_u8(p: *const u8) -> __m256i {
 unsafe fn widen_i8(p: *const u8) -> __m256i {
     // SAFETY: the caller guarantees 8 readable bytes (unaligned load).
     _mm256_cvtepi8_epi32(unsafe { _mm_loadl_epi64(p as *const __m128i) })
-}
-
-/// Software prefetch distance (bytes ahead in each weight row stream; see
-/// [`pf_ahead`]).
-const PF_DIST: usize = 1024;
-
-/// Prefetch hint for the cache line holding `p`; never faults, so `p` may
-/// point past the end of the weights (it is only formed with wrapping_add).
-#[inline(always)]
-fn prefetch(p: *const u8) {
-    // SAFETY: prefetch is a hint: it performs no architectural memory
-    // access and cannot fault, whatever the address.
-    unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
 }
 
 const T_F32: u8 = 0;
@@ -228,21 +216,6 @@ unsafe fn gemv_rows(
     for r in 4 * span..n {
         // SAFETY: row r < n lies within `w`, output r within `y`.
         unsafe { k1(wp.add(r * rb), rb, k, xp, k, yp.add(r), 0, sx) };
-    }
-}
-
-/// Bytes ahead of the current block to prefetch in a kernel over `r` weight
-/// rows of `row` bytes at a stride of `stride` bytes. Adjacent rows (the
-/// multi-row kernels) are one interleaved stream: prefetch at least one row
-/// group ahead (with long rows a fixed 1 KiB lands in rows the group is
-/// already reading). Rows of separate spans ([`gemv_rows`]) are each a
-/// stream of their own, which continues into the span's next row.
-#[inline(always)]
-fn pf_ahead(r: usize, stride: usize, row: usize) -> usize {
-    if stride == row {
-        PF_DIST.max(r * row)
-    } else {
-        PF_DIST
     }
 }
 

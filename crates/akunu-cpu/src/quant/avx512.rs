@@ -12,6 +12,7 @@
 //! `vpermps` (`_mm512_permutexvar_ps` only looks at the low 4 bits of each
 //! index lane, so the low nibble needs no masking).
 
+use super::stream::{PF_DIST, pf_ahead, prefetch};
 use super::{QK, blocks, row_bytes};
 use akunu_core::dtype::DType;
 use core::arch::x86_64::*;
@@ -79,34 +80,6 @@ fn nibble_table(q41: bool) -> __m512 {
     } else {
         _mm512_sub_ps(t, _mm512_set1_ps(8.0))
     }
-}
-
-/// Software prefetch distance (bytes ahead in each weight row stream; see
-/// [`pf_ahead`]).
-const PF_DIST: usize = 1024;
-
-/// Bytes ahead of the current block to prefetch in a kernel over `r` weight
-/// rows of `row` bytes at a stride of `stride` bytes. Adjacent rows (the
-/// multi-row kernels) are one interleaved stream: prefetch at least one row
-/// group ahead (with long rows a fixed 1 KiB lands in rows the group is
-/// already reading). Rows of separate spans ([`gemv_rows`]) are each a
-/// stream of their own, which continues into the span's next row.
-#[inline(always)]
-fn pf_ahead(r: usize, stride: usize, row: usize) -> usize {
-    if stride == row {
-        PF_DIST.max(r * row)
-    } else {
-        PF_DIST
-    }
-}
-
-/// Prefetch hint for the cache line holding `p`; never faults, so `p` may
-/// point past the end of the weights (it is only formed with wrapping_add).
-#[inline(always)]
-fn prefetch(p: *const u8) {
-    // SAFETY: prefetch is a hint: it performs no architectural memory
-    // access and cannot fault, whatever the address.
-    unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
 }
 
 const T_F32: u8 = 0;

@@ -352,37 +352,6 @@ unsafe fn run_multi(
     }
 }
 
-/// Software prefetch distance (bytes ahead in each weight row stream; see
-/// [`pf_ahead`]).
-#[cfg(target_arch = "x86_64")]
-const PF_DIST: usize = 1024;
-
-/// Bytes ahead of the current block to prefetch in a kernel over `r` weight
-/// rows of `row` bytes at a stride of `stride` bytes. Adjacent rows (the
-/// multi-row kernels) are one interleaved stream: prefetch at least one row
-/// group ahead (with long rows a fixed 1 KiB lands in rows the group is
-/// already reading). Rows of separate spans ([`run_rows`]) are each a
-/// stream of their own, which continues into the span's next row.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn pf_ahead(r: usize, stride: usize, row: usize) -> usize {
-    if stride == row {
-        PF_DIST.max(r * row)
-    } else {
-        PF_DIST
-    }
-}
-
-/// Prefetch hint for the line holding `p` (formed with `wrapping_add`, may
-/// be past the end of the weights: a prefetch never faults).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn prefetch(p: *const u8) {
-    use core::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-    // SAFETY: prefetch is a hint: no architectural memory access, no fault.
-    unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
-}
-
 mod scalar {
     use super::{DType, Q8Act, QK, f16_at};
 
@@ -479,9 +448,8 @@ mod scalar {
 /// SIMD level.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{
-        DType, PF_DIST, Q8Act, QK, RowKernel, XPtr, pf_ahead, prefetch, run_multi, run_rows,
-    };
+    use super::super::stream::{PF_DIST, pf_ahead, prefetch};
+    use super::{DType, Q8Act, QK, RowKernel, XPtr, run_multi, run_rows};
     use core::arch::x86_64::*;
 
     /// Horizontal sum of 8 lanes.
@@ -773,10 +741,9 @@ mod avx2 {
 /// AVX-512 VNNI kernels (256-bit `vpdpbusd`, AVX-512VL encoding).
 #[cfg(target_arch = "x86_64")]
 mod vnni {
+    use super::super::stream::{PF_DIST, pf_ahead, prefetch};
     use super::avx2::{bcast_f16, dm_pair, hsum, nibbles};
-    use super::{
-        DType, PF_DIST, Q8Act, QK, RowKernel, XPtr, pf_ahead, prefetch, run_multi, run_rows,
-    };
+    use super::{DType, Q8Act, QK, RowKernel, XPtr, run_multi, run_rows};
     use core::arch::x86_64::*;
 
     /// # Safety
