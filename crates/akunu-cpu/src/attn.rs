@@ -10,16 +10,8 @@
 
 #![cfg(target_arch = "x86_64")]
 
+use crate::quant::x86::hsum;
 use core::arch::x86_64::*;
-
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    _mm_cvtss_f32(s)
-}
 
 /// e^x in 8 lanes: `kernels::exp_fast`'s method (range reduction by
 /// Cody-Waite, degree-7 Taylor polynomial) with FMAs; relative error below

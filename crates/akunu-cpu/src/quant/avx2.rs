@@ -7,20 +7,10 @@
 //! (checked with `assert!` in `mod.rs` before the call). Inner loops then
 //! read through raw pointers whose offsets stay inside those lengths.
 
-use super::stream::{PF_DIST, pf_ahead, prefetch};
+use super::x86::{PF_DIST, hsum, pf_ahead, prefetch};
 use super::{QK, blocks, row_bytes};
 use akunu_core::dtype::DType;
 use core::arch::x86_64::*;
-
-/// Horizontal sum of 8 lanes.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    _mm_cvtss_f32(s)
-}
 
 /// Horizontal sums of four vectors: `[sum(a0), sum(a1), sum(a2), sum(a3)]`.
 #[inline]

@@ -12,7 +12,7 @@
 //! `vpermps` (`_mm512_permutexvar_ps` only looks at the low 4 bits of each
 //! index lane, so the low nibble needs no masking).
 
-use super::stream::{PF_DIST, pf_ahead, prefetch};
+use super::x86::{PF_DIST, pf_ahead, prefetch};
 use super::{QK, blocks, row_bytes};
 use akunu_core::dtype::DType;
 use core::arch::x86_64::*;

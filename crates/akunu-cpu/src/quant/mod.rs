@@ -52,7 +52,7 @@ mod neon;
 
 pub mod q8act;
 #[cfg(target_arch = "x86_64")]
-mod stream;
+pub(crate) mod x86;
 pub use q8act::{Q8Act, gemv_q8, gemv_q8_multi, supports_q8};
 
 /// Elements per quantization block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).

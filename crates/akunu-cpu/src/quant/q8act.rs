@@ -448,18 +448,9 @@ mod scalar {
 /// SIMD level.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::super::stream::{PF_DIST, pf_ahead, prefetch};
+    use super::super::x86::{PF_DIST, hsum, pf_ahead, prefetch};
     use super::{DType, Q8Act, QK, RowKernel, XPtr, run_multi, run_rows};
     use core::arch::x86_64::*;
-
-    /// Horizontal sum of 8 lanes.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
-    }
 
     /// The f16 at `p` converted and broadcast to 8 lanes.
     ///
@@ -741,8 +732,8 @@ mod avx2 {
 /// AVX-512 VNNI kernels (256-bit `vpdpbusd`, AVX-512VL encoding).
 #[cfg(target_arch = "x86_64")]
 mod vnni {
-    use super::super::stream::{PF_DIST, pf_ahead, prefetch};
-    use super::avx2::{bcast_f16, dm_pair, hsum, nibbles};
+    use super::super::x86::{PF_DIST, hsum, pf_ahead, prefetch};
+    use super::avx2::{bcast_f16, dm_pair, nibbles};
     use super::{DType, Q8Act, QK, RowKernel, XPtr, run_multi, run_rows};
     use core::arch::x86_64::*;
 

@@ -1,9 +1,12 @@
-//! Software prefetch for the x86 weight-streaming kernels (`avx2`, `avx512`,
-//! `q8act`): one distance rule for all of them.
+//! Helpers shared by the x86 kernels (`avx2`, `avx512`, `q8act`, and the
+//! attention kernel in `attn.rs`): software prefetch with one distance rule
+//! for every weight stream, and the 8-lane horizontal sum.
+
+use core::arch::x86_64::*;
 
 /// Software prefetch distance (bytes ahead in each weight row stream; see
 /// [`pf_ahead`]).
-pub(super) const PF_DIST: usize = 1024;
+pub(crate) const PF_DIST: usize = 1024;
 
 /// Bytes ahead of the current block to prefetch in a kernel over `r` weight
 /// rows of `row` bytes at a stride of `stride` bytes. Adjacent rows (the
@@ -13,7 +16,7 @@ pub(super) const PF_DIST: usize = 1024;
 /// row groups) are each a stream of their own, which continues into the
 /// span's next row.
 #[inline(always)]
-pub(super) fn pf_ahead(r: usize, stride: usize, row: usize) -> usize {
+pub(crate) fn pf_ahead(r: usize, stride: usize, row: usize) -> usize {
     if stride == row {
         PF_DIST.max(r * row)
     } else {
@@ -24,9 +27,18 @@ pub(super) fn pf_ahead(r: usize, stride: usize, row: usize) -> usize {
 /// Prefetch hint for the cache line holding `p`; never faults, so `p` may
 /// point past the end of the weights (it is only formed with wrapping_add).
 #[inline(always)]
-pub(super) fn prefetch(p: *const u8) {
-    use core::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+pub(crate) fn prefetch(p: *const u8) {
     // SAFETY: prefetch is a hint: it performs no architectural memory
     // access and cannot fault, whatever the address.
     unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
+}
+
+/// Horizontal sum of 8 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
 }
