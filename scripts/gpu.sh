@@ -13,6 +13,7 @@
 #   scripts/gpu.sh run WHAT...    (on the GPU machine, from the repository
 #                                 root, with .gpu carried) runs, in order,
 #                                 each WHAT of: tests, sanitize, bench, bench-ab,
+#                                 ab (AB_VAR, AB_VALUES, AB_ROUNDS), tcg-ab,
 #                                 profile, profile-big, trace, features,
 #                                 model-part1, model-part2, model-part3,
 #                                 model, sampler (needs the model), attn,
@@ -198,19 +199,28 @@ ncu_gemv() {
     each_shape "${NCU_SHAPES:-llama-8b:q4_0 llama-1b:f16}" ncu_one
 }
 
-tcg_ab_one() { # NAME FILE
-    local v
-    for v in 0 1; do
-        AKUNU_CUDA_TCG=$v "$BIN/akunu" bench -m "$2" --device cuda -p 0 -n 128 -r 5 2>&1 |
-            tee "$OUTDIR/tcg-$1-$v.log" | grep -E "tg128|floor|error" | sed "s/^/TCG=$v /" || true
+ab_one() { # NAME FILE
+    local v r
+    for r in $(seq "${AB_ROUNDS:-1}"); do
+        for v in ${AB_VALUES:-0 1}; do
+            env "$AB_VAR=$v" "$BIN/akunu" bench -m "$2" --device cuda -p 0 -n 128 -r 5 2>&1 |
+                tee "$OUTDIR/ab-$1-$AB_VAR-$v-$r.log" | grep -E "tg128|floor|kernels|error" |
+                sed "s/^/$1 $AB_VAR=$v /" || true
+        done
     done
 }
 
+# Decode A/B of a developer switch on the same binaries: AB_VAR takes each
+# of AB_VALUES (default 0 1) in turn, AB_ROUNDS times (synthetic shapes).
+ab() {
+    echo "== decode A/B of $AB_VAR over ${AB_VALUES:-0 1}"
+    each_shape "${BENCH_SHAPES:-smollm2-135m:q4_1 llama-1b:f16 llama-8b:q4_0 llama-8b:f16}" ab_one
+}
+
 # Decode A/B of the tensor-core gemv: AKUNU_CUDA_TCG=0 (the f32 kernels),
-# then on, on the same binaries (synthetic shapes).
+# then on.
 tcg_ab() {
-    echo "== decode A/B: tensor-core gemv off (AKUNU_CUDA_TCG=0), then on"
-    each_shape "${BENCH_SHAPES:-smollm2-135m:q4_1 llama-1b:f16 llama-8b:q4_0 llama-8b:f16}" tcg_ab_one
+    AB_VAR=AKUNU_CUDA_TCG ab
 }
 
 tcg_split_one() { # NAME FILE
@@ -443,6 +453,7 @@ run)
         bench) bench ;;
         bench-ab) bench_ab ;;
         ncu) ncu_gemv ;;
+        ab) ab ;;
         tcg-ab) tcg_ab ;;
         tcg-split) tcg_split ;;
         profile) profile ;;

@@ -1418,6 +1418,34 @@ k_gemm_dequant(Bind b, GemvParams p, StepArg a, u16* __restrict__ ws, u32 o0, u3
 // rotated itself, so no barrier is needed. The angle is computed in f64 as
 // the CPU does; sincospi avoids the slow-path argument reduction of sin/cos.
 // ---------------------------------------------------------------------------
+// cos and sin of pair i's angle at position pos: theta^(-2i / rope_dim),
+// divided by the frequency factor when there is one, times pos * freq_scale.
+// Shared by k_rope_kv_write and the rotation fused into k_attn_decode, so
+// both give the same bits (speculative verification compares a fused
+// one-row step with unfused multi-row steps bit for bit).
+__device__ __forceinline__ void rope_cs(u32 pos, u32 i, u32 rope_dim, float theta, float freq_scale,
+                                        const float* __restrict__ ff, float& c, float& s) {
+    double inv = pow((double)theta, -2.0 * (double)i / (double)rope_dim);
+    if (ff) inv /= (double)ff[i];
+    double sn, cs;
+    sincospi((double)pos * (double)freq_scale * inv * 0.318309886183790671538, &sn, &cs);  // angle / pi
+    c = (float)cs;
+    s = (float)sn;
+}
+
+// The rotated pair, with the roundings spelled out so that no caller's
+// context can contract them differently.
+__device__ __forceinline__ void rope_rotate(float x0, float x1, float c, float s, float& y0, float& y1) {
+    y0 = __fmaf_rn(x0, c, -__fmul_rn(x1, s));
+    y1 = __fmaf_rn(x0, s, __fmul_rn(x1, c));
+}
+
+// Indices of pair i: adjacent (GGUF Llama) or split halves (NeoX).
+__device__ __forceinline__ void rope_pair(u32 i, u32 half, bool neox, u32& ia, u32& ib) {
+    ia = neox ? i : 2 * i;
+    ib = neox ? i + half : 2 * i + 1;
+}
+
 extern "C" __global__ void __launch_bounds__(64)
 k_rope_kv_write(Bind b, RopeParams p, StepArg a) {
     AKUNU_PROLOGUE(a);
@@ -1430,7 +1458,6 @@ k_rope_kv_write(Bind b, RopeParams p, StepArg a) {
     const u32 j = is_k ? y - p.n_heads : 0;  // kv head (K blocks only)
     float* __restrict__ kdst = (float*)b.p[1] + ((u64)j * p.capacity + pos) * hd;
     const float* __restrict__ ff = (const float*)b.p[3];
-    const double ppos = (double)pos * (double)p.freq_scale;
     const bool neox = p.style == ROPE_NEOX;
 
     if (p.qk_norm) {
@@ -1449,14 +1476,12 @@ k_rope_kv_write(Bind b, RopeParams p, StepArg a) {
     }
 
     for (u32 i = threadIdx.x; i < half; i += blockDim.x) {
-        double inv = pow((double)p.theta, -2.0 * (double)i / (double)p.rope_dim);
-        if (p.freq_factors) inv /= (double)ff[i];
-        double sn, cs;
-        sincospi(ppos * inv * 0.318309886183790671538, &sn, &cs);  // angle / pi
-        const float c = (float)cs, s = (float)sn;
-        const u32 ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
-        const float x0 = x[ia], x1 = x[ib];
-        const float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
+        float c, s;
+        rope_cs(pos, i, p.rope_dim, p.theta, p.freq_scale, p.freq_factors ? ff : nullptr, c, s);
+        u32 ia, ib;
+        rope_pair(i, half, neox, ia, ib);
+        float y0, y1;
+        rope_rotate(x[ia], x[ib], c, s, y0, y1);
         x[ia] = y0;
         x[ib] = y1;
         if (is_k) {
@@ -1510,8 +1535,9 @@ __device__ __forceinline__ u32 attn_chunk(u32 kv, u32 n_split) {
 // through shared memory and the split's (m, l, acc) written to `part`.
 template <int NI>
 __device__ __forceinline__ void attn_decode_body(const Bind& b, const AttnParams& p, u32 kv,
-                                                 float* __restrict__ part, u32 n_split,
-                                                 float* sm_m, float* sm_l, float* sm_acc) {
+                                                 const float* q_rot, float* __restrict__ part,
+                                                 u32 n_split, float* sm_m, float* sm_l,
+                                                 float* sm_acc) {
     const u32 h = blockIdx.x, sp = blockIdx.y, hd = p.head_dim;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 g = h / (p.n_heads / p.n_kv_heads);
@@ -1521,7 +1547,9 @@ __device__ __forceinline__ void attn_decode_body(const Bind& b, const AttnParams
     const int j1 = min(j0 + chunk, (int)kv);
     j0 = max(j0, attn_first_key(pos, p.window));
 
-    const float* __restrict__ qp = (const float*)b.p[0] + (u64)h * hd;
+    // The query: the head's row of QKV, or its rotation staged by the
+    // fused RoPE (`attn_rope_prep`).
+    const float* qp = q_rot ? q_rot : (const float*)b.p[0] + (u64)h * hd;
     const float* __restrict__ K = (const float*)b.p[1] + (u64)g * p.capacity * hd;
     const float* __restrict__ V = (const float*)b.p[2] + (u64)g * p.capacity * hd;
     float q[NI], acc[NI];
@@ -1688,6 +1716,60 @@ __device__ __forceinline__ void attn_combine_head(const float* ph, u32 hd, u32 n
     }
 }
 
+// Launch-time fusion of the RoPE + KV write that precedes decode attention
+// in a one-row step (launch.rs, `fusion::rope_into_attention`): the
+// rotation's parameters; `on` = 0 for plain attention.
+struct RopeExtra {
+    const float* ff;  // frequency divisors, or null
+    u32 on;
+    u32 rope_dim;
+    float theta;
+    float freq_scale;
+    u32 style;
+    u32 _pad;
+};
+
+// The fused RoPE + KV write, per block of a one-row decode attention: the
+// block rotates its head's query into q_rot; the block whose split holds
+// the new position (the last active one) also rotates that position's key
+// and writes it and the value into the caches, as k_rope_kv_write would,
+// before reading them (the barrier makes its own writes visible to it).
+// Blocks of other heads that share the KV head write the same bits; no
+// other block reads that position. The QKV row itself is left unrotated:
+// nothing after attention reads it.
+__device__ __forceinline__ void attn_rope_prep(const Bind& b, const AttnParams& p, const RopeExtra& re,
+                                               u32 pos, bool writes_kv, float* q_rot) {
+    const u32 h = blockIdx.x, hd = p.head_dim, half = re.rope_dim >> 1;
+    const u32 g = h / (p.n_heads / p.n_kv_heads);
+    const bool neox = re.style == ROPE_NEOX;
+    const float* __restrict__ row = (const float*)b.p[0];
+    const float* __restrict__ qh = row + (u64)h * hd;
+    const float* __restrict__ kh = row + (u64)(p.n_heads + g) * hd;
+    const float* __restrict__ vh = row + (u64)(p.n_heads + p.n_kv_heads + g) * hd;
+    float* __restrict__ kdst = (float*)b.p[1] + ((u64)g * p.capacity + pos) * hd;
+    float* __restrict__ vdst = (float*)b.p[2] + ((u64)g * p.capacity + pos) * hd;
+    for (u32 i = threadIdx.x; i < half; i += blockDim.x) {
+        float c, s;
+        rope_cs(pos, i, re.rope_dim, re.theta, re.freq_scale, re.ff, c, s);
+        u32 ia, ib;
+        rope_pair(i, half, neox, ia, ib);
+        rope_rotate(qh[ia], qh[ib], c, s, q_rot[ia], q_rot[ib]);
+        if (writes_kv) {
+            float y0, y1;
+            rope_rotate(kh[ia], kh[ib], c, s, y0, y1);
+            kdst[ia] = y0;
+            kdst[ib] = y1;
+        }
+    }
+    for (u32 d = re.rope_dim + threadIdx.x; d < hd; d += blockDim.x) {
+        q_rot[d] = qh[d];
+        if (writes_kv) kdst[d] = kh[d];
+    }
+    if (writes_kv)
+        for (u32 d = threadIdx.x; d < hd; d += blockDim.x) vdst[d] = vh[d];
+    __syncthreads();
+}
+
 // Split-KV decode attention. grid = (n_heads, n_split, query rows),
 // block 128. Splits take attn_chunk(kv_len) keys each, clipped to the
 // window; the first n_active = ceil(kv_len / chunk) write
@@ -1698,10 +1780,11 @@ __device__ __forceinline__ void attn_combine_head(const float* ph, u32 hd, u32 n
 // merges the head's splits into the row's output, so decode attention is
 // one kernel.
 extern "C" __global__ void __launch_bounds__(128)
-k_attn_decode(Bind b, AttnParams p, StepArg a, float* part, u32 n_split) {
+k_attn_decode(Bind b, AttnParams p, StepArg a, float* part, u32 n_split, RopeExtra re) {
     AKUNU_PROLOGUE(a);
     __shared__ float sm_m[DEC_WARPS], sm_l[DEC_WARPS];
     __shared__ float sm_acc[DEC_WARPS * 256];
+    __shared__ float sm_q[256];
     __shared__ u32 sm_last;
     // grid.z = query rows (speculative verification): row z is the query at
     // position pos + z, computed exactly as a one-row step there (same
@@ -1716,14 +1799,21 @@ k_attn_decode(Bind b, AttnParams p, StepArg a, float* part, u32 n_split) {
     const u32 chunk = attn_chunk(kv, n_split);
     const u32 n_active = (kv + chunk - 1) / chunk;
     if (blockIdx.y >= n_active) return;
+    // With the fused RoPE (one row only: grid.z == 1), the new position is
+    // kv - 1 and the last active split holds it.
+    const float* q_rot = nullptr;
+    if (re.on) {
+        attn_rope_prep(bz, p, re, kv - 1, blockIdx.y == n_active - 1, sm_q);
+        q_rot = sm_q;
+    }
     // One active split writes the output itself (no partials, no merge).
     float* pp = n_active == 1 ? nullptr : part;
     if (hd <= 64)
-        attn_decode_body<2>(bz, p, kv, pp, n_split, sm_m, sm_l, sm_acc);
+        attn_decode_body<2>(bz, p, kv, q_rot, pp, n_split, sm_m, sm_l, sm_acc);
     else if (hd <= 128)
-        attn_decode_body<4>(bz, p, kv, pp, n_split, sm_m, sm_l, sm_acc);
+        attn_decode_body<4>(bz, p, kv, q_rot, pp, n_split, sm_m, sm_l, sm_acc);
     else
-        attn_decode_body<8>(bz, p, kv, pp, n_split, sm_m, sm_l, sm_acc);
+        attn_decode_body<8>(bz, p, kv, q_rot, pp, n_split, sm_m, sm_l, sm_acc);
     if (n_active == 1) return;
 
     const u32 h = blockIdx.x;

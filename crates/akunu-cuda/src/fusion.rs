@@ -22,8 +22,22 @@
 //! row, or the few rows of a speculative verification: see
 //! `launch::decode_rows`), row by row; larger steps (prefill) and norms with
 //! a post-norm (Gemma) are launched as written.
+//!
+//! A third pattern applies to one-row steps only:
+//!
+//! ```text
+//! rope_kv_write(rotate Q, K in the QKV row; write K, V at pos) -> attention(q = QKV row)
+//!   becomes  (nothing)  ->  attention(rotating q itself; the block holding pos
+//!                                      rotates K and writes K, V first)
+//! ```
+//!
+//! Only the attention reads the rotated query, and within a one-row step only
+//! the split that holds `pos` reads the new key (see `attn_rope_prep` in
+//! model.cu). Steps of several rows keep the separate kernel: row r's
+//! attention reads the keys that rows before it wrote, across blocks.
 
-use akunu_core::ops::{GemvParams, KernelId, NormParams};
+use akunu_core::ops::{AttnParams, GemvParams, KernelId, NormParams, RopeParams};
+use akunu_core::table::PatchType;
 use akunu_core::table::{Binding, DispatchCmd, DispatchTable};
 
 /// What the launcher does with one command of a one-row step.
@@ -127,9 +141,46 @@ pub fn decode_role(t: &DispatchTable, i: usize) -> Role {
     Role::Plain
 }
 
-/// Kernel launches the fusion removes from a one-row step of `t`.
+/// The RoPE command at `i` when the attention right after it can do its
+/// work in a one-row step: the same heads, cache and QKV row, a patched
+/// position and KV length, and no per-head norm (Qwen3, Gemma 3 keep the
+/// separate kernel).
+pub fn rope_into_attention(t: &DispatchTable, i: usize) -> Option<RopeParams> {
+    static FUSE: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_FUSE");
+    static ROPE: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_FUSE_ROPE");
+    if FUSE.is("0") || ROPE.is("0") {
+        return None;
+    }
+    let (rope, attn) = (t.commands.get(i)?, t.commands.get(i + 1)?);
+    if rope.kernel != KernelId::RopeKvWrite
+        || attn.kernel != KernelId::Attention
+        || rope.patch != PatchType::Position
+        || !matches!(attn.patch, PatchType::KvSeqLen | PatchType::PosAndKv)
+    {
+        return None;
+    }
+    let (r, a): (RopeParams, AttnParams) = (rope.params(), attn.params());
+    let (rb, ab) = (rope.bindings(), attn.bindings());
+    // bindings: rope (qkv, k cache, v cache[, freq factors]); attention
+    // (q, k cache, v cache, out).
+    let fits = r.qk_norm == 0
+        && r.n_heads == a.n_heads
+        && r.n_kv_heads == a.n_kv_heads
+        && r.head_dim == a.head_dim
+        && r.capacity == a.capacity
+        && r.qkv_stride == a.qkv_stride
+        && r.rope_dim % 2 == 0
+        && r.rope_dim <= r.head_dim
+        && a.head_dim <= 256
+        && rb.len() >= 3
+        && ab.len() >= 3
+        && (0..3).all(|s| same(&rb[s], &ab[s]));
+    fits.then_some(r)
+}
+
+/// Kernel launches the fusions remove from a one-row step of `t`.
 pub fn fused_away(t: &DispatchTable) -> usize {
     (0..t.len())
-        .filter(|&i| decode_role(t, i) == Role::Skip)
+        .filter(|&i| decode_role(t, i) == Role::Skip || rope_into_attention(t, i).is_some())
         .count()
 }

@@ -104,14 +104,30 @@ pub struct GemvExtra {
     pub tc_split: u32,
 }
 
+/// `RopeExtra` of model.cu: the RoPE + KV write fused into one-row decode
+/// attention (`fusion::rope_into_attention`); all zero for plain attention.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default)]
+pub struct RopeExtra {
+    /// Device pointer of the frequency divisors, or 0.
+    pub ff: u64,
+    pub on: u32,
+    pub rope_dim: u32,
+    pub theta: f32,
+    pub freq_scale: f32,
+    pub style: u32,
+    pub _pad: u32,
+}
+
 /// The arguments some kernels take after `StepArg`.
 #[derive(Copy, Clone, Debug)]
 pub enum Tail {
     None,
-    /// `(float* partials, u32 n_split)` of decode attention.
+    /// `(float* partials, u32 n_split, RopeExtra)` of decode attention.
     Attn {
         part: u64,
         n_split: u32,
+        rope: RopeExtra,
     },
     /// `GemvExtra` of the matrix-vector kernel.
     Gemv(GemvExtra),
@@ -174,8 +190,12 @@ impl Launch {
         let mut bind = self.bind;
         let mut params = self.params;
         let mut step = self.step;
+        let mut rope = match self.tail {
+            Tail::Attn { rope, .. } => rope,
+            _ => RopeExtra::default(),
+        };
         let (mut part, mut n_split, mut last, mut gemv) = match self.tail {
-            Tail::Attn { part, n_split } => (part, n_split, 0, GemvExtra::default()),
+            Tail::Attn { part, n_split, .. } => (part, n_split, 0, GemvExtra::default()),
             Tail::Sample { scratch, slice } => (scratch, slice, 0, GemvExtra::default()),
             Tail::Gemm { ptr, o0, o1 } => (ptr, o0, o1, GemvExtra::default()),
             Tail::Gemv(g) => (0, 0, 0, g),
@@ -191,8 +211,12 @@ impl Launch {
         ];
         let n = match self.tail {
             Tail::None => 3,
-            Tail::Attn { .. } | Tail::Sample { .. } => 5,
+            Tail::Sample { .. } => 5,
             Tail::Gemm { .. } => 6,
+            Tail::Attn { .. } => {
+                args[5] = &mut rope as *mut RopeExtra as *mut c_void;
+                6
+            }
             Tail::Gemv(_) => {
                 args[3] = &mut gemv as *mut GemvExtra as *mut c_void;
                 4
@@ -741,6 +765,12 @@ pub fn plan(
             }
             vec![l]
         }
+        // One-row steps: the attention right after does the rotation.
+        KernelId::RopeKvWrite
+            if decode && rows == 1 && fusion::rope_into_attention(table, i).is_some() =>
+        {
+            Vec::new()
+        }
         KernelId::RopeKvWrite => {
             let p: RopeParams = c.params();
             if chain.is_none() {
@@ -785,10 +815,34 @@ pub fn plan(
                         ATTN_TICKET_BYTES / 4
                     ));
                 }
+                let mut rope = RopeExtra::default();
+                let fused = (rows == 1 && i > 0)
+                    .then(|| fusion::rope_into_attention(table, i - 1))
+                    .flatten();
+                if let Some(r) = fused {
+                    // The KV write moved here: check it as its own launch
+                    // would (chains check their whole range up front).
+                    if chain.is_none() && step.pos as u64 + 1 > r.capacity as u64 {
+                        return Err(format!(
+                            "KV write at position {} beyond the cache ({} positions)",
+                            step.pos, r.capacity
+                        ));
+                    }
+                    if r.freq_factors != 0 {
+                        let b = table.commands[i - 1].bindings()[3];
+                        rope.ff = be.dptr(b.buffer)?.0 + b.offset;
+                    }
+                    rope.on = 1;
+                    rope.rope_dim = r.rope_dim;
+                    rope.theta = r.theta;
+                    rope.freq_scale = r.freq_scale;
+                    rope.style = r.style;
+                }
                 let mut a = mk(k.attn_decode, (p.n_heads, n_split, rows), 128, 0);
                 a.tail = Tail::Attn {
                     part: part + ATTN_TICKET_BYTES,
                     n_split,
+                    rope,
                 };
                 vec![a]
             } else if let Some((f, smem)) = flash_attention(k, p.head_dim) {
