@@ -1738,7 +1738,8 @@ struct RopeExtra {
 // other block reads that position. The QKV row itself is left unrotated:
 // nothing after attention reads it.
 __device__ __forceinline__ void attn_rope_prep(const Bind& b, const AttnParams& p, const RopeExtra& re,
-                                               u32 pos, bool writes_kv, float* q_rot) {
+                                               u32 pos, float c, float s, bool writes_kv,
+                                               float* q_rot) {
     const u32 h = blockIdx.x, hd = p.head_dim, half = re.rope_dim >> 1;
     const u32 g = h / (p.n_heads / p.n_kv_heads);
     const bool neox = re.style == ROPE_NEOX;
@@ -1748,9 +1749,10 @@ __device__ __forceinline__ void attn_rope_prep(const Bind& b, const AttnParams& 
     const float* __restrict__ vh = row + (u64)(p.n_heads + p.n_kv_heads + g) * hd;
     float* __restrict__ kdst = (float*)b.p[1] + ((u64)g * p.capacity + pos) * hd;
     float* __restrict__ vdst = (float*)b.p[2] + ((u64)g * p.capacity + pos) * hd;
-    for (u32 i = threadIdx.x; i < half; i += blockDim.x) {
-        float c, s;
-        rope_cs(pos, i, re.rope_dim, re.theta, re.freq_scale, re.ff, c, s);
+    // Thread i rotates pair i with the (c, s) it computed before the wait
+    // (half <= 128 = blockDim: head_dim <= 256).
+    const u32 i = threadIdx.x;
+    if (i < half) {
         u32 ia, ib;
         rope_pair(i, half, neox, ia, ib);
         rope_rotate(qh[ia], qh[ib], c, s, q_rot[ia], q_rot[ib]);
@@ -1781,6 +1783,13 @@ __device__ __forceinline__ void attn_rope_prep(const Bind& b, const AttnParams& 
 // one kernel.
 extern "C" __global__ void __launch_bounds__(128)
 k_attn_decode(Bind b, AttnParams p, StepArg a, float* part, u32 n_split, RopeExtra re) {
+    // The fused rotation's angles depend on the position alone, which no
+    // kernel before this one in a chunk graph writes (k_chain_advance runs
+    // after the chunk): computed before waiting on the previous kernel, the
+    // f64 pow and sincospi overlap its tail.
+    float rc = 0.0f, rs = 0.0f;
+    if (re.on && threadIdx.x < (re.rope_dim >> 1))
+        rope_cs(attn_kv_len(p, a) - 1, threadIdx.x, re.rope_dim, re.theta, re.freq_scale, re.ff, rc, rs);
     AKUNU_PROLOGUE(a);
     __shared__ float sm_m[DEC_WARPS], sm_l[DEC_WARPS];
     __shared__ float sm_acc[DEC_WARPS * 256];
@@ -1803,7 +1812,7 @@ k_attn_decode(Bind b, AttnParams p, StepArg a, float* part, u32 n_split, RopeExt
     // kv - 1 and the last active split holds it.
     const float* q_rot = nullptr;
     if (re.on) {
-        attn_rope_prep(bz, p, re, kv - 1, blockIdx.y == n_active - 1, sm_q);
+        attn_rope_prep(bz, p, re, kv - 1, rc, rs, blockIdx.y == n_active - 1, sm_q);
         q_rot = sm_q;
     }
     // One active split writes the output itself (no partials, no merge).
