@@ -204,7 +204,7 @@ ab_one() { # NAME FILE
     for r in $(seq "${AB_ROUNDS:-1}"); do
         for v in ${AB_VALUES:-0 1}; do
             env "$AB_VAR=$v" "$BIN/akunu" bench -m "$2" --device cuda -p 0 -n 128 -r 5 2>&1 |
-                tee "$OUTDIR/ab-$1-$AB_VAR-$v-$r.log" | grep -E "tg128|floor|kernels|error" |
+                tee "$OUTDIR/ab-$1-$AB_VAR-${v//[^A-Za-z0-9_.]/_}-$r.log" | grep -E "tg128|floor|kernels|error" |
                 sed "s/^/$1 $AB_VAR=$v /" || true
         done
     done
