@@ -1446,12 +1446,27 @@ __device__ __forceinline__ void rope_pair(u32 i, u32 half, bool neox, u32& ia, u
     ib = neox ? i + half : 2 * i + 1;
 }
 
+#ifndef ROPE_PRE  // (AKUNU_CUDA_DEFINES=-DROPE_PRE=0: angles after the wait, for A/B runs)
+#define ROPE_PRE 1
+#endif
 extern "C" __global__ void __launch_bounds__(64)
 k_rope_kv_write(Bind b, RopeParams p, StepArg a) {
-    AKUNU_PROLOGUE(a);
+    // The angles depend on the position alone (inside a chunk graph only
+    // k_chain_advance, after the chunk, moves it), so they are computed
+    // before the wait on the previous kernel, as in k_attn_decode: pairs
+    // threadIdx.x + q * blockDim.x, q < 2, which covers head_dim <= 256.
     Step st = step_of(a);
     const u32 pos = (a.patch == PATCH_POSITION ? st.pos : p.pos) + blockIdx.x;
     const u32 hd = p.head_dim, half = p.rope_dim >> 1, y = blockIdx.y;
+    float pre_c[2] = {0.0f, 0.0f}, pre_s[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (u32 q = 0; q < 2; ++q) {
+        const u32 i = threadIdx.x + q * blockDim.x;
+        if (ROPE_PRE && i < half)
+            rope_cs(pos, i, p.rope_dim, p.theta, p.freq_scale,
+                    p.freq_factors ? (const float*)b.p[3] : nullptr, pre_c[q], pre_s[q]);
+    }
+    AKUNU_PROLOGUE(a);
     float* __restrict__ row = (float*)b.p[0] + (u64)blockIdx.x * p.qkv_stride;
     float* __restrict__ x = row + (u64)y * hd;
     const bool is_k = y >= p.n_heads;
@@ -1475,9 +1490,14 @@ k_rope_kv_write(Bind b, RopeParams p, StepArg a) {
         __syncthreads();
     }
 
-    for (u32 i = threadIdx.x; i < half; i += blockDim.x) {
+    for (u32 i = threadIdx.x, q = 0; i < half; i += blockDim.x, ++q) {
         float c, s;
-        rope_cs(pos, i, p.rope_dim, p.theta, p.freq_scale, p.freq_factors ? ff : nullptr, c, s);
+        if (ROPE_PRE && q < 2) {
+            c = pre_c[q];
+            s = pre_s[q];
+        } else {
+            rope_cs(pos, i, p.rope_dim, p.theta, p.freq_scale, p.freq_factors ? ff : nullptr, c, s);
+        }
         u32 ia, ib;
         rope_pair(i, half, neox, ia, ib);
         float y0, y1;
