@@ -539,17 +539,23 @@ fn gemv(
         x8: Option<Ptr>,
     }
     let mut segs = Vec::with_capacity(ns);
-    let mut start = 0;
+    let mut start = 0usize;
     for s in 0..ns {
         let dt = dtype(p.dtype[s])?;
         let (n, rb) = (p.n[s] as usize, quant::row_bytes(dt, k));
         // The repacked copy holds the whole tensor (binding offset 0) with
         // rows of k: its groups of 8 are the segment's, and a tail of fewer
         // than 8 rows (plain layout) is the segment's only when the
-        // segment is the whole tensor.
+        // segment is the whole tensor. A segment starting on a multiple of
+        // 8 output columns has thread ranges starting on group boundaries
+        // (`split_range` aligns to 16) for every thread count, so which
+        // kernel a row runs does not depend on the thread count.
         let x8 = x8[2 + s]
             .filter(|x| {
-                dt == DType::Q4_0 && x.k == k && (n.is_multiple_of(8) || n * rb == lens[2 + s])
+                dt == DType::Q4_0
+                    && x.k == k
+                    && start.is_multiple_of(8)
+                    && (n.is_multiple_of(8) || n * rb == lens[2 + s])
             })
             .map(|x| Ptr(x.ptr as *mut u8));
         segs.push(Seg {
