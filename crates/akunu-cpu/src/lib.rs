@@ -169,20 +169,20 @@ impl Backend for CpuBackend {
         // Q4_0 matrices get a row-interleaved copy for the 8-bit-activation
         // GEMV (the plain mapping stays for embeddings and the GEMM).
         let k = tensor.dims.first().copied().unwrap_or(0) as usize;
+        let n_rows = (tensor.n_elements() as usize).checked_div(k).unwrap_or(0);
         let x8 = (self.opts.q8_activations
             && tensor.dtype == DType::Q4_0
             && quant::q4x8::enabled()
-            && k > 0
             && k.is_multiple_of(32)
-            && tensor.n_elements() as usize / k >= 8)
-            .then(|| {
-                let t0 = std::time::Instant::now();
-                let n_rows = tensor.n_elements() as usize / k;
-                let p = quant::q4x8::repack(data, k, n_rows);
-                self.repacked.0 += p.len();
-                self.repacked.1 += t0.elapsed();
-                (p, k)
-            });
+            && n_rows >= 8
+            && data.len() == n_rows * quant::row_bytes(DType::Q4_0, k))
+        .then(|| {
+            let t0 = std::time::Instant::now();
+            let p = quant::q4x8::repack(data, k, n_rows);
+            self.repacked.0 += p.len();
+            self.repacked.1 += t0.elapsed();
+            (p, k)
+        });
         self.buffers.push(Buffer {
             ptr: data.as_ptr() as *mut u8,
             len: data.len(),
