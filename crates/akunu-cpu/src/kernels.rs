@@ -73,15 +73,26 @@ struct RopeAngles {
     sin: Vec<f32>,
 }
 
+/// A Q4_0 weight binding's copy in the row-interleaved layout of
+/// [`quant::q4x8`] (the whole tensor, rows of `k` elements; the same size
+/// as the plain tensor).
+#[derive(Copy, Clone, Debug)]
+pub struct X8 {
+    pub ptr: *const u8,
+    pub k: usize,
+}
+
 /// Runs one (already patched) command. `ptrs[i]`/`lens[i]` are binding
-/// `i`'s address and the bytes available from it; `validate` has checked
-/// the static extents, the per-step ones are checked here.
+/// `i`'s address and the bytes available from it, `x8[i]` its repacked
+/// copy if it has one; `validate` has checked the static extents, the
+/// per-step ones are checked here.
 pub fn run(
     pool: &ThreadPool,
     opts: KernelOptions,
     c: &DispatchCmd,
     ptrs: &[*mut u8; 8],
     lens: &[usize; 8],
+    x8: &[Option<X8>; 8],
     step: &StepInfo,
 ) -> Result<(), String> {
     for (i, p) in ptrs.iter().enumerate().take(c.n_buffers as usize) {
@@ -113,7 +124,7 @@ pub fn run(
             norm_rows(pool, &prm, rows, Some(p(1)), p(0), p(2), p(3), post);
             Ok(())
         }
-        KernelId::Gemv => gemv(pool, opts, c, ptrs, rows),
+        KernelId::Gemv => gemv(pool, opts, c, ptrs, lens, x8, rows),
         KernelId::RopeKvWrite => {
             let prm: RopeParams = c.params();
             if prm.pos as u64 + rows as u64 > prm.capacity as u64 {
@@ -467,6 +478,8 @@ fn gemv(
     opts: KernelOptions,
     c: &DispatchCmd,
     ptrs: &[*mut u8; 8],
+    lens: &[usize; 8],
+    x8: &[Option<X8>; 8],
     rows: usize,
 ) -> Result<(), String> {
     let p: GemvParams = c.params();
@@ -522,18 +535,37 @@ fn gemv(
         w: Ptr,
         rb: usize,
         bias: Option<Ptr>,
+        /// The segment's rows in the row-interleaved Q4_0 layout.
+        x8: Option<Ptr>,
     }
     let mut segs = Vec::with_capacity(ns);
-    let mut start = 0;
+    let mut start = 0usize;
     for s in 0..ns {
         let dt = dtype(p.dtype[s])?;
+        let (n, rb) = (p.n[s] as usize, quant::row_bytes(dt, k));
+        // The repacked copy holds the whole tensor (binding offset 0) with
+        // rows of k: its groups of 8 are the segment's, and a tail of fewer
+        // than 8 rows (plain layout) is the segment's only when the
+        // segment is the whole tensor. A segment starting on a multiple of
+        // 8 output columns has thread ranges starting on group boundaries
+        // (`split_range` aligns to 16) for every thread count, so which
+        // kernel a row runs does not depend on the thread count.
+        let x8 = x8[2 + s]
+            .filter(|x| {
+                dt == DType::Q4_0
+                    && x.k == k
+                    && start.is_multiple_of(8)
+                    && (n.is_multiple_of(8) || n * rb == lens[2 + s])
+            })
+            .map(|x| Ptr(x.ptr as *mut u8));
         segs.push(Seg {
             start,
-            n: p.n[s] as usize,
+            n,
             dt,
             w: Ptr(ptrs[2 + s]),
-            rb: quant::row_bytes(dt, k),
+            rb,
             bias: (p.bias != 0).then(|| Ptr(ptrs[2 + ns + s])),
+            x8,
         });
         start += p.n[s] as usize;
     }
@@ -576,6 +608,19 @@ fn gemv(
                 // thread).
                 let w =
                     unsafe { std::slice::from_raw_parts(sg.w.raw().add(r0 * sg.rb), nr * sg.rb) };
+                // The repacked rows when this thread's range is whole
+                // groups (plus the segment's tail): the same choice for a
+                // row at every step, so one-row and multi-row products of
+                // it run the same kernel.
+                let x8 = sg
+                    .x8
+                    .filter(|_| use_q8 && r0 % 8 == 0 && (nr % 8 == 0 || r0 + nr == sg.n))
+                    // SAFETY: the copy has the plain tensor's size and row
+                    // offsets at group boundaries, so rows r0..r0+nr lie
+                    // inside it as they do in the binding.
+                    .map(|xp| unsafe {
+                        std::slice::from_raw_parts(xp.raw().add(r0 * sg.rb), nr * sg.rb)
+                    });
                 let bias = sg.bias.map(|bp| unsafe { slice(bp.f32().add(r0), nr) });
                 // Writes `vals` (output columns c0.. of input row t).
                 let store = |t: usize, c0: usize, vals: &[f32]| {
@@ -601,7 +646,9 @@ fn gemv(
                     if exact && n_x == 1 {
                         // One row (decode): the whole range in one call.
                         tmp.resize(nr, 0.0);
-                        if use_q8 {
+                        if let Some(wx) = x8 {
+                            quant::q4x8::gemv(wx, k, &xq[0], &mut tmp);
+                        } else if use_q8 {
                             quant::gemv_q8(sg.dt, w, k, &xq[0], &mut tmp);
                         } else {
                             quant::gemv(sg.dt, w, k, &x[..k], &mut tmp);
@@ -619,7 +666,10 @@ fn gemv(
                             let tn = tile.min(nr - i0);
                             let wt = &w[i0 * sg.rb..(i0 + tn) * sg.rb];
                             let y = &mut tmp[..tn * n_x];
-                            if use_q8 {
+                            if let Some(wx) = x8 {
+                                let wxt = &wx[i0 * sg.rb..(i0 + tn) * sg.rb];
+                                quant::q4x8::gemv_multi(wxt, k, tn, &xq[..n_x], y);
+                            } else if use_q8 {
                                 quant::gemv_q8_multi(sg.dt, wt, k, tn, &xq[..n_x], y);
                             } else {
                                 quant::gemv_multi(sg.dt, wt, k, tn, &x[..n_x * k], n_x, y);

@@ -11,6 +11,7 @@ pub mod pool;
 pub mod quant;
 
 use akunu_core::backend::{Backend, BackendError, BufferRead, StepHook};
+use akunu_core::dtype::DType;
 use akunu_core::gguf::{GgufFile, TensorInfo};
 use akunu_core::table::{BufferId, DispatchTable, StepInfo};
 use memmap2::Mmap;
@@ -32,6 +33,10 @@ pub(crate) struct Buffer {
     len: usize,
     storage: Storage,
     what: String,
+    /// A Q4_0 weight's copy in the 8-row interleaved layout
+    /// (`quant::q4x8`) and its row length, made at load when 8-bit
+    /// activations are on.
+    x8: Option<(Vec<u8>, usize)>,
 }
 
 impl Drop for Buffer {
@@ -50,6 +55,9 @@ pub struct CpuBackend {
     opts: kernels::KernelOptions,
     /// Per-command wall time accumulated over replays, when profiling.
     profile: Option<Vec<(std::time::Duration, u64)>>,
+    /// Bytes of Q4_0 weights repacked at load (`quant::q4x8`) and the time
+    /// it took.
+    repacked: (usize, std::time::Duration),
 }
 
 // SAFETY: the raw pointers in `buffers` point to allocations owned by the
@@ -73,11 +81,15 @@ impl CpuBackend {
             pool: ThreadPool::new(n),
             opts: kernels::KernelOptions::default(),
             profile: None,
+            repacked: (0, std::time::Duration::ZERO),
         }
     }
 
     /// Decode products against Q4_0/Q4_1/Q8_0 weights with 8-bit
-    /// activations and integer dot products (see `KernelOptions`).
+    /// activations and integer dot products (see `KernelOptions`). Set it
+    /// before loading weights: Q4_0 weights loaded while it is on also get
+    /// a copy in the 8-row interleaved layout of `quant::q4x8` (where the
+    /// CPU has its SIMD kernel), which the decode products read.
     pub fn set_q8_activations(&mut self, on: bool) {
         self.opts.q8_activations = on;
     }
@@ -131,7 +143,7 @@ impl Backend for CpuBackend {
     }
 
     fn describe(&self) -> String {
-        format!(
+        let mut s = format!(
             "cpu: {} threads, {}, {} activations",
             self.pool.n_threads(),
             quant::simd_level(),
@@ -140,17 +152,43 @@ impl Backend for CpuBackend {
             } else {
                 "f32"
             }
-        )
+        );
+        if self.repacked.0 > 0 {
+            s += &format!(
+                " (Q4_0 repacked x8 at load: {:.1} MiB in {:.0} ms)",
+                self.repacked.0 as f64 / (1 << 20) as f64,
+                self.repacked.1.as_secs_f64() * 1e3
+            );
+        }
+        s
     }
 
     fn weight(&mut self, file: &GgufFile, tensor: &TensorInfo) -> Result<BufferId, BackendError> {
         let data = file.tensor_data(tensor);
         let id = self.buffers.len() as BufferId;
+        // Q4_0 matrices get a row-interleaved copy for the 8-bit-activation
+        // GEMV (the plain mapping stays for embeddings and the GEMM).
+        let k = tensor.dims.first().copied().unwrap_or(0) as usize;
+        let n_rows = (tensor.n_elements() as usize).checked_div(k).unwrap_or(0);
+        let x8 = (self.opts.q8_activations
+            && tensor.dtype == DType::Q4_0
+            && quant::q4x8::enabled()
+            && k.is_multiple_of(32)
+            && n_rows >= 8
+            && data.len() == n_rows * quant::row_bytes(DType::Q4_0, k))
+        .then(|| {
+            let t0 = std::time::Instant::now();
+            let p = quant::q4x8::repack(data, k, n_rows);
+            self.repacked.0 += p.len();
+            self.repacked.1 += t0.elapsed();
+            (p, k)
+        });
         self.buffers.push(Buffer {
             ptr: data.as_ptr() as *mut u8,
             len: data.len(),
             storage: Storage::Mapped(file.mmap().clone()),
             what: tensor.name.clone(),
+            x8,
         });
         Ok(id)
     }
@@ -173,6 +211,7 @@ impl Backend for CpuBackend {
             len: bytes as usize,
             storage: Storage::Owned(layout),
             what: what.to_string(),
+            x8: None,
         });
         Ok(id)
     }
@@ -233,6 +272,7 @@ impl Backend for CpuBackend {
                 // Pointers and the bytes available from each, in one lookup
                 // per binding.
                 let mut lens = [0usize; akunu_core::table::MAX_BUFFERS];
+                let mut x8 = [None; akunu_core::table::MAX_BUFFERS];
                 for (slot, b) in c.bindings().iter().enumerate() {
                     let buf = self.buffer(b.buffer)?;
                     // Patched offsets (conveyor slots) are the only ones not
@@ -248,15 +288,22 @@ impl Backend for CpuBackend {
                     // SAFETY: offset <= len, checked just above.
                     ptrs[slot] = unsafe { buf.ptr.add(b.offset as usize) };
                     lens[slot] = buf.len - b.offset as usize;
+                    // The repacked copy serves bindings of the whole tensor.
+                    if let (Some((p, k)), 0) = (&buf.x8, b.offset) {
+                        x8[slot] = Some(kernels::X8 {
+                            ptr: p.as_ptr(),
+                            k: *k,
+                        });
+                    }
                 }
                 let t0 = self.profile.is_some().then(std::time::Instant::now);
-                kernels::run(&self.pool, self.opts, &c, &ptrs, &lens, &step).map_err(|why| {
-                    BackendError::InvalidCommand {
+                kernels::run(&self.pool, self.opts, &c, &ptrs, &lens, &x8, &step).map_err(
+                    |why| BackendError::InvalidCommand {
                         index: i,
                         label: table.label(i).to_string(),
                         why,
-                    }
-                })?;
+                    },
+                )?;
                 if let (Some(t0), Some(prof)) = (t0, self.profile.as_mut()) {
                     if prof.len() < table.commands.len() {
                         prof.resize(table.commands.len(), Default::default());

@@ -173,6 +173,22 @@ fn results_do_not_depend_on_thread_count() {
     let (b, lb) = run(&mut engine(&m, 4, 3), &p, 12);
     assert_eq!(a, b);
     assert_eq!(la, lb);
+    // 8-bit activations, where Q4_0 decodes through the repacked copy: a
+    // row runs the same kernel whatever the thread count.
+    let q8 = |threads| {
+        let mut be = CpuBackend::new(threads);
+        be.set_q8_activations(true);
+        let opts = EngineOptions {
+            ctx: Some(256),
+            chunk: 4,
+            prefill_chunk: 64,
+        };
+        Engine::new(m.clone(), Box::new(be), &opts).expect("engine")
+    };
+    let (a, la) = run(&mut q8(1), &p, 12);
+    let (b, lb) = run(&mut q8(3), &p, 12);
+    assert_eq!(a, b);
+    assert_eq!(la, lb);
 }
 
 #[test]

@@ -44,12 +44,20 @@ fn tiny_model(dtype: DType) -> Arc<Model> {
 }
 
 fn engine(m: &Arc<Model>, ctx: u32) -> Engine {
+    engine_with(m, ctx, false)
+}
+
+/// An engine whose backend uses 8-bit activations when `q8` (Q4_0 weights
+/// then decode through their row-interleaved copies).
+fn engine_with(m: &Arc<Model>, ctx: u32, q8: bool) -> Engine {
     let opts = EngineOptions {
         ctx: Some(ctx),
         chunk: 8,
         prefill_chunk: 64,
     };
-    Engine::new(m.clone(), Box::new(CpuBackend::new(2)), &opts).expect("engine")
+    let mut be = CpuBackend::new(2);
+    be.set_q8_activations(q8);
+    Engine::new(m.clone(), Box::new(be), &opts).expect("engine")
 }
 
 /// A pseudo-random id sequence (xorshift), distinct-ish, below `n_vocab`.
@@ -305,13 +313,24 @@ fn stops_inside_drafts_match_the_plain_path() {
 
 #[test]
 fn verified_logits_equal_plain_logits_bit_for_bit() {
-    for dtype in [DType::F32, DType::Q8_0] {
+    // 8-bit activations: Q4_0 through the repacked kernels (where the CPU
+    // has them), Q4_1 through the plain ones.
+    for (dtype, q8) in [
+        (DType::F32, false),
+        (DType::Q8_0, false),
+        (DType::Q4_0, true),
+        (DType::Q4_1, true),
+    ] {
         let m = tiny_model(dtype);
         let (_, p) = prompts(&m).into_iter().next().unwrap();
         let mut logits = Vec::new();
         let mut accepted = 0;
         for speculative in [false, true] {
-            let mut e = engine(&m, 256);
+            let mut e = engine_with(&m, 256, q8);
+            if dtype == DType::Q4_0 && akunu_cpu::quant::q4x8::enabled() {
+                let d = e.backend_description();
+                assert!(d.contains("repacked"), "{d}");
+            }
             let sink = Arc::new(Mutex::new(Vec::new()));
             let s2 = sink.clone();
             e.set_logits_probe(Some(Box::new(move |l: &[f32]| {
@@ -334,7 +353,7 @@ fn verified_logits_equal_plain_logits_bit_for_bit() {
         assert_eq!(logits[0].len(), logits[1].len());
         for (i, (a, b)) in logits[0].iter().zip(&logits[1]).enumerate() {
             let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-            assert!(same, "{dtype:?}: logits of token {i} differ");
+            assert!(same, "{dtype:?} q8 {q8}: logits of token {i} differ");
         }
     }
 }

@@ -50,6 +50,7 @@ mod avx512;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 
+pub mod q4x8;
 pub mod q8act;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86;

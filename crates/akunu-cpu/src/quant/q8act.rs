@@ -39,6 +39,9 @@ pub struct Q8Act {
     pub d: Vec<f32>,
     /// Per-block `d * sum(qs)` (`k / 32` entries).
     pub s: Vec<f32>,
+    /// Per-block integer `sum(qs)` (`k / 32` entries; the Q4_0 bias of the
+    /// row-interleaved kernels, [`super::q4x8`]).
+    pub sq: Vec<i32>,
     /// Quantized values (`k` entries).
     pub qs: Vec<i8>,
 }
@@ -69,9 +72,12 @@ impl Q8Act {
         let nb = x.len() / QK;
         self.d.resize(nb, 0.0);
         self.s.resize(nb, 0.0);
+        self.sq.resize(nb, 0);
         self.qs.resize(x.len(), 0);
         match kern {
-            Kern::Scalar => scalar::quantize(x, &mut self.d, &mut self.s, &mut self.qs),
+            Kern::Scalar => {
+                scalar::quantize(x, &mut self.d, &mut self.s, &mut self.sq, &mut self.qs)
+            }
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Kern::Avx2`/`Kern::Vnni` are only produced when the
             // CPU has AVX2+FMA+F16C (both imply the AVX2 level); the
@@ -82,6 +88,7 @@ impl Q8Act {
                     nb,
                     self.d.as_mut_ptr(),
                     self.s.as_mut_ptr(),
+                    self.sq.as_mut_ptr(),
                     self.qs.as_mut_ptr(),
                 )
             },
@@ -169,10 +176,10 @@ impl XPtr {
 }
 
 /// Panics unless `xq` holds `k` quantized activations.
-fn check_act(what: &str, xq: &Q8Act, k: usize) {
+pub(crate) fn check_act(what: &str, xq: &Q8Act, k: usize) {
     let nb = k / QK;
     assert!(
-        xq.qs.len() == k && xq.d.len() == nb && xq.s.len() == nb,
+        xq.qs.len() == k && xq.d.len() == nb && xq.s.len() == nb && xq.sq.len() == nb,
         "{what}: activations hold {} elements, want {k}",
         xq.qs.len()
     );
@@ -355,12 +362,13 @@ unsafe fn run_multi(
 mod scalar {
     use super::{DType, Q8Act, QK, f16_at};
 
-    pub(super) fn quantize(x: &[f32], d: &mut [f32], s: &mut [f32], qs: &mut [i8]) {
-        for (((xb, qb), db), sb) in x
+    pub(super) fn quantize(x: &[f32], d: &mut [f32], s: &mut [f32], sq: &mut [i32], qs: &mut [i8]) {
+        for ((((xb, qb), db), sb), sqb) in x
             .chunks_exact(QK)
             .zip(qs.chunks_exact_mut(QK))
             .zip(d.iter_mut())
             .zip(s.iter_mut())
+            .zip(sq.iter_mut())
         {
             let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
             let dv = amax / 127.0;
@@ -374,6 +382,7 @@ mod scalar {
             }
             *db = dv;
             *sb = sum as f32 * dv;
+            *sqb = sum;
         }
     }
 
@@ -495,10 +504,17 @@ mod avx2 {
     /// to the scalar path for finite input).
     ///
     /// # Safety
-    /// AVX2+FMA+F16C available; `x` and `qs` hold `nb * 32` elements, `d`
-    /// and `s` hold `nb`.
+    /// AVX2+FMA+F16C available; `x` and `qs` hold `nb * 32` elements, `d`,
+    /// `s` and `sq` hold `nb`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn quantize(x: *const f32, nb: usize, d: *mut f32, s: *mut f32, qs: *mut i8) {
+    pub(super) unsafe fn quantize(
+        x: *const f32,
+        nb: usize,
+        d: *mut f32,
+        s: *mut f32,
+        sq: *mut i32,
+        qs: *mut i8,
+    ) {
         let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
         let sign = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MIN));
         let half = _mm256_set1_ps(0.5);
@@ -547,8 +563,10 @@ mod avx2 {
                 let packed = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), perm);
                 _mm256_storeu_si256(qs.add(b * QK) as *mut __m256i, packed);
                 // The sum of 32 integers <= 127 in magnitude is exact in f32.
+                let sum = hsum(fsum);
                 *d.add(b) = dv;
-                *s.add(b) = hsum(fsum) * dv;
+                *s.add(b) = sum * dv;
+                *sq.add(b) = sum as i32;
             }
         }
     }
@@ -1036,6 +1054,7 @@ mod tests {
             );
             assert!(xq.qs[36..64].iter().all(|&q| q == 0), "{name}");
             assert_eq!(xq.s[1], 62.0 * xq.d[1], "{name}");
+            assert_eq!(xq.sq[..3], [0, 62, 127], "{name}");
             assert_eq!(xq.d[2], 1.0, "{name}");
             let want: [i8; 11] = [3, -3, 1, -1, 2, -2, 127, -127, 0, 0, 127];
             assert_eq!(&xq.qs[64..75], &want, "{name}");
@@ -1066,6 +1085,7 @@ mod tests {
                 let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&got.d), bits(&want.d), "{} k={k}", kern.name());
                 assert_eq!(bits(&got.s), bits(&want.s), "{} k={k}", kern.name());
+                assert_eq!(got.sq, want.sq, "{} k={k}", kern.name());
             }
             // Every value within half a step of x, qs in -127..=127.
             for (i, (&q, &xv)) in want.qs.iter().zip(&x).enumerate() {
