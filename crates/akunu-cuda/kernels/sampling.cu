@@ -378,6 +378,8 @@ __device__ __forceinline__ void warp64_merge(u64 (&r)[2], const u64 (&y)[2]) {
 // otherwise), descending, 0-padded: the first 64 entries of a descending
 // sort of a. `wl` holds 64 keys per warp. Every thread of the block calls
 // it; blockDim.x is a multiple of 32. Ends synchronised.
+__device__ void block_top64_tree(u64 (&r)[2], u64* out, u64* wl);
+
 __device__ void block_top64(const u64* a, u32 n, u64* out, u64* wl) {
     const u32 lane = threadIdx.x & 31u, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
     u64 r[2] = {0ull, 0ull};
@@ -388,6 +390,30 @@ __device__ void block_top64(const u64* a, u32 n, u64* out, u64* wl) {
         warp64_sort(x);
         warp64_merge(r, x);
     }
+    block_top64_tree(r, out, wl);
+}
+
+// block_top64 of `n_lists` lists of `len` <= 64 keys at a + l * len, each
+// already descending and 0-padded (the select kernel's per-block
+// candidates): a list enters its warp's merge as it is, with no sort, and
+// the result is the same (keys are distinct). Ends synchronised.
+__device__ void block_top64_lists(const u64* a, u32 n_lists, u32 len, u64* out, u64* wl) {
+    const u32 lane = threadIdx.x & 31u, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    u64 r[2] = {0ull, 0ull};
+    for (u32 l = w; l < n_lists; l += nw) {
+        const u64* L = a + (u64)l * len;
+        u64 x[2];
+        x[0] = 2u * lane < len ? L[2u * lane] : 0ull;
+        x[1] = 2u * lane + 1u < len ? L[2u * lane + 1u] : 0ull;
+        warp64_merge(r, x);
+    }
+    block_top64_tree(r, out, wl);
+}
+
+// The end of both: each warp's list r merged pairwise across the warps
+// into out (descending). Every thread calls it; ends synchronised.
+__device__ void block_top64_tree(u64 (&r)[2], u64* out, u64* wl) {
+    const u32 lane = threadIdx.x & 31u, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
     // Pairwise tree over the warps' lists.
     for (u32 span = 1; span < nw; span <<= 1) {
         const bool give = (w & (2u * span - 1u)) == span;
@@ -945,6 +971,9 @@ k_gumbel_sample(Bind b, SampleParams p, StepArg a) {
 // the best and publishes it as k_argmax would, and the Argmax launch is
 // dropped. The conveyor is binding 7. SMB_PICK_PATCHED: that Argmax's
 // output is patched (slot tok + rows), else it writes slot 0.
+#ifndef SMB_MERGE_SORT
+#define SMB_MERGE_SORT 0
+#endif
 #define SMB_PICK 1u
 #define SMB_PICK_PATCHED 2u
 
@@ -1218,7 +1247,12 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
     // which hold every key the cuts below read (they stop by the top-k-th;
     // nnz is then min(nonzero keys, 64), which decides them the same way
     // because top-k <= 64); else all PM, sorted.
-    if (top64) {
+    // The G published lists are each in rank order already (block_top64's
+    // output), so they are merged without sorting (SMB_MERGE_SORT=1: as
+    // one unsorted set, for A/B runs).
+    if (top64 && !SMB_MERGE_SORT) {
+        block_top64_lists(s.keys, G, Kc, s.top, s.wl);
+    } else if (top64) {
         block_top64(s.keys, PM, s.top, s.wl);
     } else {
         bitonic<u64, true>(s.keys, PM);
