@@ -1458,13 +1458,13 @@ k_rope_kv_write(Bind b, RopeParams p, StepArg a) {
     Step st = step_of(a);
     const u32 pos = (a.patch == PATCH_POSITION ? st.pos : p.pos) + blockIdx.x;
     const u32 hd = p.head_dim, half = p.rope_dim >> 1, y = blockIdx.y;
+    const float* __restrict__ ff = p.freq_factors ? (const float*)b.p[3] : nullptr;
     float pre_c[2] = {0.0f, 0.0f}, pre_s[2] = {0.0f, 0.0f};
 #pragma unroll
     for (u32 q = 0; q < 2; ++q) {
         const u32 i = threadIdx.x + q * blockDim.x;
         if (ROPE_PRE && i < half)
-            rope_cs(pos, i, p.rope_dim, p.theta, p.freq_scale,
-                    p.freq_factors ? (const float*)b.p[3] : nullptr, pre_c[q], pre_s[q]);
+            rope_cs(pos, i, p.rope_dim, p.theta, p.freq_scale, ff, pre_c[q], pre_s[q]);
     }
     AKUNU_PROLOGUE(a);
     float* __restrict__ row = (float*)b.p[0] + (u64)blockIdx.x * p.qkv_stride;
@@ -1472,7 +1472,6 @@ k_rope_kv_write(Bind b, RopeParams p, StepArg a) {
     const bool is_k = y >= p.n_heads;
     const u32 j = is_k ? y - p.n_heads : 0;  // kv head (K blocks only)
     float* __restrict__ kdst = (float*)b.p[1] + ((u64)j * p.capacity + pos) * hd;
-    const float* __restrict__ ff = (const float*)b.p[3];
     const bool neox = p.style == ROPE_NEOX;
 
     if (p.qk_norm) {
@@ -1496,7 +1495,7 @@ k_rope_kv_write(Bind b, RopeParams p, StepArg a) {
             c = pre_c[q];
             s = pre_s[q];
         } else {
-            rope_cs(pos, i, p.rope_dim, p.theta, p.freq_scale, p.freq_factors ? ff : nullptr, c, s);
+            rope_cs(pos, i, p.rope_dim, p.theta, p.freq_scale, ff, c, s);
         }
         u32 ia, ib;
         rope_pair(i, half, neox, ia, ib);

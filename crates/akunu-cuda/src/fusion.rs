@@ -54,6 +54,9 @@ pub enum Role {
     NormInput { x: Binding, w: Binding, eps: f32 },
 }
 
+/// `AKUNU_CUDA_FUSE=0` turns every launch-time fusion off.
+static FUSE: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_FUSE");
+
 fn same(a: &Binding, b: &Binding) -> bool {
     a.buffer == b.buffer && a.offset == b.offset
 }
@@ -123,7 +126,6 @@ fn fusable_norm(t: &DispatchTable, i: usize) -> Option<(Binding, Binding, f32, b
 
 /// The role of command `i` in a one-row step of `t`.
 pub fn decode_role(t: &DispatchTable, i: usize) -> Role {
-    static FUSE: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_FUSE");
     if FUSE.is("0") {
         return Role::Plain;
     }
@@ -146,7 +148,6 @@ pub fn decode_role(t: &DispatchTable, i: usize) -> Role {
 /// position and KV length, and no per-head norm (Qwen3, Gemma 3 keep the
 /// separate kernel).
 pub fn rope_into_attention(t: &DispatchTable, i: usize) -> Option<RopeParams> {
-    static FUSE: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_FUSE");
     static ROPE: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_FUSE_ROPE");
     if FUSE.is("0") || ROPE.is("0") {
         return None;

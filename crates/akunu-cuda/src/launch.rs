@@ -190,16 +190,17 @@ impl Launch {
         let mut bind = self.bind;
         let mut params = self.params;
         let mut step = self.step;
-        let mut rope = match self.tail {
-            Tail::Attn { rope, .. } => rope,
-            _ => RopeExtra::default(),
-        };
-        let (mut part, mut n_split, mut last, mut gemv) = match self.tail {
-            Tail::Attn { part, n_split, .. } => (part, n_split, 0, GemvExtra::default()),
-            Tail::Sample { scratch, slice } => (scratch, slice, 0, GemvExtra::default()),
-            Tail::Gemm { ptr, o0, o1 } => (ptr, o0, o1, GemvExtra::default()),
-            Tail::Gemv(g) => (0, 0, 0, g),
-            Tail::None => (0, 0, 0, GemvExtra::default()),
+        let (gd, rd) = (GemvExtra::default(), RopeExtra::default());
+        let (mut part, mut n_split, mut last, mut gemv, mut rope) = match self.tail {
+            Tail::Attn {
+                part,
+                n_split,
+                rope,
+            } => (part, n_split, 0, gd, rope),
+            Tail::Sample { scratch, slice } => (scratch, slice, 0, gd, rd),
+            Tail::Gemm { ptr, o0, o1 } => (ptr, o0, o1, gd, rd),
+            Tail::Gemv(g) => (0, 0, 0, g, rd),
+            Tail::None => (0, 0, 0, gd, rd),
         };
         let mut args: [*mut c_void; 6] = [
             bind.as_mut_ptr() as *mut c_void,
