@@ -124,15 +124,22 @@ sanitize() {
     echo "== compute-sanitizer (memcheck, racecheck) on short generations"
     local m=$STORE/tiny-q4_1.gguf tool
     "$BIN/akunu" synth --shape tiny --type q4_1 "$m" >/dev/null 2>&1
-    for tool in memcheck racecheck; do
-        if compute-sanitizer --tool "$tool" --error-exitcode 3 \
-            "$BIN/akunu" generate -m "$m" --device cuda --prompt-ids 1,2,3,4,5,6,7,8,9,10 \
-            -n 40 --ignore-eos --chunk 8 --prefill-chunk 4 >"$OUTDIR/sanitize-$tool.log" 2>&1; then
-            echo "$tool: $(grep -h 'ERROR SUMMARY' "$OUTDIR/sanitize-$tool.log" | tail -1)"
-        else
-            echo "$tool: FAILED"
-            tail -30 "$OUTDIR/sanitize-$tool.log"
-        fi
+    # tiny-k Q4_0 (rows of 256 and 512) runs its one-row products on the
+    # bulk-copy gemv, whose copies land in shared memory asynchronously.
+    local mk=$STORE/tiny-k-q4_0.gguf f
+    "$BIN/akunu" synth --shape tiny-k --type q4_0 "$mk" >/dev/null 2>&1
+    for f in "$m" "$mk"; do
+        for tool in memcheck racecheck synccheck; do
+            local log=$OUTDIR/sanitize-$tool-$(basename "$f" .gguf).log
+            if compute-sanitizer --tool "$tool" --error-exitcode 3 \
+                "$BIN/akunu" generate -m "$f" --device cuda --prompt-ids 1,2,3,4,5,6,7,8,9,10 \
+                -n 40 --ignore-eos --chunk 8 --prefill-chunk 4 >"$log" 2>&1; then
+                echo "$tool $(basename "$f"): $(grep -hE '(ERROR|RACECHECK) SUMMARY' "$log" | tail -1)"
+            else
+                echo "$tool $(basename "$f"): FAILED"
+                tail -30 "$log"
+            fi
+        done
     done
     if compute-sanitizer --tool memcheck --error-exitcode 3 \
         "$BIN/akunu" generate -m "$m" --device cuda --prompt-ids 1,2,3,4,5 -n 20 --ignore-eos \

@@ -14,6 +14,8 @@ import argparse, ctypes, os, sys
 p = argparse.ArgumentParser()
 p.add_argument("--arch", default="sm_90")
 p.add_argument("--lib", default=os.environ.get("AKUNU_NVRTC", "libnvrtc.so.13"))
+p.add_argument("--cubin", help="write the (last) file's cubin here, for nvdisasm")
+p.add_argument("--define", action="append", default=[], help="extra -D option, such as TCG_SV=1")
 p.add_argument("files", nargs="+")
 a = p.parse_args()
 lib = ctypes.CDLL(a.lib)
@@ -26,6 +28,7 @@ for f in a.files:
     r = lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), os.path.basename(f).encode(), 0, None, None)
     assert r == 0, r
     opts = [f"-arch={a.arch}", "-default-device", "-std=c++17", "-Xptxas=-v", "-lineinfo"]
+    opts += [f"-D{d}" for d in a.define]
     arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
     r = lib.nvrtcCompileProgram(prog, len(opts), arr)
     n = ctypes.c_size_t()
@@ -37,4 +40,9 @@ for f in a.files:
     if log:
         print(log)
     ok &= r == 0
+    if r == 0 and a.cubin:
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(n))
+        cub = ctypes.create_string_buffer(n.value)
+        lib.nvrtcGetCUBIN(prog, cub)
+        open(a.cubin, "wb").write(cub.raw)
 sys.exit(0 if ok else 1)

@@ -85,19 +85,34 @@ __device__ __forceinline__ u32 hfma2_u(u32 a, u32 b, u32 c) {
 // The 8 weights of quant word `w` (bytes 4j..4j+3 of a Q4 block) as f16
 // pairs: l0 = elements (4j, 4j+2), l1 = (4j+1, 4j+3), h0 = (16+4j, 16+4j+2),
 // h1 = (16+4j+1, 16+4j+3); values q - 8 (Q4_0) or q (Q4_1).
+#ifndef TCG_DQ_PRMT
+#define TCG_DQ_PRMT 1
+#endif
 template <bool Q41>
 __device__ __forceinline__ void tcg_q4_pairs(u32 w, u32& l0, u32& l1, u32& h0, u32& h1) {
+    const u32 sub = Q41 ? 0x64006400u : 0x64086408u;  // 1024, 1032
+#if TCG_DQ_PRMT
+    // Nibbles to bytes, then each byte under 0x64 (1024 + q) by a byte
+    // permutation: one long-lived constant register (0x64646464), where the
+    // mask-and-OR form needs two masks and 1/16 and the compiler rebuilt
+    // them before every use (2 extra moves per word in SASS).
+    const u32 lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;
+    l0 = hsub2_u(__byte_perm(lo, 0x64646464u, 0x4240), sub);
+    l1 = hsub2_u(__byte_perm(lo, 0x64646464u, 0x4341), sub);
+    h0 = hsub2_u(__byte_perm(hi, 0x64646464u, 0x4240), sub);
+    h1 = hsub2_u(__byte_perm(hi, 0x64646464u, 0x4341), sub);
+#else
     const u32 w8 = w >> 8;
     l0 = (w & 0x000F000Fu) | 0x64006400u;   // 1024 + q
     l1 = (w8 & 0x000F000Fu) | 0x64006400u;
     h0 = (w & 0x00F000F0u) | 0x64006400u;   // 1024 + 16 q
     h1 = (w8 & 0x00F000F0u) | 0x64006400u;
-    const u32 sub = Q41 ? 0x64006400u : 0x64086408u;  // 1024, 1032
     const u32 add = Q41 ? 0xD400D400u : 0xD480D480u;  // -64, -72
     l0 = hsub2_u(l0, sub);
     l1 = hsub2_u(l1, sub);
     h0 = hfma2_u(h0, 0x2C002C00u, add);  // x / 16 - 64 (- 8)
     h1 = hfma2_u(h1, 0x2C002C00u, add);
+#endif
 }
 
 // The 4 weights of word `w` (bytes 4i..4i+3 of a Q8_0 block) as f16 pairs:
@@ -189,11 +204,18 @@ __device__ __forceinline__ void tcg_a_pair(const TcgW<DT>& W, u32 q, u32 (&a0)[4
     }
 }
 
+#ifndef TCG_ZB
+#define TCG_ZB 1
+#endif
+// Zeroed shared memory that B reads of non-feeding lanes land on: the
+// largest offset read is 8 * (MMAS / 2 - 1) + 1 uint4s.
+#define TCG_ZERO_U4 32
+
 // One group's products for every input row, added into acc[row][g or g+8].
 template <int DT, int MR>
 __device__ __forceinline__ void tcg_group(const TcgW<DT>& W, u32 grp, u32 rows, u32 ng, const u32* img,
                                           const float* bsum, bool feeds, u32 lane8, u32 t,
-                                          float (&acc)[MR][2]) {
+                                          float (&acc)[MR][2], const uint4* zeros) {
     using T = TcgT<DT>;
     constexpr u32 MMAS = T::MMAS, IMG = tcg_img_u32<DT>();
     float d0 = 1.0f, d1 = 1.0f, m0 = 0.0f, m1 = 0.0f;
@@ -216,11 +238,13 @@ __device__ __forceinline__ void tcg_group(const TcgW<DT>& W, u32 grp, u32 rows, 
 #pragma unroll
     for (u32 r = 0; r < (u32)MR; ++r) {
         if (r < rows) {
-            const uint4* bp = (const uint4*)(img + (r * ng + grp) * IMG + lane8 * 4);
+            // Lanes that pass no B read a zeroed block instead (a select
+            // of the address, not of the loaded values).
+            const uint4* bp = TCG_ZB && !feeds ? zeros : (const uint4*)(img + (r * ng + grp) * IMG + lane8 * 4);
             float c[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (u32 q = 0; q < MMAS / 2; ++q) {
-                const uint4 v = feeds ? bp[q * 8] : make_uint4(0, 0, 0, 0);
+                const uint4 v = TCG_ZB || feeds ? bp[q * 8] : make_uint4(0, 0, 0, 0);
                 if constexpr (MR == 1) {
                     tcg_a_pair<DT>(W, q, af[0][0], af[0][1]);
                     mma_f16(c, af[0][0], v.x, v.y);
@@ -380,6 +404,24 @@ template <int DT> __device__ __forceinline__ constexpr u32 tcg_ahead() {
     return DT == DT_Q4_0 || DT == DT_Q4_1 ? TCG_AHEAD_Q4 : TCG_AHEAD;
 }
 
+// Chunks of the bulk-copy form (below); the register form takes its
+// group order from them where that form runs the one-row products.
+#ifndef TCB_QROW
+#define TCB_QROW 512
+#endif
+#ifndef TCB_NST
+#define TCB_NST 2
+#endif
+
+template <int DT> struct TcbT {
+    using T = TcgT<DT>;
+    static constexpr u32 CG = TCB_QROW / (4 * T::QB);             // groups per chunk
+    static constexpr u32 QROW = CG * 4 * T::QB;                   // quant bytes per row
+    static constexpr u32 SROW = CG * 4 * T::SB;                   // scale bytes per row
+    static constexpr u32 QPITCH = QROW + (T::QB == 16 ? 64 : 16);  // conflict-free reads
+    static constexpr u32 STAGE = 16 * QPITCH + 16 * SROW;
+};
+
 // Shared memory of the kernel (the launcher's `tcg_smem` mirrors it):
 // [B images: rows x groups][Q4_1 block sums].
 template <int DT, int MR>
@@ -390,6 +432,8 @@ __device__ __forceinline__ void tcg_body(const Bind& b, const GemvParams& p, con
     extern __shared__ float4 gemv_smem[];
     __shared__ float red[32];
     __shared__ float part[TCG_WARPS * MR * 16];
+    __shared__ uint4 zeros[TCG_ZERO_U4];
+    if (threadIdx.x < TCG_ZERO_U4) zeros[threadIdx.x] = make_uint4(0, 0, 0, 0);
     const u32 k = p.k, n_lb = k / T::LB, ng = (n_lb + 3) >> 2;
     const u32 rows = a.rows < (u32)MR ? a.rows : (u32)MR;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -397,7 +441,17 @@ __device__ __forceinline__ void tcg_body(const Bind& b, const GemvParams& p, con
     const u32 tpb = TCG_WARPS / S, my_tile = warp / S, split = warp % S;
     const u32 total = gemv_total_rows(p), n_tiles = (total + 15) >> 4;
     const u32 n_rg = (n_tiles + tpb - 1) / tpb;
-    const u32 my_n = split < ng ? (ng - split + S - 1) / S : 0;  // this warp's groups per tile
+    // This warp's groups of a tile: chunks split, split + S, ... of
+    // `chunk` groups each (1, or the bulk-copy form's CG where that form
+    // runs the one-row products, so that verification adds in its order).
+    const bool chunked = ex.tc_chunk > 1;
+    constexpr u32 CG = TcbT<DT>::CG;
+    const u32 chunk = chunked ? CG : 1, n_ch = (ng + chunk - 1) / chunk;
+    u32 my_n = split < n_ch ? (n_ch - split + S - 1) / S * chunk : 0;
+    if (split < n_ch && (n_ch - 1) % S == split) my_n -= n_ch * chunk - ng;  // the short last chunk
+    auto grp_of = [&](u32 n) {
+        return chunked ? (split + (n / CG) * S) * CG + n % CG : split + n * S;
+    };
 
     u32* img = (u32*)gemv_smem;
     float* bsum = (float*)(img + rows * ng * IMG);
@@ -413,7 +467,7 @@ __device__ __forceinline__ void tcg_body(const Bind& b, const GemvParams& p, con
     auto prologue = [&](const SegRow& s0, const SegRow& s1) {
 #pragma unroll
         for (u32 u = 0; u < D; ++u)
-            if (u < my_n) tcg_load<DT>(W[u], s0.row, s1.row, split + u * S, n_lb, t);
+            if (u < my_n) tcg_load<DT>(W[u], s0.row, s1.row, grp_of(u), n_lb, t);
     };
 
     // The first tile's weights start streaming before the wait.
@@ -451,8 +505,8 @@ __device__ __forceinline__ void tcg_body(const Bind& b, const GemvParams& p, con
                 for (u32 u = 0; u < D; ++u) {
                     const u32 n = n0 + u;
                     if (n < my_n) {
-                        tcg_group<DT, MR>(W[u], split + n * S, rows, ng, img, bsum, feeds, lane8, t, acc);
-                        if (n + D < my_n) tcg_load<DT>(W[u], s0.row, s1.row, split + (n + D) * S, n_lb, t);
+                        tcg_group<DT, MR>(W[u], grp_of(n), rows, ng, img, bsum, feeds, lane8, t, acc, zeros);
+                        if (n + D < my_n) tcg_load<DT>(W[u], s0.row, s1.row, grp_of(n + D), n_lb, t);
                     }
                 }
             }
@@ -524,3 +578,221 @@ TCG_KERNEL(k_gemv_tc8_f16, DT_F16, 8, 1)
 TCG_KERNEL(k_gemv_tc8_q8_0, DT_Q8_0, 8, 1)
 TCG_KERNEL(k_gemv_tc8_q4_0, DT_Q4_0, 8, 1)
 TCG_KERNEL(k_gemv_tc8_q4_1, DT_Q4_1, 8, 1)
+
+// ---------------------------------------------------------------------------
+// Bulk-copy form (one input row). The register pipeline above holds the
+// weights in flight in registers, which caps a lane at a few groups and the
+// SM at 16 warps; Nsight Compute shows its warps stalled on memory with
+// DRAM far from busy. Here each warp streams its weights into a ring of
+// shared-memory stages with the copy engine (cp.async.bulk, completing on an
+// mbarrier): 32 copies per chunk, lane L copying row L % 16's quants
+// (L < 16) or scales (L >= 16), so no register holds a weight in flight and
+// no instruction is spent per 16 bytes on the way in. The warp then reads
+// its fragments back from shared memory (one 16-byte read per lane and
+// row, as the register form's global read) and runs the same group
+// arithmetic (`tcg_group`).
+//
+// A chunk is TCB_QROW bytes of quants of each of the tile's 16 rows (CG
+// groups), with their scales; a tile's chunks are shared out over its S
+// warps (chunks s, s + S, ...). Row pitch in a stage keeps the 8 lanes of
+// each quarter-warp on distinct banks: 64 mod 128 for 16-byte lane-blocks,
+// 16 mod 128 for 32-byte ones.
+// ---------------------------------------------------------------------------
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+    asm volatile(
+        "{\n"
+        " .reg .pred p;\n"
+        "TCB_WAIT_%=:\n"
+        " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        " @!p bra TCB_WAIT_%=;\n"
+        "}\n" ::"r"(smem_u32(bar)),
+        "r"(parity)
+        : "memory");
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+            smem_u32(dst)),
+        "l"(src), "r"(bytes), "r"(smem_u32(bar))
+        : "memory");
+}
+
+template <int DT>
+__device__ __forceinline__ void tcb_body(const Bind& b, const GemvParams& p, const StepArg& a,
+                                         const GemvExtra& ex) {
+    using T = TcgT<DT>;
+    using C = TcbT<DT>;
+    constexpr u32 IMG = tcg_img_u32<DT>();
+    extern __shared__ float4 gemv_smem[];
+    __shared__ float red[32];
+    __shared__ float part[TCG_WARPS * 16];
+    __shared__ uint4 zeros[TCG_ZERO_U4];
+    if (threadIdx.x < TCG_ZERO_U4) zeros[threadIdx.x] = make_uint4(0, 0, 0, 0);
+    __shared__ u64 bars[TCG_WARPS][TCB_NST];
+    const u32 k = p.k, n_lb = k / T::LB, ng = (n_lb + 3) >> 2, n_ch = (ng + C::CG - 1) / C::CG;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const u32 S = ex.tc_split;
+    const u32 tpb = TCG_WARPS / S, my_tile = warp / S, split = warp % S;
+    const u32 total = gemv_total_rows(p), n_tiles = (total + 15) >> 4;
+    const u32 n_rg = (n_tiles + tpb - 1) / tpb;
+
+    u32* img = (u32*)gemv_smem;
+    float* bsum = (float*)(img + ng * IMG);
+    // The ring starts 128-byte aligned after the image and block sums.
+    const u32 head = ((ng * IMG + (DT == DT_Q4_1 ? 4 * ng : 0)) * 4 + 127) & ~127u;
+    u8* ring = (u8*)gemv_smem + head + warp * TCB_NST * C::STAGE;
+    u64* bar = bars[warp];
+    if (lane == 0) {
+#pragma unroll
+        for (u32 s = 0; s < TCB_NST; ++s) mbar_init(&bar[s], 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncwarp();
+
+    // This warp's chunks, in order: (row group rg, chunk c) for rg =
+    // blockIdx.x, + gridDim.x, ... and c = split, split + S, ...
+    auto valid = [&](u32 rg) { return rg < n_rg && rg * tpb + my_tile < n_tiles; };
+    // Lane L's copy of chunk c of tile `tile` into stage s.
+    auto issue = [&](u32 tile, u32 c, u32 s) {
+        const u32 g0 = c * C::CG, gq = ng - g0 < C::CG ? ng - g0 : C::CG;
+        if (lane == 0) mbar_expect_tx(&bar[s], 16 * gq * 4 * (T::QB + T::SB));
+        __syncwarp();
+        const u32 r = lane & 15, o = tile * 16 + r;
+        const SegRow sr = seg_row(b, p, o < total ? o : total - 1);
+        u8* st = ring + s * C::STAGE;
+        if (lane < 16) {
+            bulk_copy(st + r * C::QPITCH, sr.row.w + (u64)g0 * 4 * T::QB, gq * 4 * T::QB, &bar[s]);
+        } else if (T::SB != 0) {
+            bulk_copy(st + 16 * C::QPITCH + r * C::SROW, sr.row.sc + (u64)g0 * 4 * T::SB, gq * 4 * T::SB,
+                      &bar[s]);
+        }
+    };
+
+    // Prime the ring before waiting on the previous kernel: weights are
+    // constants.
+    u32 rg_i = blockIdx.x, c_i = split;  // next chunk to issue
+    auto advance = [&](u32& rg, u32& c) {
+        c += S;
+        if (c >= n_ch) {
+            c = split;
+            rg += gridDim.x;
+        }
+    };
+    u32 primed = 0;
+#pragma unroll
+    for (u32 s = 0; s < TCB_NST; ++s) {
+        if (valid(rg_i) && c_i < n_ch) {
+            issue(rg_i * tpb + my_tile, c_i, s);
+            advance(rg_i, c_i);
+            ++primed;
+        }
+    }
+    AKUNU_GRID_DEPS();
+    if (a.ctl && *(volatile const u32*)&a.ctl->done) {
+        // No block may leave with copies still landing in its shared memory.
+        for (u32 s = 0; s < primed; ++s) mbar_wait(&bar[s], 0);
+        return;
+    }
+    if (k < 2048) tcg_stage<DT, 1>(b, p, ex, 1, img, bsum, red);
+    else tcg_stage<DT, TCG_SV>(b, p, ex, 1, img, bsum, red);
+    __syncthreads();
+
+    const bool feeds = (g >> 1) == t;
+    const u32 lane8 = 2 * t + (g & 1);
+    u32 stage = 0, phase = 0;
+    for (u32 rg = blockIdx.x; rg < n_rg; rg += gridDim.x) {
+        const u32 tile = rg * tpb + my_tile;
+        float acc[1][2] = {{0.0f, 0.0f}};
+        if (tile < n_tiles) {
+            for (u32 c = split; c < n_ch; c += S) {
+                mbar_wait(&bar[stage], phase);
+                const u8* st = ring + stage * C::STAGE;
+                const u32 g0 = c * C::CG, gq = ng - g0 < C::CG ? ng - g0 : C::CG;
+#pragma unroll
+                for (u32 j = 0; j < C::CG; ++j) {
+                    if (j < gq) {
+                        TcgW<DT> W;
+#pragma unroll
+                        for (u32 i = 0; i < T::QB / 16; ++i) {
+                            W.q[0][i] = *(const uint4*)(st + g * C::QPITCH + (j * 4 + t) * T::QB + i * 16);
+                            W.q[1][i] = *(const uint4*)(st + (g + 8) * C::QPITCH + (j * 4 + t) * T::QB + i * 16);
+                        }
+                        if constexpr (T::SB == 2) {
+                            W.sc[0] = *(const u16*)(st + 16 * C::QPITCH + g * C::SROW + (j * 4 + t) * 2);
+                            W.sc[1] = *(const u16*)(st + 16 * C::QPITCH + (g + 8) * C::SROW + (j * 4 + t) * 2);
+                        } else if constexpr (T::SB == 4) {
+                            W.sc[0] = *(const u32*)(st + 16 * C::QPITCH + g * C::SROW + (j * 4 + t) * 4);
+                            W.sc[1] = *(const u32*)(st + 16 * C::QPITCH + (g + 8) * C::SROW + (j * 4 + t) * 4);
+                        }
+                        tcg_group<DT, 1>(W, g0 + j, 1, ng, img, bsum, feeds, lane8, t, acc, zeros);
+                    }
+                }
+                // Every lane has its fragments: the stage may be refilled.
+                __syncwarp();
+                if (valid(rg_i)) {
+                    issue(rg_i * tpb + my_tile, c_i, stage);
+                    advance(rg_i, c_i);
+                }
+                if (++stage == TCB_NST) {
+                    stage = 0;
+                    phase ^= 1;
+                }
+            }
+        }
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+            acc[0][h] += __shfl_xor_sync(FULL_MASK, acc[0][h], 1);
+            acc[0][h] += __shfl_xor_sync(FULL_MASK, acc[0][h], 2);
+        }
+        if (S > 1) {
+            if (t == 0) {
+                part[warp * 16 + g] = acc[0][0];
+                part[warp * 16 + g + 8] = acc[0][1];
+            }
+            __syncthreads();
+            if (split == 0) {
+                for (u32 s = 1; s < S; ++s) {
+                    acc[0][0] += part[(warp + s) * 16 + g];
+                    acc[0][1] += part[(warp + s) * 16 + g + 8];
+                }
+            }
+            __syncthreads();
+        }
+        if (split == 0 && t == 0 && tile < n_tiles) {
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) {
+                const u32 o = tile * 16 + g + 8 * h;
+                if (o >= total) continue;
+                const SegRow sr = seg_row(b, p, o);
+                const float bias = sr.bias ? *sr.bias : 0.0f;
+                float* dst = (float*)b.p[1] + o;
+                const float v = softcap_score(acc[0][h] + bias, p.softcap);
+                *dst = p.accumulate ? *dst + v : v;
+            }
+        }
+    }
+}
+
+#ifndef TCB_MINB
+#define TCB_MINB 1
+#endif
+#define TCB_KERNEL(name, dt)                                                    \
+    extern "C" __global__ void __launch_bounds__(TCG_WARPS * 32, TCB_MINB)      \
+    name(Bind b, GemvParams p, StepArg a, GemvExtra ex) {                       \
+        tcb_body<dt>(b, p, a, ex);                                              \
+    }
+TCB_KERNEL(k_gemv_tcb_f16, DT_F16)
+TCB_KERNEL(k_gemv_tcb_q8_0, DT_Q8_0)
+TCB_KERNEL(k_gemv_tcb_q4_0, DT_Q4_0)
+TCB_KERNEL(k_gemv_tcb_q4_1, DT_Q4_1)

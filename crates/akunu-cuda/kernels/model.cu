@@ -369,6 +369,7 @@ struct GemvExtra {
     const float* norm_w;  // non-null: stage rmsnorm(x) * norm_w (one input row)
     float norm_eps;
     u32 tc_split;  // the tensor-core gemv's warps per row tile (gemv_tc.cu)
+    u32 tc_chunk;  // its groups per chunk of a warp's share: 1, or TcbT::CG
 };
 
 // Padded shared-memory index of input element e, and a staged row's length.
@@ -2051,6 +2052,8 @@ k_attn_prefill(Bind b, AttnParams p, StepArg a) {
 #ifndef FA_UNROLL_PV
 #define FA_UNROLL_PV 8
 #endif
+// As constants: nvcc (bench/cuda probes) does not expand macros in pragmas.
+constexpr int kFaUnrollS = FA_UNROLL_S, kFaUnrollPv = FA_UNROLL_PV;
 
 // Rows [0, n) of a tile of R rows from src + r * stride (floats), dims
 // [0, hd) of D, into dst with row stride LD; other rows and dims are zero.
@@ -2128,7 +2131,7 @@ __device__ __forceinline__ void attn_flash_body(const Bind& b, const AttnParams&
         for (int i = 0; i < 4; ++i)
 #pragma unroll
             for (int c = 0; c < 4; ++c) s[i][c] = 0.0f;
-#pragma unroll FA_UNROLL_S
+#pragma unroll kFaUnrollS
         for (int d = 0; d < D; d += 4) {
             float4 a[4], k4[4];
 #pragma unroll
@@ -2186,7 +2189,7 @@ __device__ __forceinline__ void attn_flash_body(const Bind& b, const AttnParams&
 
         // Keys past nt have P = 0 and zero V rows: the loop runs whole
         // tiles (unrolled) and adds exact zeros there.
-#pragma unroll FA_UNROLL_PV
+#pragma unroll kFaUnrollPv
         for (int jj = 0; jj < FA_BK; ++jj) {
             const float4 pj = *(const float4*)(ps + jj * FA_LDP + ty * 4);
 #pragma unroll

@@ -23,8 +23,9 @@ const GEMV_ONE_KERNEL_ROWS: u32 = 4;
 /// Shared memory the gemv kernel declares statically (its reduction
 /// scratch), kept out of the dynamic allowance (lib.rs `load_kernels`).
 pub const GEMV_STATIC_SMEM: u32 = 1024;
-/// Static shared memory of the tensor-core gemv (gemv_tc.cu: `red` and the
-/// split partials of up to 8 rows), kept out of its dynamic allowance.
+/// Static shared memory of the tensor-core gemv (gemv_tc.cu: `red`, the
+/// split partials of up to 8 rows, the zero block and the bulk-copy form's
+/// barriers), kept out of its dynamic allowance.
 pub const TCG_STATIC_SMEM: u32 = 5120;
 /// Warps of a tensor-core gemv block (gemv_tc.cu `TCG_WARPS`).
 const TCG_WARPS: u32 = 8;
@@ -102,6 +103,9 @@ pub struct GemvExtra {
     pub norm_eps: f32,
     /// The tensor-core gemv's warps per 16-row tile (`tcg_split`).
     pub tc_split: u32,
+    /// Its groups per chunk of a warp's share: 1, or the bulk-copy form's
+    /// chunk where that form runs the product's one-row steps (`tcb_plan`).
+    pub tc_chunk: u32,
 }
 
 /// `RopeExtra` of model.cu: the RoPE + KV write fused into one-row decode
@@ -556,6 +560,78 @@ fn tcg_split(tiles: u32, groups: u32, sm_count: u32) -> u32 {
     s
 }
 
+/// Bytes of quants per weight row in one chunk of the bulk-copy gemv
+/// (gemv_tc.cu `TCB_QROW`), and its ring stages per warp (`TCB_NST`).
+const TCB_QROW: u32 = 512;
+const TCB_NST: u32 = 2;
+
+/// How the bulk-copy form of the tensor-core gemv (gemv_tc.cu `tcb_body`)
+/// runs a product's one-row steps.
+#[derive(Copy, Clone, Debug, PartialEq)]
+struct TcbPlan {
+    /// Groups per chunk (`TcbT::CG`).
+    chunk: u32,
+    /// Warps per 16-row tile.
+    split: u32,
+    /// Dynamic shared memory: B image, block sums, then the warps' rings.
+    smem: u64,
+}
+
+/// The bulk-copy plan of a product, or `None` where the form cannot take
+/// it: its copies need every row's quants and scales, and every chunk's,
+/// at 16-byte multiples (Q4_0 and Q8_0: k a multiple of 256; Q4_1: 128;
+/// F16: always), and its ring must fit beside the B image. The plan
+/// depends on the shape alone, not on the step's rows, because the
+/// verification kernels must add a product's groups in the one-row order.
+/// Split: the most warps per tile, up to 8, that leave each warp two
+/// chunks of a row, so that its ring has a chunk in flight while it
+/// computes (the best or within 3% of it on every shape of the 1B and 8B
+/// models, bench/cuda/gemv_probe.cu). The form runs one block per SM, so
+/// products of too few row tiles for that (SmolLM2's, at most 576 rows
+/// but for the logits) keep the register form: at least 3/8 of the SMs
+/// must get a block. `AKUNU_CUDA_TCB=0` turns the form off (A/B runs).
+fn tcb_plan(
+    dt: akunu_core::dtype::DType,
+    k: u32,
+    tiles: u32,
+    sm_count: u32,
+    smem_budget: u64,
+) -> Option<TcbPlan> {
+    use akunu_core::dtype::DType;
+    static TCB: Knob = Knob::new("AKUNU_CUDA_TCB");
+    if TCB.is("0") {
+        return None;
+    }
+    // Bytes of quants per lane-block and row, of scale per 32-element block.
+    let (qb, sb, align) = match dt {
+        DType::F16 => (32, 0, 64),
+        DType::Q8_0 => (32, 2, 256),
+        DType::Q4_0 => (16, 2, 256),
+        DType::Q4_1 => (16, 4, 128),
+        _ => return None,
+    };
+    if !k.is_multiple_of(align) {
+        return None;
+    }
+    let chunk = TCB_QROW / (4 * qb);
+    let pitch = TCB_QROW + if qb == 16 { 64 } else { 16 };
+    let stage = 16 * pitch + 16 * chunk * 4 * sb;
+    let head = tcg_smem(dt, k, 1).next_multiple_of(128);
+    let smem = head + (TCG_WARPS * TCB_NST * stage) as u64;
+    if smem > smem_budget {
+        return None;
+    }
+    let chunks = (k / tcg_lane_block(dt)).div_ceil(4).div_ceil(chunk);
+    let mut split = 1;
+    while split < TCG_WARPS && split * 4 <= chunks {
+        split *= 2;
+    }
+    if tiles.div_ceil(TCG_WARPS / split) * 8 < sm_count * 3 {
+        return None;
+    }
+    Some(TcbPlan { chunk, split, smem })
+}
+
 /// Whether a multi-row product runs on the tensor cores (`k_gemm_tc`, or
 /// cuBLAS for steps of many rows: `blas`): every segment F16, Q8_0, Q4_0
 /// or Q4_1, and whole 32-element blocks. `AKUNU_CUDA_TC=0` keeps the f32
@@ -702,15 +778,25 @@ pub fn plan(
                 .map(|dt| (dt, tcg_smem(dt, p.k, r)))
                 .filter(|&(_, m)| m <= (be.smem_optin() - TCG_STATIC_SMEM) as u64);
             if let Some((dt, tc_smem)) = tc {
-                let Some(&(_, f1, f8)) = k.gemv_tc.iter().find(|t| t.0 == dt as u32) else {
+                let Some(&(_, f1, f8, fb)) = k.gemv_tc.iter().find(|t| t.0 == dt as u32) else {
                     unreachable!("tcg_type returns only the types of gemv_tc")
                 };
-                l.f = if r == 1 { f1 } else { f8 };
                 let groups = (p.k / tcg_lane_block(dt)).div_ceil(4);
                 let tiles = total.div_ceil(16);
-                extra.tc_split = tcg_split(tiles, groups, be.sm_count());
-                let row_groups = tiles.div_ceil(TCG_WARPS / extra.tc_split);
+                let budget = (be.smem_optin() - TCG_STATIC_SMEM) as u64;
+                l.f = if r == 1 { f1 } else { f8 };
                 l.smem = tc_smem as u32;
+                extra.tc_split = tcg_split(tiles, groups, be.sm_count());
+                extra.tc_chunk = 1;
+                if let Some(plan) = tcb_plan(dt, p.k, tiles, be.sm_count(), budget) {
+                    extra.tc_split = plan.split;
+                    extra.tc_chunk = plan.chunk;
+                    if r == 1 {
+                        l.f = fb;
+                        l.smem = plan.smem as u32;
+                    }
+                }
+                let row_groups = tiles.div_ceil(TCG_WARPS / extra.tc_split);
                 l.block = TCG_WARPS * 32;
                 // A resident grid (the input is staged once per block);
                 // one block per row group measured no faster.
@@ -958,6 +1044,37 @@ mod tests {
             repeat_last_n: 64,
             ..bytemuck::Zeroable::zeroed()
         }
+    }
+
+    #[test]
+    fn bulk_copy_gemv_plans() {
+        use akunu_core::dtype::DType;
+        let budget = 227 * 1024 - TCG_STATIC_SMEM as u64;
+        let plan = |dt, k, rows: u32| tcb_plan(dt, k, rows.div_ceil(16), 132, budget);
+        // 8B Q4_0: gate_up and the logits take it with 2 warps a tile (4
+        // chunks a row), the FFN's down product with 4 (14 chunks).
+        let p = plan(DType::Q4_0, 4096, 28_672).unwrap();
+        assert_eq!((p.chunk, p.split), (8, 2));
+        assert_eq!(plan(DType::Q4_0, 14_336, 4096).unwrap().split, 4);
+        // 1B F16: 8 chunks of 4 groups a row of 2048, 32 of 8192.
+        let p = plan(DType::F16, 2048, 2048).unwrap();
+        assert_eq!((p.chunk, p.split), (4, 4));
+        assert_eq!(plan(DType::F16, 8192, 2048).unwrap().split, 8);
+        // The ring and the image fit: 8 warps x 2 stages beside k = 14336.
+        assert!(plan(DType::F16, 14_336, 4096).unwrap().smem <= budget);
+        // Rows whose scales would not be 16-byte aligned.
+        assert!(plan(DType::Q4_0, 576, 49_152).is_none());
+        assert!(plan(DType::Q4_1, 576, 49_152).is_none());
+        assert!(plan(DType::Q8_0, 128, 49_152).is_none());
+        assert!(plan(DType::Q4_1, 128, 49_152).is_some());
+        // SmolLM2's products are too few tiles for one block per SM; its
+        // logits (49,152 rows) are not.
+        assert!(plan(DType::Q4_1, 1536, 576).is_none());
+        assert!(plan(DType::F16, 576, 1536).is_none());
+        assert!(plan(DType::F16, 576, 49_152).is_some());
+        // Types the form does not read.
+        assert!(plan(DType::F32, 4096, 4096).is_none());
+        assert!(plan(DType::Q6_K, 4096, 4096).is_none());
     }
 
     #[test]

@@ -77,8 +77,8 @@ pub(crate) struct Kernels {
     pub gemv_v8: sys::CUfunction,
     pub gemv_typed_v8: [(u32, sys::CUfunction); 6],
     /// The tensor-core gemv (`gemv_tc.cu`): (GGML type id, one input row,
-    /// 2..=8 input rows).
-    pub gemv_tc: [(u32, sys::CUfunction, sys::CUfunction); 4],
+    /// 2..=8 input rows, one input row in the bulk-copy form).
+    pub gemv_tc: [(u32, sys::CUfunction, sys::CUfunction, sys::CUfunction); 4],
     pub gemm: sys::CUfunction,
     pub gemm_tc: sys::CUfunction,
     /// The operand kernels of the cuBLAS prefill products (`blas`).
@@ -511,21 +511,25 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
                 DType::F16 as u32,
                 get("k_gemv_tc_f16")?,
                 get("k_gemv_tc8_f16")?,
+                get("k_gemv_tcb_f16")?,
             ),
             (
                 DType::Q8_0 as u32,
                 get("k_gemv_tc_q8_0")?,
                 get("k_gemv_tc8_q8_0")?,
+                get("k_gemv_tcb_q8_0")?,
             ),
             (
                 DType::Q4_0 as u32,
                 get("k_gemv_tc_q4_0")?,
                 get("k_gemv_tc8_q4_0")?,
+                get("k_gemv_tcb_q4_0")?,
             ),
             (
                 DType::Q4_1 as u32,
                 get("k_gemv_tc_q4_1")?,
                 get("k_gemv_tc8_q4_1")?,
+                get("k_gemv_tcb_q4_1")?,
             ),
         ],
         gemm: get("k_gemm")?,
@@ -573,7 +577,7 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
     for f in std::iter::once(k.gemv).chain(typed).chain(v8) {
         allow_smem(f, smem_optin - launch::GEMV_STATIC_SMEM as i32, "gemv")?;
     }
-    for f in k.gemv_tc.iter().flat_map(|t| [t.1, t.2]) {
+    for f in k.gemv_tc.iter().flat_map(|t| [t.1, t.2, t.3]) {
         allow_smem(
             f,
             smem_optin - launch::TCG_STATIC_SMEM as i32,

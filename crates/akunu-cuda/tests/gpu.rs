@@ -221,8 +221,16 @@ fn logits_match_cpu_for_every_type() {
         compare_with_cpu(&m, &format!("tiny {}", dt.name()), 1e-4);
     }
     // K-quants need rows of whole 256-element super-blocks (tiny's are 64
-    // and 96 wide: they would fall back to Q5_0/Q5_1/Q8_0).
-    for dt in [DType::Q4_K, DType::Q5_K, DType::Q6_K] {
+    // and 96 wide: they would fall back to Q5_0/Q5_1/Q8_0). Q8_0, Q4_0
+    // and Q4_1 rows of 256 and 512 run on the bulk-copy gemv.
+    for dt in [
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+    ] {
         let m = synth(Shape::TinyK, dt);
         assert_eq!(m.file.tensor("blk.0.ffn_down.weight").unwrap().dtype, dt);
         compare_with_cpu(&m, &format!("tiny-k {}", dt.name()), 1e-4);
@@ -633,6 +641,10 @@ fn speculative_verification_is_exact() {
         (Shape::SmolLm2_135M, DType::Q4_1),
         (Shape::SmolLm2_135M, DType::Q4_0),
         (Shape::SmolLm2_135M, DType::F16),
+        // Rows of 256 and 512: the one-row steps on the bulk-copy gemv.
+        (Shape::TinyK, DType::Q4_0),
+        (Shape::TinyK, DType::Q4_1),
+        (Shape::TinyK, DType::Q8_0),
     ] {
         let m = synth(shape, dtype);
         let unit = prompt(7, m.config.n_vocab);
