@@ -15,6 +15,7 @@
 #                                 each WHAT of: tests, sanitize, bench, bench-ab,
 #                                 ab (AB_VAR, AB_VALUES, AB_ROUNDS), tcg-ab,
 #                                 profile, profile-big, trace, features,
+#                                 ncu-token,
 #                                 model-part1, model-part2, model-part3,
 #                                 model, sampler (needs the model), attn,
 #                                 prefill, spec-ab (needs the model), pfattn.
@@ -197,6 +198,39 @@ ncu_one() { # NAME FILE
         --chunk 16 >"$OUTDIR/ncu-$1.txt" 2>&1 || echo "ncu failed (rc $?)"
     grep -E "k_gemv|stalled|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Theoretical Occupancy|Block Limit|Grid Size|One or More" \
         "$OUTDIR/ncu-$1.txt" | head -120
+}
+
+ncu_token_one() { # NAME FILE
+    # One decode token's kernels, each timed alone (Nsight Compute
+    # serializes them: no launch gaps, no overlap), summed by kernel.
+    local per=$(( $("$BIN/akunu" bench -m "$2" --device cuda -p 0 -n 8 -r 1 2>&1 |
+        sed -n 's/^kernels per token: //p') ))
+    timeout 300 ncu --clock-control none --launch-skip "${NCU_SKIP:-3000}" --launch-count "$per" \
+        --metrics gpu__time_duration.sum --csv \
+        "$BIN/akunu" generate -m "$2" --device cuda --prompt-ids 1,2,3 -n 120 --ignore-eos \
+        --chunk 16 >"$OUTDIR/ncu-token-$1.csv" 2>/dev/null || echo "ncu failed (rc $?)"
+    python3 - "$OUTDIR/ncu-token-$1.csv" "$1" "$per" <<'PY'
+import csv, sys, collections
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+head, rows = rows[0], rows[1:]
+ki, vi = head.index("Kernel Name"), head.index("Metric Value")
+unit = head.index("Metric Unit")
+tot = collections.OrderedDict()
+for r in rows:
+    v = float(r[vi].replace(",", "")) * (1e-3 if r[unit] == "nsecond" else 1.0)
+    n, s = tot.get(r[ki], (0, 0.0))
+    tot[r[ki]] = (n + 1, s + v)
+all_us = sum(s for _, s in tot.values())
+print(f"{sys.argv[2]}: {len(rows)} kernels of one token (expected {sys.argv[3]}), {all_us:.1f} us in kernels")
+for k, (n, s) in sorted(tot.items(), key=lambda x: -x[1][1]):
+    print(f"  {k:28s} {n:4d} x {s / n:7.2f} us = {s:8.1f} us ({100 * s / all_us:4.1f}%)")
+PY
+}
+
+# One decode token's kernel durations (Nsight Compute), per kernel.
+ncu_token() {
+    echo "== ncu: one decode token, kernel by kernel"
+    each_shape "${NCU_SHAPES:-llama-1b:f16 llama-8b:q4_0}" ncu_token_one
 }
 
 # Hardware counters of the decode gemv kernels (Nsight Compute; works on the
@@ -460,6 +494,7 @@ run)
         bench) bench ;;
         bench-ab) bench_ab ;;
         ncu) ncu_gemv ;;
+        ncu-token) ncu_token ;;
         ab) ab ;;
         tcg-ab) tcg_ab ;;
         tcg-split) tcg_split ;;

@@ -62,6 +62,8 @@ static Res time_kernel(Kern f, u8* pool, size_t bytes, int copies, float* x, flo
     if (grid > row_groups) grid = row_groups;
     GemvParams p = {};
     p.k = K; p.x_stride = K; p.out_stride = R; p.n_seg = 1; p.n[0] = R; p.dtype[0] = dt;
+    // The FFN's down products stage silu(gate) * up (PROBE_ACT=1), as the engine's act_down.
+    if (getenv("PROBE_ACT")) { p.input_act = ACT_SWIGLU; p.x_stride = 2 * K; }
     StepArg a = {}; a.rows = 1;
     GemvExtra ex = {}; ex.tc_split = S;
     cudaLaunchConfig_t cfg = {};
@@ -89,6 +91,24 @@ static Res time_kernel(Kern f, u8* pool, size_t bytes, int copies, float* x, flo
     CK(cudaDeviceSynchronize());
     r.out.resize(R);
     CK(cudaMemcpy(r.out.data(), out, R * 4, cudaMemcpyDeviceToHost));
+#ifdef TCB_TIMING
+    if (smem > 100000) {  // the bulk-copy form: its phases, one isolated launch
+        static u64 st[4096][4];
+        CK(cudaMemcpyFromSymbol(st, tcb_stamps, sizeof(u64) * 4 * grid));
+        u64 t0 = ~0ull;
+        for (u32 i = 0; i < grid; ++i) t0 = st[i][0] < t0 ? st[i][0] : t0;
+        double sum[4] = {0, 0, 0, 0}, mx[4] = {0, 0, 0, 0};
+        for (u32 i = 0; i < grid; ++i)
+            for (int j = 0; j < 4; ++j) {
+                const double v = (st[i][j] - t0) / 1e3;
+                sum[j] += v;
+                mx[j] = v > mx[j] ? v : mx[j];
+            }
+        printf("      phases (us from the first block's start, mean / max over blocks): start %.2f/%.2f, "
+               "waited %.2f/%.2f, staged %.2f/%.2f, end %.2f/%.2f\n",
+               sum[0] / grid, mx[0], sum[1] / grid, mx[1], sum[2] / grid, mx[2], sum[3] / grid, mx[3]);
+    }
+#endif
     printf("    grid %u x 256 (occ %d), S %u, smem %u: %7.2f us %6.0f GB/s\n", grid, occ, S, smem, r.us, bytes / r.us / 1e3);
     return r;
 }

@@ -628,6 +628,23 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes,
         : "memory");
 }
 
+// Phase stamps of the bulk-copy form (bench/cuda/gemv_probe.cu builds it
+// with -DTCB_TIMING): %globaltimer at entry, after the wait, after the
+// staging and at the end, per block.
+#ifdef TCB_TIMING
+__device__ u64 tcb_stamps[4096][4];
+#define TCB_STAMP(i)                                                                    \
+    do {                                                                                \
+        if (threadIdx.x == 0) {                                                         \
+            u64 t_;                                                                     \
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                      \
+            tcb_stamps[blockIdx.x][i] = t_;                                             \
+        }                                                                               \
+    } while (0)
+#else
+#define TCB_STAMP(i) do { } while (0)
+#endif
+
 template <int DT>
 __device__ __forceinline__ void tcb_body(const Bind& b, const GemvParams& p, const StepArg& a,
                                          const GemvExtra& ex) {
@@ -653,6 +670,7 @@ __device__ __forceinline__ void tcb_body(const Bind& b, const GemvParams& p, con
     const u32 head = ((ng * IMG + (DT == DT_Q4_1 ? 4 * ng : 0)) * 4 + 127) & ~127u;
     u8* ring = (u8*)gemv_smem + head + warp * TCB_NST * C::STAGE;
     u64* bar = bars[warp];
+    TCB_STAMP(0);
     if (lane == 0) {
 #pragma unroll
         for (u32 s = 0; s < TCB_NST; ++s) mbar_init(&bar[s], 1);
@@ -699,14 +717,18 @@ __device__ __forceinline__ void tcb_body(const Bind& b, const GemvParams& p, con
         }
     }
     AKUNU_GRID_DEPS();
+    TCB_STAMP(1);
     if (a.ctl && *(volatile const u32*)&a.ctl->done) {
         // No block may leave with copies still landing in its shared memory.
         for (u32 s = 0; s < primed; ++s) mbar_wait(&bar[s], 0);
         return;
     }
+    // Staging with 8 or 16 loads ahead for rows over 4096 measured slower
+    // (bench/RESULTS.md): the x loads queue behind the ring's copies.
     if (k < 2048) tcg_stage<DT, 1>(b, p, ex, 1, img, bsum, red);
     else tcg_stage<DT, TCG_SV>(b, p, ex, 1, img, bsum, red);
     __syncthreads();
+    TCB_STAMP(2);
 
     const bool feeds = (g >> 1) == t;
     const u32 lane8 = 2 * t + (g & 1);
@@ -782,6 +804,7 @@ __device__ __forceinline__ void tcb_body(const Bind& b, const GemvParams& p, con
             }
         }
     }
+    TCB_STAMP(3);
 }
 
 #ifndef TCB_MINB
