@@ -142,6 +142,16 @@ sanitize() {
             fi
         done
     done
+    # A token limit inside a chunk: the chunk's remaining kernels return
+    # early, the bulk-copy gemv after waiting for the copies it started.
+    if compute-sanitizer --tool memcheck --error-exitcode 3 \
+        "$BIN/akunu" generate -m "$mk" --device cuda --prompt-ids 1,2,3 -n 13 --ignore-eos --chunk 8 \
+        >"$OUTDIR/sanitize-limit.log" 2>&1; then
+        echo "memcheck, limit inside a chunk: $(grep -h 'ERROR SUMMARY' "$OUTDIR/sanitize-limit.log" | tail -1)"
+    else
+        echo "memcheck, limit inside a chunk: FAILED"
+        tail -30 "$OUTDIR/sanitize-limit.log"
+    fi
     if compute-sanitizer --tool memcheck --error-exitcode 3 \
         "$BIN/akunu" generate -m "$m" --device cuda --prompt-ids 1,2,3,4,5 -n 20 --ignore-eos \
         --temperature 0.9 --top-k 20 --top-p 0.9 --repeat-penalty 1.1 --seed 3 \
