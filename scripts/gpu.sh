@@ -125,10 +125,11 @@ sanitize() {
     echo "== compute-sanitizer (memcheck, racecheck) on short generations"
     local m=$STORE/tiny-q4_1.gguf tool
     "$BIN/akunu" synth --shape tiny --type q4_1 "$m" >/dev/null 2>&1
-    # tiny-k Q4_0 (rows of 256 and 512) runs its one-row products on the
+    # tiny-k Q4_0 with SmolLM2's vocabulary runs its logits product on the
     # bulk-copy gemv, whose copies land in shared memory asynchronously.
     local mk=$STORE/tiny-k-q4_0.gguf f
-    "$BIN/akunu" synth --shape tiny-k --type q4_0 "$mk" >/dev/null 2>&1
+    "$BIN/akunu" synth --shape tiny-k --type q4_0 \
+        --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$mk" >/dev/null 2>&1
     for f in "$m" "$mk"; do
         for tool in memcheck racecheck synccheck; do
             local log=$OUTDIR/sanitize-$tool-$(basename "$f" .gguf).log

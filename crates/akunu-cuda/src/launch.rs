@@ -1072,6 +1072,11 @@ mod tests {
         assert!(plan(DType::Q4_1, 1536, 576).is_none());
         assert!(plan(DType::F16, 576, 1536).is_none());
         assert!(plan(DType::F16, 576, 49_152).is_some());
+        // The GPU tests' tiny-k models with a 49,152-token vocabulary: one
+        // short chunk of 2 groups a row.
+        for dt in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+            assert_eq!(plan(dt, 256, 49_152).map(|p| p.split), Some(1));
+        }
         // Types the form does not read.
         assert!(plan(DType::F32, 4096, 4096).is_none());
         assert!(plan(DType::Q6_K, 4096, 4096).is_none());

@@ -47,17 +47,29 @@ fn synth(shape: Shape, dtype: DType) -> Arc<Model> {
 }
 
 fn synth_arch(arch: SynthArch, shape: Shape, dtype: DType) -> Arc<Model> {
+    synth_vocab(arch, shape, dtype, shape.needs_tokenizer())
+}
+
+/// A tiny shape with SmolLM2's 49,152-token vocabulary: its logits product
+/// has enough row tiles for the bulk-copy gemv (`launch::tcb_plan`), which
+/// the built-in vocabulary's 300-odd rows do not.
+fn synth_big_vocab(shape: Shape, dtype: DType) -> Arc<Model> {
+    synth_vocab(SynthArch::Llama, shape, dtype, true)
+}
+
+fn synth_vocab(arch: SynthArch, shape: Shape, dtype: DType, big_vocab: bool) -> Arc<Model> {
     let path = std::env::temp_dir().join(format!(
-        "akunu-gpu-test-{}-{arch}-{shape}-{}.gguf",
+        "akunu-gpu-test-{}-{arch}-{shape}-{}-{}.gguf",
         std::process::id(),
-        dtype.name()
+        dtype.name(),
+        if big_vocab { "v49152" } else { "builtin" }
     ));
     let spec = SynthSpec {
         shape,
         arch,
         dtype,
         seed: 11,
-        tokenizer_from: shape.needs_tokenizer().then(vocab),
+        tokenizer_from: big_vocab.then(vocab),
     };
     write_synthetic(&path, &spec, &mut |_, _| {}).expect("writing a synthetic model");
     let m = Arc::new(Model::load(&path).expect("loading it"));
@@ -221,19 +233,16 @@ fn logits_match_cpu_for_every_type() {
         compare_with_cpu(&m, &format!("tiny {}", dt.name()), 1e-4);
     }
     // K-quants need rows of whole 256-element super-blocks (tiny's are 64
-    // and 96 wide: they would fall back to Q5_0/Q5_1/Q8_0). Q8_0, Q4_0
-    // and Q4_1 rows of 256 and 512 run on the bulk-copy gemv.
-    for dt in [
-        DType::Q4_K,
-        DType::Q5_K,
-        DType::Q6_K,
-        DType::Q8_0,
-        DType::Q4_0,
-        DType::Q4_1,
-    ] {
+    // and 96 wide: they would fall back to Q5_0/Q5_1/Q8_0).
+    for dt in [DType::Q4_K, DType::Q5_K, DType::Q6_K] {
         let m = synth(Shape::TinyK, dt);
         assert_eq!(m.file.tensor("blk.0.ffn_down.weight").unwrap().dtype, dt);
         compare_with_cpu(&m, &format!("tiny-k {}", dt.name()), 1e-4);
+    }
+    // Rows of 256 against a 49,152-row logits product: the bulk-copy gemv.
+    for dt in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        let m = synth_big_vocab(Shape::TinyK, dt);
+        compare_with_cpu(&m, &format!("tiny-k, 49,152 vocab, {}", dt.name()), 1e-4);
     }
     // attn_v and ffn_down in Q6_K, the rest Q4_K (as in Q4_K_M files).
     let (q4k, q6k) = (
@@ -641,12 +650,16 @@ fn speculative_verification_is_exact() {
         (Shape::SmolLm2_135M, DType::Q4_1),
         (Shape::SmolLm2_135M, DType::Q4_0),
         (Shape::SmolLm2_135M, DType::F16),
-        // Rows of 256 and 512: the one-row steps on the bulk-copy gemv.
+        // The logits product of rows of 256 on the bulk-copy gemv.
         (Shape::TinyK, DType::Q4_0),
         (Shape::TinyK, DType::Q4_1),
         (Shape::TinyK, DType::Q8_0),
     ] {
-        let m = synth(shape, dtype);
+        let m = if shape == Shape::TinyK {
+            synth_big_vocab(shape, dtype)
+        } else {
+            synth(shape, dtype)
+        };
         let unit = prompt(7, m.config.n_vocab);
         let p: Vec<u32> = unit.iter().cycle().take(31).copied().collect();
         for (ci, cfg) in configs.iter().enumerate() {
