@@ -412,6 +412,9 @@ template <int DT> __device__ __forceinline__ constexpr u32 tcg_ahead() {
 #ifndef TCB_NST
 #define TCB_NST 2
 #endif
+#ifndef TCB_FULL
+#define TCB_FULL 1
+#endif
 
 template <int DT> struct TcbT {
     using T = TcgT<DT>;
@@ -423,8 +426,11 @@ template <int DT> struct TcbT {
 };
 
 // Shared memory of the kernel (the launcher's `tcg_smem` mirrors it):
-// [B images: rows x groups][Q4_1 block sums].
-template <int DT, int MR>
+// [B images: rows x groups][Q4_1 block sums]. FULL: rounds whose groups
+// and refills all exist run unguarded (below); a separate instance, since
+// the extra path costs the products too short to use it (SmolLM2: 1,592
+// against 1,524 tok/s with it compiled into every one-row kernel).
+template <int DT, int MR, bool FULL = false>
 __device__ __forceinline__ void tcg_body(const Bind& b, const GemvParams& p, const StepArg& a,
                                          const GemvExtra& ex) {
     using T = TcgT<DT>;
@@ -500,7 +506,17 @@ __device__ __forceinline__ void tcg_body(const Bind& b, const GemvParams& p, con
                 prologue(s0, s1);
             }
             // Group n computes from W[n % D] and refills it with group n + D.
+            // Rounds whose groups and refills all exist run without guards
+            // (as the bulk-copy form's full chunks), so that groups overlap.
             for (u32 n0 = 0; n0 < my_n; n0 += D) {
+                if (FULL && n0 + 2 * D <= my_n) {
+#pragma unroll
+                    for (u32 u = 0; u < D; ++u) {
+                        tcg_group<DT, MR>(W[u], grp_of(n0 + u), rows, ng, img, bsum, feeds, lane8, t, acc, zeros);
+                        tcg_load<DT>(W[u], s0.row, s1.row, grp_of(n0 + u + D), n_lb, t);
+                    }
+                    continue;
+                }
 #pragma unroll
                 for (u32 u = 0; u < D; ++u) {
                     const u32 n = n0 + u;
@@ -564,20 +580,25 @@ __device__ __forceinline__ void tcg_body(const Bind& b, const GemvParams& p, con
 #ifndef TCG_MINB
 #define TCG_MINB 2
 #endif
-#define TCG_KERNEL(name, dt, mr, minb)                                          \
+#define TCG_KERNEL(name, dt, mr, minb, full)                                    \
     extern "C" __global__ void __launch_bounds__(TCG_WARPS * 32, minb)          \
     name(Bind b, GemvParams p, StepArg a, GemvExtra ex) {                       \
-        tcg_body<dt, mr>(b, p, a, ex);                                          \
+        tcg_body<dt, mr, full>(b, p, a, ex);                                    \
     }
-TCG_KERNEL(k_gemv_tc_f16, DT_F16, 1, TCG_MINB)
-TCG_KERNEL(k_gemv_tc_q8_0, DT_Q8_0, 1, TCG_MINB)
-TCG_KERNEL(k_gemv_tc_q4_0, DT_Q4_0, 1, TCG_MINB)
-TCG_KERNEL(k_gemv_tc_q4_1, DT_Q4_1, 1, TCG_MINB)
+TCG_KERNEL(k_gemv_tc_f16, DT_F16, 1, TCG_MINB, false)
+TCG_KERNEL(k_gemv_tc_q8_0, DT_Q8_0, 1, TCG_MINB, false)
+TCG_KERNEL(k_gemv_tc_q4_0, DT_Q4_0, 1, TCG_MINB, false)
+TCG_KERNEL(k_gemv_tc_q4_1, DT_Q4_1, 1, TCG_MINB, false)
+// The same for products whose warps take at least 2 rounds of groups.
+TCG_KERNEL(k_gemv_tcf_f16, DT_F16, 1, TCG_MINB, true)
+TCG_KERNEL(k_gemv_tcf_q8_0, DT_Q8_0, 1, TCG_MINB, true)
+TCG_KERNEL(k_gemv_tcf_q4_0, DT_Q4_0, 1, TCG_MINB, true)
+TCG_KERNEL(k_gemv_tcf_q4_1, DT_Q4_1, 1, TCG_MINB, true)
 // 2..8 input rows (speculative verification): the same per-row arithmetic.
-TCG_KERNEL(k_gemv_tc8_f16, DT_F16, 8, 1)
-TCG_KERNEL(k_gemv_tc8_q8_0, DT_Q8_0, 8, 1)
-TCG_KERNEL(k_gemv_tc8_q4_0, DT_Q4_0, 8, 1)
-TCG_KERNEL(k_gemv_tc8_q4_1, DT_Q4_1, 8, 1)
+TCG_KERNEL(k_gemv_tc8_f16, DT_F16, 8, 1, false)
+TCG_KERNEL(k_gemv_tc8_q8_0, DT_Q8_0, 8, 1, false)
+TCG_KERNEL(k_gemv_tc8_q4_0, DT_Q4_0, 8, 1, false)
+TCG_KERNEL(k_gemv_tc8_q4_1, DT_Q4_1, 8, 1, false)
 
 // ---------------------------------------------------------------------------
 // Bulk-copy form (one input row). The register pipeline above holds the
@@ -741,24 +762,33 @@ __device__ __forceinline__ void tcb_body(const Bind& b, const GemvParams& p, con
                 mbar_wait(&bar[stage], phase);
                 const u8* st = ring + stage * C::STAGE;
                 const u32 g0 = c * C::CG, gq = ng - g0 < C::CG ? ng - g0 : C::CG;
+                auto group = [&](u32 j) {
+                    TcgW<DT> W;
 #pragma unroll
-                for (u32 j = 0; j < C::CG; ++j) {
-                    if (j < gq) {
-                        TcgW<DT> W;
-#pragma unroll
-                        for (u32 i = 0; i < T::QB / 16; ++i) {
-                            W.q[0][i] = *(const uint4*)(st + g * C::QPITCH + (j * 4 + t) * T::QB + i * 16);
-                            W.q[1][i] = *(const uint4*)(st + (g + 8) * C::QPITCH + (j * 4 + t) * T::QB + i * 16);
-                        }
-                        if constexpr (T::SB == 2) {
-                            W.sc[0] = *(const u16*)(st + 16 * C::QPITCH + g * C::SROW + (j * 4 + t) * 2);
-                            W.sc[1] = *(const u16*)(st + 16 * C::QPITCH + (g + 8) * C::SROW + (j * 4 + t) * 2);
-                        } else if constexpr (T::SB == 4) {
-                            W.sc[0] = *(const u32*)(st + 16 * C::QPITCH + g * C::SROW + (j * 4 + t) * 4);
-                            W.sc[1] = *(const u32*)(st + 16 * C::QPITCH + (g + 8) * C::SROW + (j * 4 + t) * 4);
-                        }
-                        tcg_group<DT, 1>(W, g0 + j, 1, ng, img, bsum, feeds, lane8, t, acc, zeros);
+                    for (u32 i = 0; i < T::QB / 16; ++i) {
+                        W.q[0][i] = *(const uint4*)(st + g * C::QPITCH + (j * 4 + t) * T::QB + i * 16);
+                        W.q[1][i] = *(const uint4*)(st + (g + 8) * C::QPITCH + (j * 4 + t) * T::QB + i * 16);
                     }
+                    if constexpr (T::SB == 2) {
+                        W.sc[0] = *(const u16*)(st + 16 * C::QPITCH + g * C::SROW + (j * 4 + t) * 2);
+                        W.sc[1] = *(const u16*)(st + 16 * C::QPITCH + (g + 8) * C::SROW + (j * 4 + t) * 2);
+                    } else if constexpr (T::SB == 4) {
+                        W.sc[0] = *(const u32*)(st + 16 * C::QPITCH + g * C::SROW + (j * 4 + t) * 4);
+                        W.sc[1] = *(const u32*)(st + 16 * C::QPITCH + (g + 8) * C::SROW + (j * 4 + t) * 4);
+                    }
+                    tcg_group<DT, 1>(W, g0 + j, 1, ng, img, bsum, feeds, lane8, t, acc, zeros);
+                };
+                // A full chunk runs its groups without a branch between
+                // them, so the compiler can overlap one group's reads and
+                // products with the next's (a guard per group kept each
+                // group's chain alone, with 2 warps per scheduler).
+                if (TCB_FULL && gq == C::CG) {
+#pragma unroll
+                    for (u32 j = 0; j < C::CG; ++j) group(j);
+                } else {
+#pragma unroll
+                    for (u32 j = 0; j < C::CG; ++j)
+                        if (j < gq) group(j);
                 }
                 // Every lane has its fragments: the stage may be refilled.
                 __syncwarp();

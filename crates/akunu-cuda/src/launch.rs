@@ -629,6 +629,18 @@ fn tcb_plan(
     if tiles.div_ceil(TCG_WARPS / split) * 8 < sm_count * 3 {
         return None;
     }
+    // 4-bit products are bound by their arithmetic's latency more than by
+    // loads in flight, and keep the register form (two blocks of 8 warps
+    // per SM). Alone, it beats this one on the 8B shape's gate_up (25.9
+    // against 29.0 us) and down (18.4 against 20.4 us) and loses on its qkv
+    // and o (9.9 against 8.8, 7.1 against 6.9 us); in the decode graph,
+    // the 8B Q4_0 model runs at 392.8 tok/s with the register form
+    // throughout and 337.8 with the bulk-copy form on qkv and o
+    // (bench/RESULTS.md). `AKUNU_CUDA_TCB=all` lifts this preference (A/B
+    // runs, and the GPU tests' coverage of the 4-bit bulk-copy form).
+    if matches!(dt, DType::Q4_0 | DType::Q4_1) && !TCB.is("all") {
+        return None;
+    }
     Some(TcbPlan { chunk, split, smem })
 }
 
@@ -778,21 +790,33 @@ pub fn plan(
                 .map(|dt| (dt, tcg_smem(dt, p.k, r)))
                 .filter(|&(_, m)| m <= (be.smem_optin() - TCG_STATIC_SMEM) as u64);
             if let Some((dt, tc_smem)) = tc {
-                let Some(&(_, f1, f8, fb)) = k.gemv_tc.iter().find(|t| t.0 == dt as u32) else {
+                let Some(tk) = k.gemv_tc.iter().find(|t| t.dtype == dt as u32) else {
                     unreachable!("tcg_type returns only the types of gemv_tc")
                 };
                 let groups = (p.k / tcg_lane_block(dt)).div_ceil(4);
                 let tiles = total.div_ceil(16);
                 let budget = (be.smem_optin() - TCG_STATIC_SMEM) as u64;
-                l.f = if r == 1 { f1 } else { f8 };
                 l.smem = tc_smem as u32;
                 extra.tc_split = tcg_split(tiles, groups, be.sm_count());
                 extra.tc_chunk = 1;
+                // Warps with 2 or more rounds of groups in flight (4 groups
+                // a round for 4-bit types, 3 for the others) take the
+                // unguarded instance: 8B Q4_0 gate_up 33.2 -> 25.9 us.
+                let four_bit = matches!(
+                    dt,
+                    akunu_core::dtype::DType::Q4_0 | akunu_core::dtype::DType::Q4_1
+                );
+                let full = groups.div_ceil(extra.tc_split) >= if four_bit { 8 } else { 6 };
+                l.f = match (r, full) {
+                    (1, true) => tk.one_full,
+                    (1, false) => tk.one,
+                    _ => tk.verify,
+                };
                 if let Some(plan) = tcb_plan(dt, p.k, tiles, be.sm_count(), budget) {
                     extra.tc_split = plan.split;
                     extra.tc_chunk = plan.chunk;
                     if r == 1 {
-                        l.f = fb;
+                        l.f = tk.bulk;
                         l.smem = plan.smem as u32;
                     }
                 }
@@ -1051,11 +1075,12 @@ mod tests {
         use akunu_core::dtype::DType;
         let budget = 227 * 1024 - TCG_STATIC_SMEM as u64;
         let plan = |dt, k, rows: u32| tcb_plan(dt, k, rows.div_ceil(16), 132, budget);
-        // 8B Q4_0: gate_up and the logits take it with 2 warps a tile (4
-        // chunks a row), the FFN's down product with 4 (14 chunks).
-        let p = plan(DType::Q4_0, 4096, 28_672).unwrap();
-        assert_eq!((p.chunk, p.split), (8, 2));
-        assert_eq!(plan(DType::Q4_0, 14_336, 4096).unwrap().split, 4);
+        // 4-bit products keep the register form.
+        assert!(plan(DType::Q4_0, 4096, 6144).is_none());
+        assert!(plan(DType::Q4_1, 4096, 49_152).is_none());
+        // Q8_0 and F16 keep it on every big product.
+        assert_eq!(plan(DType::Q8_0, 14_336, 4096).unwrap().split, 8);
+        assert_eq!(plan(DType::F16, 4096, 28_672).unwrap().split, 8);
         // 1B F16: 8 chunks of 4 groups a row of 2048, 32 of 8192.
         let p = plan(DType::F16, 2048, 2048).unwrap();
         assert_eq!((p.chunk, p.split), (4, 4));
@@ -1063,20 +1088,17 @@ mod tests {
         // The ring and the image fit: 8 warps x 2 stages beside k = 14336.
         assert!(plan(DType::F16, 14_336, 4096).unwrap().smem <= budget);
         // Rows whose scales would not be 16-byte aligned.
-        assert!(plan(DType::Q4_0, 576, 49_152).is_none());
-        assert!(plan(DType::Q4_1, 576, 49_152).is_none());
+        assert!(plan(DType::Q8_0, 576, 49_152).is_none());
         assert!(plan(DType::Q8_0, 128, 49_152).is_none());
-        assert!(plan(DType::Q4_1, 128, 49_152).is_some());
+        assert!(plan(DType::Q8_0, 256, 8192).is_some());
         // SmolLM2's products are too few tiles for one block per SM; its
         // logits (49,152 rows) are not.
-        assert!(plan(DType::Q4_1, 1536, 576).is_none());
+        assert!(plan(DType::Q8_0, 1536, 576).is_none());
         assert!(plan(DType::F16, 576, 1536).is_none());
         assert!(plan(DType::F16, 576, 49_152).is_some());
         // The GPU tests' tiny-k models with a 49,152-token vocabulary: one
         // short chunk of 2 groups a row.
-        for dt in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
-            assert_eq!(plan(dt, 256, 49_152).map(|p| p.split), Some(1));
-        }
+        assert_eq!(plan(DType::Q8_0, 256, 49_152).map(|p| p.split), Some(1));
         // Types the form does not read.
         assert!(plan(DType::F32, 4096, 4096).is_none());
         assert!(plan(DType::Q6_K, 4096, 4096).is_none());

@@ -62,6 +62,21 @@ struct DevBuf {
     repacked: bool,
 }
 
+/// The tensor-core gemv kernels of one weight type (`gemv_tc.cu`).
+#[derive(Copy, Clone)]
+pub(crate) struct TcgKernels {
+    /// GGML type id.
+    pub dtype: u32,
+    /// One input row, register form.
+    pub one: sys::CUfunction,
+    /// The same with unguarded rounds, for warps with 2 or more rounds.
+    pub one_full: sys::CUfunction,
+    /// 2..=8 input rows (speculative verification).
+    pub verify: sys::CUfunction,
+    /// One input row, bulk-copy form.
+    pub bulk: sys::CUfunction,
+}
+
 /// The loaded kernel module and its functions.
 pub(crate) struct Kernels {
     module: sys::CUmodule,
@@ -76,9 +91,8 @@ pub(crate) struct Kernels {
     /// generic, and per type where one exists.
     pub gemv_v8: sys::CUfunction,
     pub gemv_typed_v8: [(u32, sys::CUfunction); 6],
-    /// The tensor-core gemv (`gemv_tc.cu`): (GGML type id, one input row,
-    /// 2..=8 input rows, one input row in the bulk-copy form).
-    pub gemv_tc: [(u32, sys::CUfunction, sys::CUfunction, sys::CUfunction); 4],
+    /// The tensor-core gemv (`gemv_tc.cu`), per weight type.
+    pub gemv_tc: [TcgKernels; 4],
     pub gemm: sys::CUfunction,
     pub gemm_tc: sys::CUfunction,
     /// The operand kernels of the cuBLAS prefill products (`blas`).
@@ -507,30 +521,34 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
             (DType::Q6_K as u32, get("k_gemv_q6_k")?, None),
         ],
         gemv_tc: [
-            (
-                DType::F16 as u32,
-                get("k_gemv_tc_f16")?,
-                get("k_gemv_tc8_f16")?,
-                get("k_gemv_tcb_f16")?,
-            ),
-            (
-                DType::Q8_0 as u32,
-                get("k_gemv_tc_q8_0")?,
-                get("k_gemv_tc8_q8_0")?,
-                get("k_gemv_tcb_q8_0")?,
-            ),
-            (
-                DType::Q4_0 as u32,
-                get("k_gemv_tc_q4_0")?,
-                get("k_gemv_tc8_q4_0")?,
-                get("k_gemv_tcb_q4_0")?,
-            ),
-            (
-                DType::Q4_1 as u32,
-                get("k_gemv_tc_q4_1")?,
-                get("k_gemv_tc8_q4_1")?,
-                get("k_gemv_tcb_q4_1")?,
-            ),
+            TcgKernels {
+                dtype: DType::F16 as u32,
+                one: get("k_gemv_tc_f16")?,
+                one_full: get("k_gemv_tcf_f16")?,
+                verify: get("k_gemv_tc8_f16")?,
+                bulk: get("k_gemv_tcb_f16")?,
+            },
+            TcgKernels {
+                dtype: DType::Q8_0 as u32,
+                one: get("k_gemv_tc_q8_0")?,
+                one_full: get("k_gemv_tcf_q8_0")?,
+                verify: get("k_gemv_tc8_q8_0")?,
+                bulk: get("k_gemv_tcb_q8_0")?,
+            },
+            TcgKernels {
+                dtype: DType::Q4_0 as u32,
+                one: get("k_gemv_tc_q4_0")?,
+                one_full: get("k_gemv_tcf_q4_0")?,
+                verify: get("k_gemv_tc8_q4_0")?,
+                bulk: get("k_gemv_tcb_q4_0")?,
+            },
+            TcgKernels {
+                dtype: DType::Q4_1 as u32,
+                one: get("k_gemv_tc_q4_1")?,
+                one_full: get("k_gemv_tcf_q4_1")?,
+                verify: get("k_gemv_tc8_q4_1")?,
+                bulk: get("k_gemv_tcb_q4_1")?,
+            },
         ],
         gemm: get("k_gemm")?,
         gemm_tc: get("k_gemm_tc")?,
@@ -577,7 +595,11 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
     for f in std::iter::once(k.gemv).chain(typed).chain(v8) {
         allow_smem(f, smem_optin - launch::GEMV_STATIC_SMEM as i32, "gemv")?;
     }
-    for f in k.gemv_tc.iter().flat_map(|t| [t.1, t.2, t.3]) {
+    for f in k
+        .gemv_tc
+        .iter()
+        .flat_map(|t| [t.one, t.one_full, t.verify, t.bulk])
+    {
         allow_smem(
             f,
             smem_optin - launch::TCG_STATIC_SMEM as i32,
