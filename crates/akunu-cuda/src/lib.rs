@@ -472,6 +472,16 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
         )?;
         Ok(f)
     };
+    // The tensor-core gemv's four kernels of a weight type, by suffix.
+    let tcg = |dt: DType, suffix: &str| -> Result<TcgKernels, BackendError> {
+        Ok(TcgKernels {
+            dtype: dt as u32,
+            one: get(&format!("k_gemv_tc_{suffix}"))?,
+            one_full: get(&format!("k_gemv_tcf_{suffix}"))?,
+            verify: get(&format!("k_gemv_tc8_{suffix}"))?,
+            bulk: get(&format!("k_gemv_tcb_{suffix}"))?,
+        })
+    };
     let mut k = Kernels {
         module,
         embedding: get("k_embedding")?,
@@ -521,34 +531,10 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
             (DType::Q6_K as u32, get("k_gemv_q6_k")?, None),
         ],
         gemv_tc: [
-            TcgKernels {
-                dtype: DType::F16 as u32,
-                one: get("k_gemv_tc_f16")?,
-                one_full: get("k_gemv_tcf_f16")?,
-                verify: get("k_gemv_tc8_f16")?,
-                bulk: get("k_gemv_tcb_f16")?,
-            },
-            TcgKernels {
-                dtype: DType::Q8_0 as u32,
-                one: get("k_gemv_tc_q8_0")?,
-                one_full: get("k_gemv_tcf_q8_0")?,
-                verify: get("k_gemv_tc8_q8_0")?,
-                bulk: get("k_gemv_tcb_q8_0")?,
-            },
-            TcgKernels {
-                dtype: DType::Q4_0 as u32,
-                one: get("k_gemv_tc_q4_0")?,
-                one_full: get("k_gemv_tcf_q4_0")?,
-                verify: get("k_gemv_tc8_q4_0")?,
-                bulk: get("k_gemv_tcb_q4_0")?,
-            },
-            TcgKernels {
-                dtype: DType::Q4_1 as u32,
-                one: get("k_gemv_tc_q4_1")?,
-                one_full: get("k_gemv_tcf_q4_1")?,
-                verify: get("k_gemv_tc8_q4_1")?,
-                bulk: get("k_gemv_tcb_q4_1")?,
-            },
+            tcg(DType::F16, "f16")?,
+            tcg(DType::Q8_0, "q8_0")?,
+            tcg(DType::Q4_0, "q4_0")?,
+            tcg(DType::Q4_1, "q4_1")?,
         ],
         gemm: get("k_gemm")?,
         gemm_tc: get("k_gemm_tc")?,
