@@ -518,6 +518,16 @@ fn tcg_type(p: &GemvParams) -> Option<akunu_core::dtype::DType> {
     }
 }
 
+/// Groups a tensor-core gemv warp loads ahead (gemv_tc.cu `tcg_ahead`).
+fn tcg_ahead(dt: akunu_core::dtype::DType) -> u32 {
+    use akunu_core::dtype::DType;
+    if matches!(dt, DType::Q4_0 | DType::Q4_1) {
+        4
+    } else {
+        3
+    }
+}
+
 /// Elements of a tensor-core gemv lane-block (gemv_tc.cu `TcgT::LB`).
 fn tcg_lane_block(dt: akunu_core::dtype::DType) -> u32 {
     if dt == akunu_core::dtype::DType::F16 {
@@ -797,28 +807,27 @@ pub fn plan(
                 let tiles = total.div_ceil(16);
                 let budget = (be.smem_optin() - TCG_STATIC_SMEM) as u64;
                 l.smem = tc_smem as u32;
-                extra.tc_split = tcg_split(tiles, groups, be.sm_count());
-                extra.tc_chunk = 1;
-                // Warps with 2 or more rounds of groups in flight (4 groups
-                // a round for 4-bit types, 3 for the others) take the
-                // unguarded instance: 8B Q4_0 gate_up 33.2 -> 25.9 us.
-                let four_bit = matches!(
-                    dt,
-                    akunu_core::dtype::DType::Q4_0 | akunu_core::dtype::DType::Q4_1
-                );
-                let full = groups.div_ceil(extra.tc_split) >= if four_bit { 8 } else { 6 };
-                l.f = match (r, full) {
-                    (1, true) => tk.one_full,
-                    (1, false) => tk.one,
-                    _ => tk.verify,
-                };
                 if let Some(plan) = tcb_plan(dt, p.k, tiles, be.sm_count(), budget) {
+                    // Verification steps take the bulk-copy form's split and
+                    // chunk order too, so that they add as its one-row steps.
                     extra.tc_split = plan.split;
                     extra.tc_chunk = plan.chunk;
+                    l.f = tk.verify;
                     if r == 1 {
                         l.f = tk.bulk;
                         l.smem = plan.smem as u32;
                     }
+                } else {
+                    extra.tc_split = tcg_split(tiles, groups, be.sm_count());
+                    extra.tc_chunk = 1;
+                    // Warps with 2 or more rounds of groups in flight take
+                    // the unguarded instance: 8B Q4_0 gate_up 33.2 -> 25.9 us.
+                    let full = groups.div_ceil(extra.tc_split) >= 2 * tcg_ahead(dt);
+                    l.f = match (r, full) {
+                        (1, true) => tk.one_full,
+                        (1, false) => tk.one,
+                        _ => tk.verify,
+                    };
                 }
                 let row_groups = tiles.div_ceil(TCG_WARPS / extra.tc_split);
                 l.block = TCG_WARPS * 32;
