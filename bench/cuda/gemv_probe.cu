@@ -153,7 +153,12 @@ int main(int argc, char** argv) {
                    s.R, s.K, bytes / 1e6, bytes / 4.2e6);
             const u32 S0 = tcg_split_host(tiles, ng, sms);
             printf("  register form\n");
-            Res r0 = time_kernel(dt == DT_F16 ? k_gemv_tc_f16 : k_gemv_tc_q4_0, pool, bytes, copies, x, out, s.R, s.K,
+            // As launch.rs: warps with 2+ rounds of groups take the unguarded instance.
+            const bool full = (ng + S0 - 1) / S0 >= 2 * (dt == DT_F16 ? tcg_ahead<DT_F16>() : tcg_ahead<DT_Q4_0>());
+            const Kern reg = dt == DT_F16 ? (full ? k_gemv_tcf_f16 : k_gemv_tc_f16)
+                                          : (full ? k_gemv_tcf_q4_0 : k_gemv_tc_q4_0);
+            printf("  (%s instance)\n", full ? "unguarded" : "guarded");
+            Res r0 = time_kernel(reg, pool, bytes, copies, x, out, s.R, s.K,
                                  dt, S0, smem_img, sms, pdl);
             const u32 CG = TCB_QROW / (4 * (dt == DT_F16 ? 32 : 16));
             const u32 n_ch = (ng + CG - 1) / CG;
