@@ -425,6 +425,62 @@ template <int DT> struct TcbT {
     static constexpr u32 STAGE = 16 * QPITCH + 16 * SROW;
 };
 
+// The end of a tile, in both forms: lanes t = 0..3 of a row add their
+// blocks' partials, the tile's S warps add theirs through `part` in split
+// order (so a result never depends on timing), and split 0's lanes t = 0
+// write rows g and g + 8: bias, soft-cap, then store or accumulate. Every
+// warp of the block must call it (barriers when S > 1).
+template <int MR>
+__device__ __forceinline__ void tcg_finish(const Bind& b, const GemvParams& p, float (&acc)[MR][2], u32 rows,
+                                           u32 tile, u32 n_tiles, u32 S, u32 g, u32 t, float* part) {
+    const u32 warp = threadIdx.x >> 5, split = warp % S, total = gemv_total_rows(p);
+#pragma unroll
+    for (u32 r = 0; r < (u32)MR; ++r) {
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+            acc[r][h] += __shfl_xor_sync(FULL_MASK, acc[r][h], 1);
+            acc[r][h] += __shfl_xor_sync(FULL_MASK, acc[r][h], 2);
+        }
+    }
+    if (S > 1) {
+        if (t == 0) {
+#pragma unroll
+            for (u32 r = 0; r < (u32)MR; ++r) {
+                part[(warp * MR + r) * 16 + g] = acc[r][0];
+                part[(warp * MR + r) * 16 + g + 8] = acc[r][1];
+            }
+        }
+        __syncthreads();
+        if (split == 0) {
+#pragma unroll
+            for (u32 r = 0; r < (u32)MR; ++r) {
+                for (u32 s = 1; s < S; ++s) {
+                    acc[r][0] += part[((warp + s) * MR + r) * 16 + g];
+                    acc[r][1] += part[((warp + s) * MR + r) * 16 + g + 8];
+                }
+            }
+        }
+        __syncthreads();  // part is rewritten by the next tile
+    }
+    if (split == 0 && t == 0 && tile < n_tiles) {
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+            const u32 o = tile * 16 + g + 8 * h;
+            if (o >= total) continue;
+            const SegRow sr = seg_row(b, p, o);
+            const float bias = sr.bias ? *sr.bias : 0.0f;
+#pragma unroll
+            for (u32 r = 0; r < (u32)MR; ++r) {
+                if (r < rows) {
+                    float* dst = (float*)b.p[1] + (u64)r * p.out_stride + o;
+                    const float v = softcap_score(acc[r][h] + bias, p.softcap);
+                    *dst = p.accumulate ? *dst + v : v;
+                }
+            }
+        }
+    }
+}
+
 // Shared memory of the kernel (the launcher's `tcg_smem` mirrors it):
 // [B images: rows x groups][Q4_1 block sums]. FULL: rounds whose groups
 // and refills all exist run unguarded (below); a separate instance, since
@@ -527,52 +583,7 @@ __device__ __forceinline__ void tcg_body(const Bind& b, const GemvParams& p, con
                 }
             }
         }
-        // Lanes t = 0..3 of a row hold its four blocks' partials.
-#pragma unroll
-        for (u32 r = 0; r < (u32)MR; ++r) {
-#pragma unroll
-            for (u32 h = 0; h < 2; ++h) {
-                acc[r][h] += __shfl_xor_sync(FULL_MASK, acc[r][h], 1);
-                acc[r][h] += __shfl_xor_sync(FULL_MASK, acc[r][h], 2);
-            }
-        }
-        if (S > 1) {
-            if (t == 0) {
-#pragma unroll
-                for (u32 r = 0; r < (u32)MR; ++r) {
-                    part[(warp * MR + r) * 16 + g] = acc[r][0];
-                    part[(warp * MR + r) * 16 + g + 8] = acc[r][1];
-                }
-            }
-            __syncthreads();
-            if (split == 0) {
-#pragma unroll
-                for (u32 r = 0; r < (u32)MR; ++r) {
-                    for (u32 s = 1; s < S; ++s) {
-                        acc[r][0] += part[((warp + s) * MR + r) * 16 + g];
-                        acc[r][1] += part[((warp + s) * MR + r) * 16 + g + 8];
-                    }
-                }
-            }
-            __syncthreads();  // part is rewritten by the next tile
-        }
-        if (split == 0 && t == 0 && tile < n_tiles) {
-#pragma unroll
-            for (u32 h = 0; h < 2; ++h) {
-                const u32 o = tile * 16 + g + 8 * h;
-                if (o >= total) continue;
-                const SegRow& sr = h ? s1 : s0;
-                const float bias = sr.bias ? *sr.bias : 0.0f;
-#pragma unroll
-                for (u32 r = 0; r < (u32)MR; ++r) {
-                    if (r < rows) {
-                        float* dst = (float*)b.p[1] + (u64)r * p.out_stride + o;
-                        const float v = softcap_score(acc[r][h] + bias, p.softcap);
-                        *dst = p.accumulate ? *dst + v : v;
-                    }
-                }
-            }
-        }
+        tcg_finish<MR>(b, p, acc, rows, tile, n_tiles, S, g, t, part);
     }
 }
 
@@ -802,37 +813,7 @@ __device__ __forceinline__ void tcb_body(const Bind& b, const GemvParams& p, con
                 }
             }
         }
-#pragma unroll
-        for (u32 h = 0; h < 2; ++h) {
-            acc[0][h] += __shfl_xor_sync(FULL_MASK, acc[0][h], 1);
-            acc[0][h] += __shfl_xor_sync(FULL_MASK, acc[0][h], 2);
-        }
-        if (S > 1) {
-            if (t == 0) {
-                part[warp * 16 + g] = acc[0][0];
-                part[warp * 16 + g + 8] = acc[0][1];
-            }
-            __syncthreads();
-            if (split == 0) {
-                for (u32 s = 1; s < S; ++s) {
-                    acc[0][0] += part[(warp + s) * 16 + g];
-                    acc[0][1] += part[(warp + s) * 16 + g + 8];
-                }
-            }
-            __syncthreads();
-        }
-        if (split == 0 && t == 0 && tile < n_tiles) {
-#pragma unroll
-            for (u32 h = 0; h < 2; ++h) {
-                const u32 o = tile * 16 + g + 8 * h;
-                if (o >= total) continue;
-                const SegRow sr = seg_row(b, p, o);
-                const float bias = sr.bias ? *sr.bias : 0.0f;
-                float* dst = (float*)b.p[1] + o;
-                const float v = softcap_score(acc[0][h] + bias, p.softcap);
-                *dst = p.accumulate ? *dst + v : v;
-            }
-        }
+        tcg_finish<1>(b, p, acc, 1, tile, n_tiles, S, g, t, part);
     }
     TCB_STAMP(3);
 }
