@@ -123,6 +123,9 @@ tests() {
       echo "== AKUNU_CUDA_TCB=all: logits and verification on the 4-bit bulk-copy gemv"
       AKUNU_CUDA_TCB=all "$BIN/gpu-tests" --ignored --test-threads=1 --nocapture \
           logits_match_cpu_for_every_type speculative_verification_is_exact 2>&1
+      echo "== AKUNU_CUDA_CUBLAS_CHUNK_MB=1: prefill with many dequantized chunks, slots reused"
+      AKUNU_CUDA_CUBLAS_CHUNK_MB=1 "$BIN/gpu-tests" --ignored --test-threads=1 --nocapture \
+          cublas_prefill_matches_cpu_with_and_without_cublas 2>&1
       "$BIN/gpu-sampling-kernels-tests" --ignored --test-threads=1 2>&1; } | tee "$OUTDIR/tests.log" |
         grep -E "^test |^== |rel-L2|near-tie|delivery|stop at|result|panicked|compiling" || true
 }
@@ -149,6 +152,16 @@ sanitize() {
             fi
         done
     done
+    # A 200-token prefill on cuBLAS: the quarter-block dequantization, its
+    # slots, and the side stream (tiny-k products leave SMs idle).
+    if AKUNU_CUDA_CUBLAS_CHUNK_MB=1 compute-sanitizer --tool memcheck --error-exitcode 3 \
+        "$BIN/akunu" generate -m "$mk" --device cuda --prompt-ids "$(seq -s, 1 200)" -n 4 \
+        --ignore-eos >"$OUTDIR/sanitize-cublas.log" 2>&1; then
+        echo "memcheck, cuBLAS prefill: $(grep -h 'ERROR SUMMARY' "$OUTDIR/sanitize-cublas.log" | tail -1)"
+    else
+        echo "memcheck, cuBLAS prefill: FAILED"
+        tail -30 "$OUTDIR/sanitize-cublas.log"
+    fi
     # A token limit inside a chunk: the chunk's remaining kernels return
     # early, the bulk-copy gemv after waiting for the copies it started.
     if compute-sanitizer --tool memcheck --error-exitcode 3 \
@@ -226,7 +239,12 @@ ncu_token_one() { # NAME FILE
         --metrics gpu__time_duration.sum --csv \
         "$BIN/akunu" generate -m "$2" --device cuda --prompt-ids 1,2,3 -n 120 --ignore-eos \
         --chunk 16 >"$OUTDIR/ncu-token-$1.csv" 2>/dev/null || echo "ncu failed (rc $?)"
-    python3 - "$OUTDIR/ncu-token-$1.csv" "$1" "$per" <<'PY'
+    ncu_sum "$OUTDIR/ncu-token-$1.csv" "$1" "$per"
+}
+
+# Sums an Nsight Compute CSV of gpu__time_duration by kernel name.
+ncu_sum() { # CSV LABEL EXPECTED-COUNT
+    python3 - "$1" "$2" "$3" <<'PY'
 import csv, sys, collections
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
 head, rows = rows[0], rows[1:]
@@ -234,14 +252,29 @@ ki, vi = head.index("Kernel Name"), head.index("Metric Value")
 unit = head.index("Metric Unit")
 tot = collections.OrderedDict()
 for r in rows:
-    v = float(r[vi].replace(",", "")) * (1e-3 if r[unit] == "nsecond" else 1.0)
+    v = float(r[vi].replace(",", "")) * {"nsecond": 1e-3, "msecond": 1e3}.get(r[unit], 1.0)
     n, s = tot.get(r[ki], (0, 0.0))
     tot[r[ki]] = (n + 1, s + v)
 all_us = sum(s for _, s in tot.values())
-print(f"{sys.argv[2]}: {len(rows)} kernels of one token (expected {sys.argv[3]}), {all_us:.1f} us in kernels")
+print(f"{sys.argv[2]}: {len(rows)} kernels timed (expected {sys.argv[3]}), {all_us:.1f} us in kernels")
 for k, (n, s) in sorted(tot.items(), key=lambda x: -x[1][1]):
     print(f"  {k:28s} {n:4d} x {s / n:7.2f} us = {s:8.1f} us ({100 * s / all_us:4.1f}%)")
 PY
+}
+
+ncu_prefill_one() { # NAME FILE
+    # One 512-token prefill's kernels (and the model upload's), each timed
+    # alone, summed by kernel: where prefill time goes.
+    timeout 500 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+        "$BIN/akunu" generate -m "$2" --device cuda --prompt-ids "$(seq -s, 1 512)" -n 1 \
+        >"$OUTDIR/ncu-prefill-$1.csv" 2>/dev/null || echo "ncu failed (rc $?)"
+    ncu_sum "$OUTDIR/ncu-prefill-$1.csv" "$1" "?" | head -16
+}
+
+# One prefill's kernel durations (Nsight Compute), per kernel.
+ncu_prefill() {
+    echo "== ncu: one 512-token prefill, kernel by kernel"
+    each_shape "${NCU_SHAPES:-llama-8b:q4_0}" ncu_prefill_one
 }
 
 # One decode token's kernel durations (Nsight Compute), per kernel.
@@ -261,15 +294,19 @@ ab_one() { # NAME FILE
     local v r
     for r in $(seq "${AB_ROUNDS:-1}"); do
         for v in ${AB_VALUES:-0 1}; do
-            env "$AB_VAR=$v" "$BIN/akunu" bench -m "$2" --device cuda -p 0 -n 128 -r 5 2>&1 |
-                tee "$OUTDIR/ab-$1-$AB_VAR-${v//[^A-Za-z0-9_.]/_}-$r.log" | grep -E "tg128|floor|kernels|error" |
+            # shellcheck disable=SC2086 # AB_BENCH is a list of arguments
+            env "$AB_VAR=$v" "$BIN/akunu" bench -m "$2" --device cuda ${AB_BENCH:--p 0 -n 128 -r 5} 2>&1 |
+                tee "$OUTDIR/ab-$1-$AB_VAR-${v//[^A-Za-z0-9_.]/_}-$r.log" | grep -E "tg[0-9]|pp[0-9]|floor|kernels|error" |
                 sed "s/^/$1 $AB_VAR=$v /" || true
         done
     done
 }
 
 # Decode A/B of a developer switch on the same binaries: AB_VAR takes each
-# of AB_VALUES (default 0 1) in turn, AB_ROUNDS times (synthetic shapes).
+# of AB_VALUES (default 0 1) in turn, AB_ROUNDS times (synthetic shapes);
+# AB_BENCH replaces the bench arguments (default "-p 0 -n 128 -r 5"; e.g.
+# "-p 512 -n 0 -r 5 --no-bandwidth" for prefill, "-p 0 -n 128 -d 512 -r 5"
+# for decode after a 512-token prompt).
 ab() {
     echo "== decode A/B of $AB_VAR over ${AB_VALUES:-0 1}"
     each_shape "${BENCH_SHAPES:-smollm2-135m:q4_1 llama-1b:f16 llama-8b:q4_0 llama-8b:f16}" ab_one
@@ -512,6 +549,7 @@ run)
         bench-ab) bench_ab ;;
         ncu) ncu_gemv ;;
         ncu-token) ncu_token ;;
+        ncu-prefill) ncu_prefill ;;
         ab) ab ;;
         tcg-ab) tcg_ab ;;
         tcg-split) tcg_split ;;

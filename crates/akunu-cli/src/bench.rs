@@ -22,6 +22,11 @@ pub struct BenchArgs {
     /// Generated tokens of the decode test (0: skip).
     #[arg(short = 'n', long, default_value_t = 128)]
     n_gen: u32,
+    /// Context depth of the decode test: it generates after a prompt of
+    /// this many tokens (prefilled, not timed), as llama-bench's `-d`
+    /// (0: after the BOS token alone).
+    #[arg(short = 'd', long, default_value_t = 0, conflicts_with = "prompt_file")]
+    depth: u32,
     /// Measured repetitions of each test (after one warm-up).
     #[arg(short, long, default_value_t = 5)]
     reps: u32,
@@ -131,7 +136,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
             }
             model.tokenizer.encode(&text, true, true)?
         }
-        None => vec![model.tokenizer.bos().unwrap_or(1)],
+        None => {
+            let bos = model.tokenizer.bos().unwrap_or(1);
+            // The same fixed, varied ids as the prefill test's prompt.
+            std::iter::once(bos)
+                .chain((1..a.depth).map(|i| (i.wrapping_mul(7919) + 13) % cfg.n_vocab))
+                .collect()
+        }
     };
     if start.is_empty() {
         anyhow::bail!("the prompt file gives no tokens");
@@ -282,11 +293,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 }
             }
         }
-        let base = if a.sampling.temperature > 0.0 {
+        let mut base = if a.sampling.temperature > 0.0 {
             format!("tg{} sampled", a.n_gen)
         } else {
             format!("tg{}", a.n_gen)
         };
+        if a.depth > 0 {
+            base = format!("{base} @ d{}", a.depth);
+        }
         let mut rs = runs.into_iter();
         figures.push(figure(base.clone(), rs.next().unwrap_or_default()));
         if let Some(sr) = rs.next() {
