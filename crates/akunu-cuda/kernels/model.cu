@@ -1357,56 +1357,58 @@ k_gemm_split(Bind b, GemvParams p, StepArg a, u16* __restrict__ xs, u32 o0, u32 
 // rows may span segments, each resolved by seg_row) into `ws`, row o at
 // ws + (o - o0) * 2k as [hi | lo]. The values are the CPU's: Q8_0 d * q,
 // Q4_0 d * (q - 8), Q4_1 d * q + m, each rounded once to f32 (d * q is exact
-// there). grid = ceil((o1 - o0) * k / 32 / 256), block 256: one 32-element
-// block per thread, 64 contiguous bytes of hi and of lo per thread.
+// there). grid = ceil((o1 - o0) * k / 8 / 256), block 256: each thread takes
+// a quarter block (8 elements), so a warp writes 8 blocks' hi as 512
+// contiguous bytes, 16 per lane, and their lo likewise. (A whole block per
+// thread, four 16-byte stores at a 64-byte lane stride, ran at 1.7 TB/s and
+// took 36% of an 8B Q4_0 prefill: Nsight Compute, bench/RESULTS.md.)
 extern "C" __global__ void __launch_bounds__(256)
 k_gemm_dequant(Bind b, GemvParams p, StepArg a, u16* __restrict__ ws, u32 o0, u32 o1) {
     AKUNU_PROLOGUE(a);
     const u32 k = p.k, nb = k >> 5;
     const u64 unit = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (unit >= (u64)(o1 - o0) * nb) return;
-    const u32 o = o0 + (u32)(unit / nb), blk = (u32)(unit % nb);
+    if (unit >= (u64)(o1 - o0) * nb * 4) return;
+    const u64 bu = unit >> 2;
+    const u32 part = (u32)unit & 3;  // elements 8 part .. 8 part + 7
+    const u32 o = o0 + (u32)(bu / nb), blk = (u32)(bu % nb);
     const SegRow g = seg_row(b, p, o);
-    float v[32];
+    float v[8];
     if (g.dt == DT_Q8_0) {
-        const uint4* q = (const uint4*)(g.row.w + (u64)blk * 32);
-        const uint4 q0 = q[0], q1 = q[1];
-        const u32 wv[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+        const uint2 q = *(const uint2*)(g.row.w + (u64)blk * 32 + part * 8);
+        const u32 wv[2] = {q.x, q.y};
         const float d = f16_to_f32(ld_u16(g.row.sc + 2 * (u64)blk));
 #pragma unroll
-        for (u32 i = 0; i < 32; ++i) v[i] = d * (float)(i8)((wv[i >> 2] >> (8 * (i & 3))) & 0xff);
+        for (u32 i = 0; i < 8; ++i) v[i] = d * (float)(i8)((wv[i >> 2] >> (8 * (i & 3))) & 0xff);
     } else if (g.dt == DT_Q4_0 || g.dt == DT_Q4_1) {
-        // Elements 0..15 are the low nibbles of bytes 0..15, 16..31 the high.
+        // Elements 0..15 are the low nibbles of bytes 0..15, 16..31 the
+        // high: part p reads bytes 8 (p & 1) .. + 7, high nibbles for p >= 2.
         const bool q41 = g.dt == DT_Q4_1;
-        const uint4 q = *(const uint4*)(g.row.w + (u64)blk * 16);
-        const u32 wv[4] = {q.x, q.y, q.z, q.w};
+        const uint2 q = *(const uint2*)(g.row.w + (u64)blk * 16 + (part & 1) * 8);
+        const u32 wv[2] = {q.x, q.y};
+        const u32 shift = part >= 2 ? 4 : 0;
         const u8* sc = g.row.sc + (u64)blk * (q41 ? 4 : 2);
         const float d = f16_to_f32(ld_u16(sc));
         const float m = q41 ? f16_to_f32(ld_u16(sc + 2)) : 0.0f;
 #pragma unroll
-        for (u32 i = 0; i < 32; ++i) {
-            const u32 byte = (wv[(i & 15) >> 2] >> (8 * (i & 3))) & 0xff;
-            const u32 nib = i < 16 ? (byte & 15) : (byte >> 4);
+        for (u32 i = 0; i < 8; ++i) {
+            const u32 nib = (wv[i >> 2] >> (8 * (i & 3) + shift)) & 15;
             v[i] = q41 ? d * (float)nib + m : d * (float)((int)nib - 8);
         }
     } else {  // F16 (the launcher keeps F16 weights in place; for completeness)
 #pragma unroll
-        for (u32 i = 0; i < 32; ++i) v[i] = f16_to_f32(ld_u16(g.row.w + 2 * (u64)(blk * 32 + i)));
+        for (u32 i = 0; i < 8; ++i)
+            v[i] = f16_to_f32(ld_u16(g.row.w + 2 * (u64)(blk * 32 + part * 8 + i)));
     }
-    u32 hi[16], lo[16];
+    u32 hi[4], lo[4];
 #pragma unroll
-    for (u32 i = 0; i < 16; ++i) {
+    for (u32 i = 0; i < 4; ++i) {
         const float h0 = f16_round(v[2 * i]), h1 = f16_round(v[2 * i + 1]);
         hi[i] = pack_h2(h0, h1);
         lo[i] = pack_h2(v[2 * i] - h0, v[2 * i + 1] - h1);
     }
-    uint4* dh = (uint4*)(ws + (u64)(o - o0) * 2 * k + (u64)blk * 32);
-    uint4* dl = (uint4*)(ws + (u64)(o - o0) * 2 * k + k + (u64)blk * 32);
-#pragma unroll
-    for (u32 i = 0; i < 4; ++i) {
-        dh[i] = make_uint4(hi[4 * i], hi[4 * i + 1], hi[4 * i + 2], hi[4 * i + 3]);
-        dl[i] = make_uint4(lo[4 * i], lo[4 * i + 1], lo[4 * i + 2], lo[4 * i + 3]);
-    }
+    u16* row = ws + (u64)(o - o0) * 2 * k + (u64)blk * 32 + part * 8;
+    *(uint4*)row = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+    *(uint4*)(row + k) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
 }
 
 // ---------------------------------------------------------------------------

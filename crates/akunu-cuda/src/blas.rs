@@ -48,6 +48,7 @@ use cudarc::cublas::sys as cb;
 use cudarc::driver::sys;
 use std::ffi::c_void;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 /// Fewest input rows that take cuBLAS; smaller steps keep `k_gemm_tc`.
 /// Below this a product is too narrow to fill the GPU with cuBLAS's tiles
@@ -166,12 +167,123 @@ fn ok(r: cb::cublasStatus_t, what: &str) -> Result<(), String> {
     r.result().map_err(|e| format!("{what}: {e}"))
 }
 
+/// Slots of dequantized weights in the scratch: chunk c is dequantized
+/// into slot c % SLOTS on the side stream while the products read the
+/// previous chunk's slot on the main stream (`Lane`).
+pub const SLOTS: u64 = 2;
+
+/// Whether the weight dequantization runs on its own stream, overlapping
+/// the products (`AKUNU_CUDA_DQ_OVERLAP=0` keeps it on the main stream:
+/// A/B runs).
+fn overlap_wanted() -> bool {
+    static DQ: Knob = Knob::new("AKUNU_CUDA_DQ_OVERLAP");
+    !DQ.is("0")
+}
+
+/// The dequantization's side stream and, per slot, the event that its
+/// weights are ready (recorded there) and the event that the products
+/// reading them are done (recorded on the main stream). Plain handles,
+/// owned by `Blas`, which destroys them.
+#[derive(Copy, Clone, Debug)]
+pub struct Lane {
+    stream: sys::CUstream,
+    ready: [sys::CUevent; SLOTS as usize],
+    free: [sys::CUevent; SLOTS as usize],
+}
+
+impl Lane {
+    fn create() -> Result<Lane, String> {
+        let mut stream: sys::CUstream = std::ptr::null_mut();
+        // SAFETY: out-parameters; the context is current (Blas::new).
+        unsafe {
+            sys::cuStreamCreate(
+                &mut stream,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+            )
+            .result()
+            .map_err(|e| format!("creating the dequantization stream: {e}"))?;
+        }
+        let mut lane = Lane {
+            stream,
+            ready: [std::ptr::null_mut(); SLOTS as usize],
+            free: [std::ptr::null_mut(); SLOTS as usize],
+        };
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        for e in lane.ready.iter_mut().chain(lane.free.iter_mut()) {
+            // SAFETY: out-parameter.
+            if let Err(err) = unsafe { sys::cuEventCreate(e, flags) }.result() {
+                lane.destroy();
+                return Err(format!("creating a dequantization event: {err}"));
+            }
+        }
+        Ok(lane)
+    }
+
+    /// Destroys what `create` made (null handles are skipped).
+    fn destroy(&self) {
+        // SAFETY: handles created by `create`, destroyed once (by `Blas`'s
+        // Drop after the owner synchronised its stream, which waited on
+        // every `ready` event, so the side stream is idle).
+        unsafe {
+            for &e in self.ready.iter().chain(self.free.iter()) {
+                if !e.is_null() {
+                    sys::cuEventDestroy_v2(e);
+                }
+            }
+            sys::cuStreamDestroy_v2(self.stream);
+        }
+    }
+
+    /// Runs `l` (a dequantization into `slot`) on the side stream once the
+    /// products that last read the slot are done, and makes `main` wait
+    /// for it; or, without `side`, on `main`, whose order already puts it
+    /// after them. A slot's `free` event that was never recorded does not
+    /// hold the side stream back (the driver treats it as complete).
+    pub fn dequantize(
+        &self,
+        l: &crate::launch::Launch,
+        slot: usize,
+        side: bool,
+        main: sys::CUstream,
+    ) -> Result<(), String> {
+        if !side {
+            return l.fire(main);
+        }
+        // SAFETY: live handles (owned by `Blas`, which outlives its plans).
+        unsafe {
+            sys::cuStreamWaitEvent(self.stream, self.free[slot], 0)
+                .result()
+                .map_err(|e| e.to_string())?;
+            l.fire(self.stream)?;
+            sys::cuEventRecord(self.ready[slot], self.stream)
+                .result()
+                .map_err(|e| e.to_string())?;
+            sys::cuStreamWaitEvent(main, self.ready[slot], 0)
+                .result()
+                .map_err(|e| e.to_string())
+        }
+    }
+
+    /// Marks `slot` free once the work queued on `main` so far is done.
+    pub fn release(&self, slot: usize, main: sys::CUstream) -> Result<(), String> {
+        // SAFETY: live handles.
+        unsafe { sys::cuEventRecord(self.free[slot], main) }
+            .result()
+            .map_err(|e| e.to_string())
+    }
+}
+
 /// A cuBLAS handle bound to the backend's stream, with its own workspace.
 pub struct Blas {
     handle: cb::cublasHandle_t,
     stream: sys::CUstream,
     workspace: Dptr,
     version: i32,
+    /// The dequantization's side stream, unless turned off or its creation
+    /// failed (the dequantization then runs on the main stream).
+    lane: Option<Lane>,
+    /// Dequantized chunks planned so far: the next one's slot.
+    next_slot: AtomicU32,
 }
 
 impl Blas {
@@ -208,7 +320,18 @@ impl Blas {
             stream,
             workspace,
             version: 0,
+            lane: None,
+            next_slot: AtomicU32::new(0),
         };
+        if overlap_wanted() {
+            match Lane::create() {
+                Ok(l) => blas.lane = Some(l),
+                Err(why) if verbose() => {
+                    eprintln!("akunu: dequantization on the main stream: {why}")
+                }
+                Err(_) => {}
+            }
+        }
         blas.configure()?;
         let mut version = 0;
         // SAFETY: live handle, out-parameter.
@@ -252,24 +375,47 @@ impl Blas {
         self.version
     }
 
-    /// What planned products run with.
-    pub fn target(&self) -> Target {
+    /// What planned products run with; `overlap` lets the dequantization
+    /// take the side stream (not in profiled steps, captured on one
+    /// stream). `sm_count`: the device's SMs (`overlaps`).
+    pub fn target(&self, overlap: bool, sm_count: u32) -> Target<'_> {
         Target {
             handle: self.handle,
             stream: self.stream,
+            lane: self.lane.filter(|_| overlap),
+            next_slot: &self.next_slot,
+            sm_count,
         }
     }
 }
 
-/// The handle and stream of planned products.
+/// The handle and stream of planned products, the dequantization's side
+/// stream if it is used, and the slot counter.
 #[derive(Copy, Clone, Debug)]
-pub struct Target {
+pub struct Target<'a> {
     handle: cb::cublasHandle_t,
     stream: sys::CUstream,
+    lane: Option<Lane>,
+    next_slot: &'a AtomicU32,
+    sm_count: u32,
+}
+
+/// Whether a chunk of `rows` weight rows against `n` input rows takes the
+/// side stream: only where its products leave SMs idle, fewer 128 x 128
+/// output tiles than SMs (a guess at cuBLAS's tiling). There the next
+/// chunk's dequantization runs beside them: SmolLM2-shaped pp512 gained 10%
+/// (103.7k to 114.7k tok/s). Where the products fill the GPU, the two only
+/// take turns: 8B Q4_0 pp512 measured 1% slower with every chunk on the
+/// side stream (bench/RESULTS.md, session 10).
+fn overlaps(rows: u32, n: u32, sm_count: u32) -> bool {
+    (rows.div_ceil(128) as u64) * (n.div_ceil(128) as u64) < sm_count as u64
 }
 
 impl Drop for Blas {
     fn drop(&mut self) {
+        if let Some(l) = &self.lane {
+            l.destroy();
+        }
         // SAFETY: created by `new`, destroyed once; the owner synchronised
         // the stream first, so no product still uses the workspace.
         unsafe {
@@ -337,7 +483,7 @@ impl Gemm {
 }
 
 /// The backend's scratch for cuBLAS products: the split input rows, then
-/// the dequantized weights of one chunk.
+/// `SLOTS` slots of `w_bytes` for the dequantized weights of a chunk.
 #[derive(Copy, Clone, Debug, Default)]
 pub struct Scratch {
     pub ptr: Dptr,
@@ -347,7 +493,7 @@ pub struct Scratch {
 
 impl Scratch {
     pub fn bytes(&self) -> u64 {
-        self.x_bytes + self.w_bytes
+        self.x_bytes + SLOTS * self.w_bytes
     }
 }
 
@@ -421,7 +567,10 @@ pub fn scratch_need(table: &DispatchTable) -> Scratch {
 /// `None` where it does not apply (the caller then launches `k_gemm_tc`).
 /// `l` is the command's launch with bindings, params and step set; the
 /// kernels are `split` and `dequant` (model.cu `k_gemm_split`,
-/// `k_gemm_dequant`).
+/// `k_gemm_dequant`). With a side stream in `blas`, each chunk's
+/// dequantization runs there into the next slot, so that it overlaps the
+/// products of the chunk before it, in this command or an earlier one;
+/// without one, everything runs on the main stream in slot 0.
 pub fn plan(
     blas: Target,
     scratch: Scratch,
@@ -491,15 +640,36 @@ pub fn plan(
     // (the dequantization resolves each row's segment).
     let mut off = 0u32;
     let mut run: Option<(u32, u32)> = None;
+    let lane = blas.lane;
     let flush = |run: Option<(u32, u32)>, ops: &mut Vec<Op>| {
         let Some((a, b)) = run else { return };
         let mut c0 = a;
         while c0 < b {
             let c1 = (c0 as u64 + chunk).min(b as u64) as u32;
-            let units = (c1 - c0) as u64 * (k / 32) as u64;
-            ops.push(kernel(dequant, units.div_ceil(256) as u32, 1, w, c0, c1));
-            ops.push(gemm(c1 - c0, k, w, 2 * k, x_hi, c0, beta0));
-            ops.push(gemm(c1 - c0, 2 * k, w, 2 * k, x_lo, c0, 1.0));
+            // Quarter blocks: k_gemm_dequant's threads.
+            let units = (c1 - c0) as u64 * (k / 8) as u64;
+            // With a side stream, every chunk takes the next slot and
+            // releases it after its products, so that the side stream's
+            // waits see every use of a slot, including the chunks whose
+            // dequantization stays on the main stream (`overlaps`).
+            let slot = match lane {
+                Some(_) => (blas.next_slot.fetch_add(1, Ordering::Relaxed) as u64 % SLOTS) as usize,
+                None => 0,
+            };
+            let ws = w + slot as u64 * scratch.w_bytes;
+            let dq = kernel(dequant, units.div_ceil(256) as u32, 1, ws, c0, c1);
+            match (lane, dq) {
+                (Some(lane), Op::Kernel(l)) => {
+                    let side = overlaps(c1 - c0, rows, blas.sm_count);
+                    ops.push(Op::Dequant(l, lane, slot, side));
+                }
+                (_, dq) => ops.push(dq),
+            }
+            ops.push(gemm(c1 - c0, k, ws, 2 * k, x_hi, c0, beta0));
+            ops.push(gemm(c1 - c0, 2 * k, ws, 2 * k, x_lo, c0, 1.0));
+            if let Some(lane) = lane {
+                ops.push(Op::Release(lane, slot));
+            }
             c0 = c1;
         }
     };
@@ -592,8 +762,25 @@ mod tests {
         bias: &dyn Fn(u32) -> f32,
     ) {
         let k = p.k as u64;
+        // Slots holding dequantized weights that products have yet to read
+        // (a slot may be written again only after its `Release`).
+        let mut busy = [false; SLOTS as usize];
         for op in ops {
-            match op {
+            let l = match op {
+                Op::Release(_, slot) => {
+                    assert!(busy[*slot], "slot {slot} released twice");
+                    busy[*slot] = false;
+                    continue;
+                }
+                Op::Dequant(l, _, slot, _) => {
+                    assert!(!busy[*slot], "slot {slot} written before its release");
+                    busy[*slot] = true;
+                    assert_eq!(l.f as usize, DEQUANT);
+                    Op::Kernel(*l)
+                }
+                op => *op,
+            };
+            match &l {
                 Op::Kernel(l) => {
                     let Tail::Gemm { ptr, o0, o1 } = l.tail else {
                         panic!("unexpected tail")
@@ -625,7 +812,7 @@ mod tests {
                             }
                         }
                         DEQUANT => {
-                            let units = (o1 - o0) as u64 * k / 32;
+                            let units = (o1 - o0) as u64 * k / 8;
                             assert!(l.grid.0 as u64 * 256 >= units);
                             for o in o0..o1 {
                                 for e in 0..k {
@@ -655,13 +842,34 @@ mod tests {
                         }
                     }
                 }
+                Op::Dequant(..) | Op::Release(..) => unreachable!("handled above"),
             }
         }
+        assert!(!busy.iter().any(|&b| b), "a slot never released");
     }
 
     /// A product of segments `types` (rows `n`) over `rows` input rows,
     /// planned and run, against the f64 product.
     fn check(types: &[DType], n: &[u32], k: u32, rows: u32, act: u32, bias: bool, acc: bool) {
+        // No side stream; a side stream that takes every chunk (slots from
+        // 0); one that takes none (slots from 1, on the main stream).
+        for (side, slot0) in [(false, 0), (true, 0), (true, 1)] {
+            check_on(types, n, k, rows, act, bias, acc, side, slot0);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn check_on(
+        types: &[DType],
+        n: &[u32],
+        k: u32,
+        rows: u32,
+        act: u32,
+        bias: bool,
+        acc: bool,
+        side: bool,
+        slot0: u32,
+    ) {
         let mut seed = 0x2545f4914f6cdd1du64;
         let mut rnd = move || {
             seed ^= seed << 13;
@@ -764,9 +972,22 @@ mod tests {
             tail: Tail::None,
             pdl: false,
         };
+        let next_slot = AtomicU32::new(slot0);
+        // A side stream that is never fired: `run` interprets the ops.
+        let lane = side.then_some(Lane {
+            stream: std::ptr::null_mut(),
+            ready: [std::ptr::null_mut(); SLOTS as usize],
+            free: [std::ptr::null_mut(); SLOTS as usize],
+        });
         let target = Target {
             handle: std::ptr::null_mut(),
             stream: std::ptr::null_mut(),
+            lane,
+            next_slot: &next_slot,
+            // 132 SMs: these small chunks leave SMs idle and take the side
+            // stream; 1 SM: none does, and the slots rotate on the main
+            // stream.
+            sm_count: if slot0 == 1 { 1 } else { 132 },
         };
         let ops = plan(
             target,
@@ -779,7 +1000,9 @@ mod tests {
         )
         .expect("a cuBLAS plan");
         run(&ops, &mut mem, &p, rows, &w, &|o| bv[o as usize]);
-        let what = format!("{types:?} {n:?} k {k} rows {rows} act {act} bias {bias} acc {acc}");
+        let what = format!(
+            "{types:?} {n:?} k {k} rows {rows} act {act} bias {bias} acc {acc} side {side} slot0 {slot0}"
+        );
         let (mut num, mut den) = (0f64, 0f64);
         for r in 0..rows {
             for o in 0..out_stride {

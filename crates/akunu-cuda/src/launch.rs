@@ -155,6 +155,12 @@ pub enum Tail {
 pub enum Op {
     Kernel(Launch),
     Gemm(crate::blas::Gemm),
+    /// A weight dequantization into a slot of the cuBLAS scratch, on the
+    /// side stream if the flag says so (`blas::Lane::dequantize`).
+    Dequant(Launch, crate::blas::Lane, usize, bool),
+    /// The products reading a slot are queued: it may be written again
+    /// once they are done (`blas::Lane::release`).
+    Release(crate::blas::Lane, usize),
 }
 
 impl Op {
@@ -163,6 +169,8 @@ impl Op {
         match self {
             Op::Kernel(l) => l.fire(stream),
             Op::Gemm(g) => g.fire(stream),
+            Op::Dequant(l, lane, slot, side) => lane.dequantize(l, *slot, *side, stream),
+            Op::Release(lane, slot) => lane.release(*slot, stream),
         }
     }
 
@@ -871,7 +879,15 @@ pub fn plan(
                 // graphs: its scratch is the backend's, not a chain's).
                 let blas = be.blas().filter(|_| chain.is_none());
                 if let Some(ops) = blas.zip(be.blas_scratch()).and_then(|(b, s)| {
-                    crate::blas::plan(b.target(), s, k.gemm_split, k.gemm_dequant, &p, &l, r)
+                    crate::blas::plan(
+                        b.target(!be.profiling(), be.sm_count()),
+                        s,
+                        k.gemm_split,
+                        k.gemm_dequant,
+                        &p,
+                        &l,
+                        r,
+                    )
                 }) {
                     be.count_blas_command();
                     return Ok(ops);

@@ -422,6 +422,12 @@ impl CudaBackend {
         self.blas.as_ref().ok().filter(|_| self.blas_on)
     }
 
+    /// Whether steps are being profiled (each captured into a graph on the
+    /// main stream alone).
+    pub(crate) fn profiling(&self) -> bool {
+        self.profile.is_some()
+    }
+
     /// The cuBLAS products' scratch (sized by `prepare`).
     pub(crate) fn blas_scratch(&self) -> Option<blas::Scratch> {
         self.blas_scratch
