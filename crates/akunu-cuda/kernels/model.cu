@@ -1692,6 +1692,34 @@ __device__ __forceinline__ void attn_decode_body(const Bind& b, const AttnParams
     }
 }
 
+// sum over splits s = s0, s0 + step, ... < n of f[s] * acc_s, where acc_s is
+// at p + s * stride, added in that order. The loads go out ATTN_MERGE_BATCH
+// at a time before any is used: one L2 round trip per 16 splits. The
+// previous loop (`#pragma unroll 4` over a run-time count) left them
+// dependent: SmolLM2-shaped decode after a 512-token prompt went from 1,315
+// to 1,455 tok/s, llama-1b F16 from 936 to 973 (bench/RESULTS.md).
+#ifndef ATTN_MERGE_BATCH  // (AKUNU_CUDA_DEFINES may set it for A/B runs)
+#define ATTN_MERGE_BATCH 16
+#endif
+__device__ __forceinline__ float attn_combine_dim(const float* p, u32 stride, u32 s0, u32 step,
+                                                  u32 n, const float* f) {
+    float w = 0.0f;
+    for (u32 s = s0; s < n; s += ATTN_MERGE_BATCH * step) {
+        float x[ATTN_MERGE_BATCH];
+#pragma unroll
+        for (u32 i = 0; i < ATTN_MERGE_BATCH; ++i) {
+            const u32 si = s + i * step;
+            x[i] = si < n ? __ldcg(p + si * stride) : 0.0f;
+        }
+#pragma unroll
+        for (u32 i = 0; i < ATTN_MERGE_BATCH; ++i) {
+            const u32 si = s + i * step;
+            if (si < n) w += f[si] * x[i];
+        }
+    }
+    return w;
+}
+
 // Merges the first n_active decode splits of head h (threads over head
 // dims and splits): M = max m_s, L = sum l_s e^(m_s - M),
 // out[d] = sum acc_s[d] e^(m_s - M) / L. The partials were written by other
@@ -1714,21 +1742,14 @@ __device__ __forceinline__ void attn_combine_head(const float* ph, u32 hd, u32 n
     __syncthreads();
     const u32 groups = blockDim.x / hd;
     if (groups <= 1) {
-        for (u32 d = tid; d < hd; d += blockDim.x) {
-            float w = 0.0f;
-#pragma unroll 4
-            for (u32 s = 0; s < n_active; ++s) w += sm_f[s] * __ldcg(ph + s * stride + 2 + d);
-            out[d] = w;
-        }
+        for (u32 d = tid; d < hd; d += blockDim.x)
+            out[d] = attn_combine_dim(ph + 2 + d, stride, 0, 1, n_active, sm_f);
         return;
     }
     // Thread t takes dim t % hd of splits t / hd, t / hd + groups, ...
     const u32 d = tid % hd, g0 = tid / hd;
     float v = 0.0f;
-    if (g0 < groups) {
-#pragma unroll 4
-        for (u32 s = g0; s < n_active; s += groups) v += sm_f[s] * __ldcg(ph + s * stride + 2 + d);
-    }
+    if (g0 < groups) v = attn_combine_dim(ph + 2 + d, stride, g0, groups, n_active, sm_f);
     if (g0 < groups) sm_red[tid] = v;
     __syncthreads();
     if (tid < hd) {
