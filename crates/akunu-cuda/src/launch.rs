@@ -318,10 +318,25 @@ pub fn check_patch(c: &DispatchCmd) -> Result<(), String> {
     }
 }
 
+/// Splits of a decode attention at most (the partials' scratch is sized
+/// for this many).
 fn attn_split(p: &AttnParams) -> u32 {
     p.capacity
         .div_ceil(attn_keys_per_split())
         .clamp(1, ATTN_MAX_SPLIT)
+}
+
+/// The splits of a one-row decode attention: `attn_split`, but no more than
+/// the GPU holds at once over the heads, so that the blocks run in one
+/// wave. At 122 registers a thread, 4 blocks fit an SM (528 on an H200):
+/// 32 heads x 32 splits ran as two waves. With this cap (16 splits), after
+/// a 512-token prompt llama-1b F16 went from 974 to 1,043 tok/s and 8B Q4_0
+/// from 327.7 to 345.6 (bench/RESULTS.md, session 10). SmolLM2's 9 heads
+/// keep 32 splits.
+fn attn_split_resident(be: &CudaBackend, p: &AttnParams) -> u32 {
+    let resident = be.sm_count() * be.occupancy(be.kernels().attn_decode, 128, 0);
+    let per_head = (resident / p.n_heads.max(1)).max(1);
+    attn_split(p).min(per_head)
 }
 
 /// `ATTN_KEYS_PER_SPLIT`, or `AKUNU_CUDA_ATTN_KEYS` (developer A/B runs).
@@ -940,7 +955,7 @@ pub fn plan(
             }
             if decode {
                 // One query row per grid.z, each as a one-row step.
-                let n_split = attn_split(&p);
+                let n_split = attn_split_resident(be, &p);
                 let part = be
                     .attn_scratch()
                     .ok_or("attention partials were not allocated")?;
