@@ -326,9 +326,9 @@ fn attn_split(p: &AttnParams) -> u32 {
         .clamp(1, ATTN_MAX_SPLIT)
 }
 
-/// The splits of a one-row decode attention: `attn_split`, but no more than
-/// the GPU holds at once over the heads, so that the blocks run in one
-/// wave. At 122 registers a thread, 4 blocks fit an SM (528 on an H200):
+/// The splits of decode attention (verification rows take the same
+/// layout): `attn_split`, but no more than the GPU holds at once over the
+/// heads, so that a one-row step's blocks run in one wave. At 122 registers a thread, 4 blocks fit an SM (528 on an H200):
 /// 32 heads x 32 splits ran as two waves. With this cap (16 splits), after
 /// a 512-token prompt llama-1b F16 went from 974 to 1,043 tok/s and 8B Q4_0
 /// from 327.7 to 345.6 (bench/RESULTS.md, session 10). SmolLM2's 9 heads
