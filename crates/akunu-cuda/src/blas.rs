@@ -37,7 +37,7 @@
 //! profile`, which is captured: the handle's workspace is set explicitly
 //! (`cublasSetWorkspace`), so cuBLAS allocates nothing during a capture.
 
-use crate::device::{self, Dptr};
+use crate::device::{self, Dptr, Event};
 use crate::knob::Knob;
 use crate::launch::{Launch, Tail};
 use akunu_core::backend::BackendError;
@@ -182,8 +182,8 @@ fn overlap_wanted() -> bool {
 
 /// The dequantization's side stream and, per slot, the event that its
 /// weights are ready (recorded there) and the event that the products
-/// reading them are done (recorded on the main stream). Plain handles,
-/// owned by `Blas`, which destroys them.
+/// reading them are done (recorded on the main stream). Plain handles, owned by `Blas`
+/// (the stream) and its `Event`s.
 #[derive(Copy, Clone, Debug)]
 pub struct Lane {
     stream: sys::CUstream,
@@ -192,9 +192,15 @@ pub struct Lane {
 }
 
 impl Lane {
-    fn create() -> Result<Lane, String> {
+    /// The side stream and its events; the events are owned by the
+    /// returned `Event`s (the `Lane` only copies their handles), the stream
+    /// by whoever calls `destroy_stream`.
+    fn create() -> Result<(Lane, Vec<Event>), String> {
+        let events = (0..2 * SLOTS)
+            .map(|_| Event::new().map_err(|e| e.to_string()))
+            .collect::<Result<Vec<_>, _>>()?;
         let mut stream: sys::CUstream = std::ptr::null_mut();
-        // SAFETY: out-parameters; the context is current (Blas::new).
+        // SAFETY: out-parameter; the context is current (Blas::new).
         unsafe {
             sys::cuStreamCreate(
                 &mut stream,
@@ -203,33 +209,21 @@ impl Lane {
             .result()
             .map_err(|e| format!("creating the dequantization stream: {e}"))?;
         }
-        let mut lane = Lane {
+        let n = SLOTS as usize;
+        let lane = Lane {
             stream,
-            ready: [std::ptr::null_mut(); SLOTS as usize],
-            free: [std::ptr::null_mut(); SLOTS as usize],
+            ready: std::array::from_fn(|i| events[i].0),
+            free: std::array::from_fn(|i| events[n + i].0),
         };
-        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-        for e in lane.ready.iter_mut().chain(lane.free.iter_mut()) {
-            // SAFETY: out-parameter.
-            if let Err(err) = unsafe { sys::cuEventCreate(e, flags) }.result() {
-                lane.destroy();
-                return Err(format!("creating a dequantization event: {err}"));
-            }
-        }
-        Ok(lane)
+        Ok((lane, events))
     }
 
-    /// Destroys what `create` made (null handles are skipped).
-    fn destroy(&self) {
-        // SAFETY: handles created by `create`, destroyed once (by `Blas`'s
-        // Drop after the owner synchronised its stream, which waited on
-        // every `ready` event, so the side stream is idle).
+    /// Destroys the side stream (by `Blas`'s Drop, after the owner
+    /// synchronised its stream, which waited on every `ready` event, so the
+    /// side stream is idle).
+    fn destroy_stream(&self) {
+        // SAFETY: created by `create`, destroyed once.
         unsafe {
-            for &e in self.ready.iter().chain(self.free.iter()) {
-                if !e.is_null() {
-                    sys::cuEventDestroy_v2(e);
-                }
-            }
             sys::cuStreamDestroy_v2(self.stream);
         }
     }
@@ -282,6 +276,8 @@ pub struct Blas {
     /// The dequantization's side stream, unless turned off or its creation
     /// failed (the dequantization then runs on the main stream).
     lane: Option<Lane>,
+    /// The events whose handles `lane` holds.
+    _lane_events: Vec<Event>,
     /// Dequantized chunks planned so far: the next one's slot.
     next_slot: AtomicU32,
 }
@@ -321,11 +317,15 @@ impl Blas {
             workspace,
             version: 0,
             lane: None,
+            _lane_events: Vec::new(),
             next_slot: AtomicU32::new(0),
         };
         if overlap_wanted() {
             match Lane::create() {
-                Ok(l) => blas.lane = Some(l),
+                Ok((l, events)) => {
+                    blas.lane = Some(l);
+                    blas._lane_events = events;
+                }
                 Err(why) if verbose() => {
                     eprintln!("akunu: dequantization on the main stream: {why}")
                 }
@@ -414,7 +414,7 @@ fn overlaps(rows: u32, n: u32, sm_count: u32) -> bool {
 impl Drop for Blas {
     fn drop(&mut self) {
         if let Some(l) = &self.lane {
-            l.destroy();
+            l.destroy_stream();
         }
         // SAFETY: created by `new`, destroyed once; the owner synchronised
         // the stream first, so no product still uses the workspace.
