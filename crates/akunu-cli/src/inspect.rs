@@ -126,6 +126,7 @@ pub fn run(a: InspectArgs) -> Result<()> {
             chunk: Some(1),
             prefill_chunk: 1,
             activations: "f32".into(),
+            prefill_products: "exact".into(),
         },
     )?;
     let t = engine.table();

@@ -1362,9 +1362,11 @@ k_gemm_split(Bind b, GemvParams p, StepArg a, u16* __restrict__ xs, u32 o0, u32 
 // contiguous bytes, 16 per lane, and their lo likewise. (A whole block per
 // thread, four 16-byte stores at a 64-byte lane stride, ran at 1.7 TB/s and
 // took 36% of an 8B Q4_0 prefill: Nsight Compute, bench/RESULTS.md.)
-extern "C" __global__ void __launch_bounds__(256)
-k_gemm_dequant(Bind b, GemvParams p, StepArg a, u16* __restrict__ ws, u32 o0, u32 o1) {
-    AKUNU_PROLOGUE(a);
+// k_gemm_dequant_hi writes the hi halves alone: the f16 prefill products
+// (blas.rs `Products::F16`) use W rounded to f16 and nothing else.
+template <bool LO>
+__device__ __forceinline__ void gemm_dequant_body(const Bind& b, const GemvParams& p, u16* __restrict__ ws,
+                                                  u32 o0, u32 o1) {
     const u32 k = p.k, nb = k >> 5;
     const u64 unit = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (unit >= (u64)(o1 - o0) * nb * 4) return;
@@ -1408,7 +1410,19 @@ k_gemm_dequant(Bind b, GemvParams p, StepArg a, u16* __restrict__ ws, u32 o0, u3
     }
     u16* row = ws + (u64)(o - o0) * 2 * k + (u64)blk * 32 + part * 8;
     *(uint4*)row = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-    *(uint4*)(row + k) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    if (LO) *(uint4*)(row + k) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+k_gemm_dequant(Bind b, GemvParams p, StepArg a, u16* __restrict__ ws, u32 o0, u32 o1) {
+    AKUNU_PROLOGUE(a);
+    gemm_dequant_body<true>(b, p, ws, o0, o1);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+k_gemm_dequant_hi(Bind b, GemvParams p, StepArg a, u16* __restrict__ ws, u32 o0, u32 o1) {
+    AKUNU_PROLOGUE(a);
+    gemm_dequant_body<false>(b, p, ws, o0, o1);
 }
 
 // ---------------------------------------------------------------------------

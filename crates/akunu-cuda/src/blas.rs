@@ -15,6 +15,12 @@
 //!                   out  += [W_hi | W_lo] . [X_lo ; X_hi]         depth 2k
 //! ```
 //!
+//! With `Products::F16` (`akunu --prefill-products f16`) each output range
+//! takes one product instead, `W_hi . X_hi` (F16 weights: `W . X_hi`), and
+//! `k_gemm_dequant_hi` writes `W_hi` alone: the weights and inputs rounded
+//! to f16, as llama.cpp's and PyTorch's f16 GEMMs use them, a third of the
+//! products and half the dequantized bytes of the exact form.
+//!
 //! Every product is f16 x f16 with f32 accumulation (`CUBLAS_COMPUTE_32F`,
 //! default math: no TF32 or other reduced modes) into the f32 output, in
 //! place (`ldc` = the output's row stride, so fused QKV / gate|up segments
@@ -167,6 +173,18 @@ fn ok(r: cb::cublasStatus_t, what: &str) -> Result<(), String> {
     r.result().map_err(|e| format!("{what}: {e}"))
 }
 
+/// What the prefill products compute (`--prefill-products`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
+pub enum Products {
+    /// An f32 product: weights and inputs as f16 hi + lo halves, every
+    /// cross term but `W_lo . X_lo` (about 2^-22 of the product) kept.
+    #[default]
+    Exact,
+    /// One f16 x f16 product (f32 accumulation) of the weights and inputs
+    /// rounded to f16.
+    F16,
+}
+
 /// Slots of dequantized weights in the scratch: chunk c is dequantized
 /// into slot c % SLOTS on the side stream while the products read the
 /// previous chunk's slot on the main stream (`Lane`).
@@ -280,6 +298,8 @@ pub struct Blas {
     _lane_events: Vec<Event>,
     /// Dequantized chunks planned so far: the next one's slot.
     next_slot: AtomicU32,
+    /// What the products compute.
+    products: Products,
 }
 
 impl Blas {
@@ -319,6 +339,7 @@ impl Blas {
             lane: None,
             _lane_events: Vec::new(),
             next_slot: AtomicU32::new(0),
+            products: Products::Exact,
         };
         if overlap_wanted() {
             match Lane::create() {
@@ -370,6 +391,15 @@ impl Blas {
         }
     }
 
+    /// Sets what the products compute (for products planned from now on).
+    pub fn set_products(&mut self, products: Products) {
+        self.products = products;
+    }
+
+    pub fn products(&self) -> Products {
+        self.products
+    }
+
     /// cuBLAS's version number (e.g. 130100 for 13.1.0).
     pub fn version(&self) -> i32 {
         self.version
@@ -385,6 +415,7 @@ impl Blas {
             lane: self.lane.filter(|_| overlap),
             next_slot: &self.next_slot,
             sm_count,
+            products: self.products,
         }
     }
 }
@@ -398,6 +429,7 @@ pub struct Target<'a> {
     lane: Option<Lane>,
     next_slot: &'a AtomicU32,
     sm_count: u32,
+    products: Products,
 }
 
 /// Whether a chunk of `rows` weight rows against `n` input rows takes the
@@ -576,6 +608,7 @@ pub fn plan(
     scratch: Scratch,
     split: sys::CUfunction,
     dequant: sys::CUfunction,
+    dequant_hi: sys::CUfunction,
     p: &GemvParams,
     l: &Launch,
     rows: u32,
@@ -641,6 +674,7 @@ pub fn plan(
     let mut off = 0u32;
     let mut run: Option<(u32, u32)> = None;
     let lane = blas.lane;
+    let exact = blas.products == Products::Exact;
     let flush = |run: Option<(u32, u32)>, ops: &mut Vec<Op>| {
         let Some((a, b)) = run else { return };
         let mut c0 = a;
@@ -657,7 +691,8 @@ pub fn plan(
                 None => 0,
             };
             let ws = w + slot as u64 * scratch.w_bytes;
-            let dq = kernel(dequant, units.div_ceil(256) as u32, 1, ws, c0, c1);
+            let f = if exact { dequant } else { dequant_hi };
+            let dq = kernel(f, units.div_ceil(256) as u32, 1, ws, c0, c1);
             match (lane, dq) {
                 (Some(lane), Op::Kernel(l)) => {
                     let side = overlaps(c1 - c0, rows, blas.sm_count);
@@ -666,7 +701,9 @@ pub fn plan(
                 (_, dq) => ops.push(dq),
             }
             ops.push(gemm(c1 - c0, k, ws, 2 * k, x_hi, c0, beta0));
-            ops.push(gemm(c1 - c0, 2 * k, ws, 2 * k, x_lo, c0, 1.0));
+            if exact {
+                ops.push(gemm(c1 - c0, 2 * k, ws, 2 * k, x_lo, c0, 1.0));
+            }
             if let Some(lane) = lane {
                 ops.push(Op::Release(lane, slot));
             }
@@ -682,7 +719,9 @@ pub fn plan(
             flush(run.take(), &mut ops);
             let wptr = l.bind[2 + s];
             ops.push(gemm(n, k, wptr, k, x_hi, off, beta0));
-            ops.push(gemm(n, k, wptr, k, x_lo, off, 1.0));
+            if exact {
+                ops.push(gemm(n, k, wptr, k, x_lo, off, 1.0));
+            }
         } else {
             run = Some((run.map_or(off, |r| r.0), off + n));
         }
@@ -715,6 +754,7 @@ mod tests {
 
     const SPLIT: usize = 0x51;
     const DEQUANT: usize = 0xde;
+    const DEQUANT_HI: usize = 0xdf;
 
     /// Device memory: regions at 2^32-spaced addresses.
     struct Mem(Vec<Vec<u8>>);
@@ -775,7 +815,7 @@ mod tests {
                 Op::Dequant(l, _, slot, _) => {
                     assert!(!busy[*slot], "slot {slot} written before its release");
                     busy[*slot] = true;
-                    assert_eq!(l.f as usize, DEQUANT);
+                    assert!([DEQUANT, DEQUANT_HI].contains(&(l.f as usize)));
                     Op::Kernel(*l)
                 }
                 op => *op,
@@ -811,7 +851,7 @@ mod tests {
                                 }
                             }
                         }
-                        DEQUANT => {
+                        f @ (DEQUANT | DEQUANT_HI) => {
                             let units = (o1 - o0) as u64 * k / 8;
                             assert!(l.grid.0 as u64 * 256 >= units);
                             for o in o0..o1 {
@@ -819,6 +859,10 @@ mod tests {
                                     let (hi, lo) = split(w(o, e as u32));
                                     let row = ptr + (o - o0) as u64 * 2 * k * 2;
                                     mem.set_f16(row + e * 2, hi);
+                                    // The hi-only kernel leaves the lo half
+                                    // as it was: poison, which a product
+                                    // reading it would show.
+                                    let lo = if f == DEQUANT { lo } else { f16::NAN };
                                     mem.set_f16(row + (k + e) * 2, lo);
                                 }
                             }
@@ -852,9 +896,12 @@ mod tests {
     /// planned and run, against the f64 product.
     fn check(types: &[DType], n: &[u32], k: u32, rows: u32, act: u32, bias: bool, acc: bool) {
         // No side stream; a side stream that takes every chunk (slots from
-        // 0); one that takes none (slots from 1, on the main stream).
-        for (side, slot0) in [(false, 0), (true, 0), (true, 1)] {
-            check_on(types, n, k, rows, act, bias, acc, side, slot0);
+        // 0); one that takes none (slots from 1, on the main stream); each
+        // with the exact and the f16 products.
+        for products in [Products::Exact, Products::F16] {
+            for (side, slot0) in [(false, 0), (true, 0), (true, 1)] {
+                check_on(types, n, k, rows, act, bias, acc, side, slot0, products);
+            }
         }
     }
 
@@ -869,6 +916,7 @@ mod tests {
         acc: bool,
         side: bool,
         slot0: u32,
+        products: Products,
     ) {
         let mut seed = 0x2545f4914f6cdd1du64;
         let mut rnd = move || {
@@ -988,12 +1036,14 @@ mod tests {
             // stream; 1 SM: none does, and the slots rotate on the main
             // stream.
             sm_count: if slot0 == 1 { 1 } else { 132 },
+            products,
         };
         let ops = plan(
             target,
             scratch,
             SPLIT as sys::CUfunction,
             DEQUANT as sys::CUfunction,
+            DEQUANT_HI as sys::CUfunction,
             &p,
             &l,
             rows,
@@ -1001,8 +1051,35 @@ mod tests {
         .expect("a cuBLAS plan");
         run(&ops, &mut mem, &p, rows, &w, &|o| bv[o as usize]);
         let what = format!(
-            "{types:?} {n:?} k {k} rows {rows} act {act} bias {bias} acc {acc} side {side} slot0 {slot0}"
+            "{types:?} {n:?} k {k} rows {rows} act {act} bias {bias} acc {acc} side {side} slot0 {slot0} {products:?}"
         );
+        // The f16 products: one per output range (per F16 segment, per
+        // chunk of quantized rows), on the operands rounded to f16.
+        let exact = products == Products::Exact;
+        let gemms = ops.iter().filter(|o| matches!(o, Op::Gemm(_))).count();
+        let ranges = ops
+            .iter()
+            .filter(|o| {
+                matches!(o, Op::Dequant(..)) || matches!(o, Op::Kernel(l) if l.f as usize != SPLIT)
+            })
+            .count()
+            + types
+                .iter()
+                .zip(n)
+                .filter(|(t, n)| **t == DType::F16 && **n > 0)
+                .count();
+        assert_eq!(
+            gemms,
+            ranges * if exact { 2 } else { 1 },
+            "{what}: products"
+        );
+        let round = |v: f32| {
+            if exact {
+                v as f64
+            } else {
+                f16::from_f32(v).to_f64()
+            }
+        };
         let (mut num, mut den) = (0f64, 0f64);
         for r in 0..rows {
             for o in 0..out_stride {
@@ -1023,7 +1100,7 @@ mod tests {
                     } else {
                         xr[e]
                     };
-                    want += w(o, e as u32) as f64 * x as f64;
+                    want += round(w(o, e as u32)) * round(x);
                 }
                 num += (got - want).powi(2);
                 den += want.powi(2);

@@ -899,6 +899,7 @@ pub fn plan(
                         s,
                         k.gemm_split,
                         k.gemm_dequant,
+                        k.gemm_dequant_hi,
                         &p,
                         &l,
                         r,

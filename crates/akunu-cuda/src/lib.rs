@@ -38,6 +38,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+pub use blas::Products as PrefillProducts;
 pub use device::driver_status;
 
 /// What the backend knows about its GPU (the chapter's `ChipConfig`).
@@ -98,6 +99,7 @@ pub(crate) struct Kernels {
     /// The operand kernels of the cuBLAS prefill products (`blas`).
     pub gemm_split: sys::CUfunction,
     pub gemm_dequant: sys::CUfunction,
+    pub gemm_dequant_hi: sys::CUfunction,
     pub rope_kv_write: sys::CUfunction,
     pub attn_decode: sys::CUfunction,
     pub attn_prefill: sys::CUfunction,
@@ -417,6 +419,14 @@ impl CudaBackend {
         self.blas_commands.clone()
     }
 
+    /// What the cuBLAS prefill products compute (`blas::Products`); steps
+    /// that stay off cuBLAS are exact either way.
+    pub fn set_prefill_products(&mut self, products: blas::Products) {
+        if let Ok(b) = &mut self.blas {
+            b.set_products(products);
+        }
+    }
+
     /// The cuBLAS handle, when products may use it.
     pub(crate) fn blas(&self) -> Option<&blas::Blas> {
         self.blas.as_ref().ok().filter(|_| self.blas_on)
@@ -546,6 +556,7 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
         gemm_tc: get("k_gemm_tc")?,
         gemm_split: get("k_gemm_split")?,
         gemm_dequant: get("k_gemm_dequant")?,
+        gemm_dequant_hi: get("k_gemm_dequant_hi")?,
         rope_kv_write: get("k_rope_kv_write")?,
         attn_decode: get("k_attn_decode")?,
         attn_prefill: get("k_attn_prefill")?,
@@ -641,7 +652,14 @@ impl Backend for CudaBackend {
             (i.driver % 1000) / 10,
             if self.pdl { "" } else { ", no PDL" },
             match (self.blas_on, &self.blas) {
-                (true, Ok(b)) => format!(", cuBLAS {} prefill", b.version()),
+                (true, Ok(b)) => format!(
+                    ", cuBLAS {} prefill{}",
+                    b.version(),
+                    match b.products() {
+                        blas::Products::Exact => "",
+                        blas::Products::F16 => " (f16 products)",
+                    }
+                ),
                 _ => ", no cuBLAS".to_string(),
             }
         )
