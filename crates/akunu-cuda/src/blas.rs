@@ -173,6 +173,18 @@ fn ok(r: cb::cublasStatus_t, what: &str) -> Result<(), String> {
     r.result().map_err(|e| format!("{what}: {e}"))
 }
 
+/// The kernels that write the products' operands (model.cu, "Operands of
+/// the cuBLAS prefill products").
+#[derive(Copy, Clone, Debug)]
+pub struct OperandKernels {
+    /// `k_gemm_split`: the input rows as f16 halves.
+    pub split: sys::CUfunction,
+    /// `k_gemm_dequant`: weight rows as `[W_hi | W_lo]`.
+    pub dequant: sys::CUfunction,
+    /// `k_gemm_dequant_hi`: `W_hi` alone (`Products::F16`).
+    pub dequant_hi: sys::CUfunction,
+}
+
 /// What the prefill products compute (`--prefill-products`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
 pub enum Products {
@@ -606,9 +618,7 @@ pub fn scratch_need(table: &DispatchTable) -> Scratch {
 pub fn plan(
     blas: Target,
     scratch: Scratch,
-    split: sys::CUfunction,
-    dequant: sys::CUfunction,
-    dequant_hi: sys::CUfunction,
+    kernels: OperandKernels,
     p: &GemvParams,
     l: &Launch,
     rows: u32,
@@ -668,7 +678,14 @@ pub fn plan(
         })
     };
     let split_cover = if p.bias != 0 { k.max(total) } else { k };
-    let mut ops = vec![kernel(split, split_cover.div_ceil(1024), rows, x, 0, 0)];
+    let mut ops = vec![kernel(
+        kernels.split,
+        split_cover.div_ceil(1024),
+        rows,
+        x,
+        0,
+        0,
+    )];
     // Segments in order; consecutive quantized ones form one run of rows
     // (the dequantization resolves each row's segment).
     let mut off = 0u32;
@@ -691,7 +708,11 @@ pub fn plan(
                 None => 0,
             };
             let ws = w + slot as u64 * scratch.w_bytes;
-            let f = if exact { dequant } else { dequant_hi };
+            let f = if exact {
+                kernels.dequant
+            } else {
+                kernels.dequant_hi
+            };
             let dq = kernel(f, units.div_ceil(256) as u32, 1, ws, c0, c1);
             match (lane, dq) {
                 (Some(lane), Op::Kernel(l)) => {
@@ -1041,9 +1062,11 @@ mod tests {
         let ops = plan(
             target,
             scratch,
-            SPLIT as sys::CUfunction,
-            DEQUANT as sys::CUfunction,
-            DEQUANT_HI as sys::CUfunction,
+            OperandKernels {
+                split: SPLIT as sys::CUfunction,
+                dequant: DEQUANT as sys::CUfunction,
+                dequant_hi: DEQUANT_HI as sys::CUfunction,
+            },
             &p,
             &l,
             rows,

@@ -897,9 +897,11 @@ pub fn plan(
                     crate::blas::plan(
                         b.target(!be.profiling(), be.sm_count()),
                         s,
-                        k.gemm_split,
-                        k.gemm_dequant,
-                        k.gemm_dequant_hi,
+                        crate::blas::OperandKernels {
+                            split: k.gemm_split,
+                            dequant: k.gemm_dequant,
+                            dequant_hi: k.gemm_dequant_hi,
+                        },
                         &p,
                         &l,
                         r,
