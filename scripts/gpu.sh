@@ -533,6 +533,26 @@ print("stats:", {k: s.get(k) for k in ("generated_tokens", "decode_tok_s", "stop
         tail -5 "$OUTDIR/generate.err"
     fi
     "$BIN/akunu" profile -m "$MODEL" --device cuda -n 64 2>&1 | tee "$OUTDIR/profile-default.log" | head -30
+    echo "== default model, --prefill-products f16"
+    bench_one default-f16 "$MODEL" --prefill-products f16
+    # Greedy text after a long prompt (README.md's first 3,000 bytes: 600-odd
+    # tokens, prefilled in cuBLAS steps) with exact and f16 prefill products.
+    local mode
+    head -c 3000 README.md >"$OUTDIR/prompt.txt"
+    for mode in exact f16; do
+        "$BIN/akunu" generate -m "$MODEL" --device cuda --prompt-file "$OUTDIR/prompt.txt" -n 96 --ignore-eos --json \
+            --prefill-products $mode >"$OUTDIR/generate-$mode.json" 2>"$OUTDIR/generate-$mode.err" ||
+            tail -3 "$OUTDIR/generate-$mode.err"
+    done
+    python3 -c '
+import json, sys
+d = [json.load(open(f)) for f in sys.argv[1:3]]
+a, b = (x["generated_ids"] for x in d)
+n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+np = len(d[0]["prompt_ids"])
+print(f"prompt {np} tokens; prefill products exact vs f16: " + ("the same 96 greedy tokens" if a == b else f"greedy tokens differ from token {n} of {len(a)}"))
+print("exact:", repr(d[0]["text"][:160]))
+print("f16:  ", repr(d[1]["text"][:160]))' "$OUTDIR/generate-exact.json" "$OUTDIR/generate-f16.json" || true
 }
 
 case "${1:-}" in
