@@ -123,6 +123,9 @@ tests() {
       echo "== AKUNU_CUDA_TCB=all: logits and verification on the 4-bit bulk-copy gemv"
       AKUNU_CUDA_TCB=all "$BIN/gpu-tests" --ignored --test-threads=1 --nocapture \
           logits_match_cpu_for_every_type speculative_verification_is_exact 2>&1
+      echo "== AKUNU_CUDA_PF_ATTN_TC=0: prefill attention on the CUDA-core flash kernel"
+      AKUNU_CUDA_PF_ATTN_TC=0 "$BIN/gpu-tests" --ignored --test-threads=1 --nocapture \
+          prefill_attention_matches_cpu_on_every_head_width logits_match_cpu_for_every_architecture 2>&1
       echo "== AKUNU_CUDA_CUBLAS_CHUNK_MB=1: prefill with many dequantized chunks, slots reused"
       AKUNU_CUDA_CUBLAS_CHUNK_MB=1 "$BIN/gpu-tests" --ignored --test-threads=1 --nocapture \
           cublas_prefill_matches_cpu_with_and_without_cublas 2>&1
@@ -153,15 +156,23 @@ sanitize() {
         done
     done
     # A 200-token prefill on cuBLAS: the quarter-block dequantization, its
-    # slots, and the side stream (tiny-k products leave SMs idle).
-    if AKUNU_CUDA_CUBLAS_CHUNK_MB=1 compute-sanitizer --tool memcheck --error-exitcode 3 \
-        "$BIN/akunu" generate -m "$mk" --device cuda --prompt-ids "$(seq -s, 1 200)" -n 4 \
-        --ignore-eos >"$OUTDIR/sanitize-cublas.log" 2>&1; then
-        echo "memcheck, cuBLAS prefill: $(grep -h 'ERROR SUMMARY' "$OUTDIR/sanitize-cublas.log" | tail -1)"
-    else
-        echo "memcheck, cuBLAS prefill: FAILED"
-        tail -30 "$OUTDIR/sanitize-cublas.log"
-    fi
+    # slots, and the side stream (tiny-k products leave SMs idle); the
+    # tensor-core prefill attention (racecheck: its shared-memory tiles);
+    # the f16 products (hi-only dequantization).
+    local v products
+    for v in memcheck:exact racecheck:exact memcheck:f16; do
+        tool=${v%%:*}
+        products=${v##*:}
+        log=$OUTDIR/sanitize-cublas-$tool-$products.log
+        if AKUNU_CUDA_CUBLAS_CHUNK_MB=1 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+            "$BIN/akunu" generate -m "$mk" --device cuda --prompt-ids "$(seq -s, 1 200)" -n 4 \
+            --ignore-eos --prefill-products "$products" >"$log" 2>&1; then
+            echo "$tool, cuBLAS prefill ($products products): $(grep -hE '(ERROR|RACECHECK) SUMMARY' "$log" | tail -1)"
+        else
+            echo "$tool, cuBLAS prefill ($products products): FAILED"
+            tail -30 "$log"
+        fi
+    done
     # A token limit inside a chunk: the chunk's remaining kernels return
     # early, the bulk-copy gemv after waiting for the copies it started.
     if compute-sanitizer --tool memcheck --error-exitcode 3 \

@@ -2289,3 +2289,256 @@ __device__ __forceinline__ void attn_flash_body(const Bind& b, const AttnParams&
 FA_KERNEL(64, 2)
 FA_KERNEL(128, 2)
 FA_KERNEL(256, 1)
+
+// ---------------------------------------------------------------------------
+// Flash prefill attention on the tensor cores (k_attn_tc_64 / _128), exact
+// to f32 accumulation.
+//
+// grid = (n_heads, ceil(rows / 64)), block TA_THREADS = 128 (4 warps), dynamic
+// shared memory ta_smem_bytes(D) (launch.rs `tc_attention_smem_bytes`). The
+// block owns 64 query rows of one head (row blocks in reverse order, as in
+// k_attn_flash), warp w the rows 16w .. 16w + 15, and walks the visible keys
+// in tiles of 64 as k_attn_flash does, with the same masks, soft-cap and
+// online softmax (the same -inf handling); D is the head width rounded up to
+// 64 or 128, narrower heads zero-padded.
+//
+// Operands are f16 hi + lo halves (x = hi + lo, hi = f16(x), lo = f16(x -
+// hi)), staged in shared memory: Q and K row-major [row][D + 8], V
+// transposed [D][64 + 8] (the padding puts a fragment's 8 rows x 4 words on
+// 32 banks). Products are mma.sync m16n8k16 with f32 accumulation, three
+// per pair of operands (hi hi + hi lo + lo hi; lo lo, about 2^-22 of the
+// product, is left out), as k_gemm_tc does for inputs:
+//   S (16 x 64 per warp) = Q K^T, 8 key tiles of 8 over D / 16 k-steps;
+//   P = e^(S - max) stays in the S registers, whose m16n8 layout is the A
+//   operand's of P V (two key tiles per k-step of 16 keys);
+//   O (16 x D per warp) += P V over the tile's 64 keys.
+// Lane (g, t) = (lane / 4, lane % 4) holds rows g and g + 8 of its warp,
+// keys / dims 2t and 2t + 1 of each 8-wide tile; row maxima are reduced
+// over the 4 lanes of a row (xor shuffles 1, 2), row sums once at the end.
+// ---------------------------------------------------------------------------
+#define TA_THREADS 128
+#define TA_BQ 64
+#define TA_BK 64
+#define TA_LDT (TA_BK + 8)  // halves per transposed V row
+
+__device__ __forceinline__ void ta_split(float x, u16& hi, u16& lo) {
+    const float h = f16_round(x);
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(hi) : "f"(h));
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(lo) : "f"(x - h));
+}
+
+// Rows [0, n) of R rows of hd floats from src + r * stride into hi/lo
+// halves; row-major [r][D + 8], or transposed [d][R + 8] (V). Zero past n
+// and hd. `vec` (hd == D, src and stride 16-byte aligned): float4 loads;
+// row-major tiles store 4 halves at once, transposed ones take two rows
+// per thread and store each dim's pair of halves at once.
+template <int D, int R, bool TRANS>
+__device__ __forceinline__ void ta_stage(u16* hi, u16* lo, const float* __restrict__ src,
+                                         u64 stride, int n, u32 hd, bool vec) {
+    if (vec && !TRANS) {
+        constexpr int C4 = D / 4;
+        for (int e = threadIdx.x; e < R * C4; e += TA_THREADS) {
+            const int r = e / C4, c = (e - r * C4) * 4;
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (r < n) v = *(const float4*)(src + (u64)r * stride + c);
+            const float h0 = f16_round(v.x), h1 = f16_round(v.y), h2 = f16_round(v.z), h3 = f16_round(v.w);
+            const u32 at = (u32)(r * (D + 8) + c);
+            *(uint2*)(hi + at) = make_uint2(pack_h2(h0, h1), pack_h2(h2, h3));
+            *(uint2*)(lo + at) = make_uint2(pack_h2(v.x - h0, v.y - h1), pack_h2(v.z - h2, v.w - h3));
+        }
+        return;
+    }
+    if (vec && TRANS) {
+        constexpr int C4 = D / 4;
+        for (int e = threadIdx.x; e < (R / 2) * C4; e += TA_THREADS) {
+            const int r = (e / C4) * 2, c = (e - (e / C4) * C4) * 4;
+            float4 v0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), v1 = v0;
+            if (r < n) v0 = *(const float4*)(src + (u64)r * stride + c);
+            if (r + 1 < n) v1 = *(const float4*)(src + (u64)(r + 1) * stride + c);
+            const float a[4] = {v0.x, v0.y, v0.z, v0.w}, bb[4] = {v1.x, v1.y, v1.z, v1.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float h0 = f16_round(a[i]), h1 = f16_round(bb[i]);
+                const u32 at = (u32)((c + i) * (R + 8) + r);
+                *(u32*)(hi + at) = pack_h2(h0, h1);
+                *(u32*)(lo + at) = pack_h2(a[i] - h0, bb[i] - h1);
+            }
+        }
+        return;
+    }
+    for (int e = threadIdx.x; e < R * D; e += TA_THREADS) {
+        const int r = e / D, c = e - r * D;
+        const float x = (r < n && c < (int)hd) ? src[(u64)r * stride + c] : 0.0f;
+        const u32 at = TRANS ? (u32)(c * (R + 8) + r) : (u32)(r * (D + 8) + c);
+        ta_split(x, hi[at], lo[at]);
+    }
+}
+
+__device__ __forceinline__ u32 ld_u32(const u16* p) { return *(const u32*)p; }
+
+template <int D>
+__device__ __forceinline__ void attn_tc_body(const Bind& b, const AttnParams& p, u32 kv, u32 rows,
+                                             u16* sm) {
+    constexpr int LD = D + 8;   // halves per Q / K row
+    constexpr int NT = D / 8;   // 8-wide dim tiles of O
+    constexpr int KS = D / 16;  // k-steps of S
+    u16* qh = sm;
+    u16* ql = qh + TA_BQ * LD;
+    u16* kh = ql + TA_BQ * LD;
+    u16* kl = kh + TA_BK * LD;
+    u16* vh = kl + TA_BK * LD;  // [D][TA_LDT]
+    u16* vl = vh + D * TA_LDT;
+
+    const int lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const u32 h = blockIdx.x, hd = p.head_dim;
+    const u32 kvh = h / (p.n_heads / p.n_kv_heads);
+    const int t0 = (int)(gridDim.y - 1 - blockIdx.y) * TA_BQ;
+    const int nq = min(TA_BQ, (int)rows - t0);
+    const int base_pos = (int)kv - (int)rows;
+    const int pos_hi = base_pos + t0 + nq - 1;
+    const int key_lo = attn_first_key(base_pos + t0, p.window);
+
+    const float* __restrict__ Q = (const float*)b.p[0] + (u64)t0 * p.qkv_stride + (u64)h * hd;
+    const float* __restrict__ K = (const float*)b.p[1] + (u64)kvh * p.capacity * hd;
+    const float* __restrict__ V = (const float*)b.p[2] + (u64)kvh * p.capacity * hd;
+    float* __restrict__ O = (float*)b.p[3] + (u64)t0 * p.out_stride + (u64)h * hd;
+
+    const bool vec = hd == (u32)D && (p.qkv_stride & 3) == 0 &&
+                     (((u64)Q | (u64)K | (u64)V) & 15) == 0;
+    ta_stage<D, TA_BQ, false>(qh, ql, Q, p.qkv_stride, nq, hd, vec);
+
+    // This lane's rows (block-local) and their positions; rows past the
+    // step's last take its position (finite scores, never written).
+    const int r0 = warp * 16 + g, r1 = r0 + 8;
+    const int qpos[2] = {min(base_pos + t0 + r0, pos_hi), min(base_pos + t0 + r1, pos_hi)};
+    const int qlo[2] = {attn_first_key(qpos[0], p.window), attn_first_key(qpos[1], p.window)};
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+    float o[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[n][e] = 0.0f;
+
+    for (int j0 = key_lo; j0 <= pos_hi; j0 += TA_BK) {
+        const int nt = min(TA_BK, pos_hi + 1 - j0);
+        __syncthreads();  // the previous tile's K and V are consumed
+        ta_stage<D, TA_BK, false>(kh, kl, K + (u64)j0 * hd, hd, nt, hd, vec);
+        ta_stage<D, TA_BK, true>(vh, vl, V + (u64)j0 * hd, hd, nt, hd, vec);
+        __syncthreads();  // K, V (and Q, the first time) staged
+
+        float s[8][4];
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            const int c = ks * 16 + 2 * t;
+            const u32 ah[4] = {ld_u32(qh + r0 * LD + c), ld_u32(qh + r1 * LD + c),
+                               ld_u32(qh + r0 * LD + c + 8), ld_u32(qh + r1 * LD + c + 8)};
+            const u32 al[4] = {ld_u32(ql + r0 * LD + c), ld_u32(ql + r1 * LD + c),
+                               ld_u32(ql + r0 * LD + c + 8), ld_u32(ql + r1 * LD + c + 8)};
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+                const int key = n * 8 + g;
+                const u32 bh0 = ld_u32(kh + key * LD + c), bh1 = ld_u32(kh + key * LD + c + 8);
+                const u32 bl0 = ld_u32(kl + key * LD + c), bl1 = ld_u32(kl + key * LD + c + 8);
+                mma_f16(s[n], ah, bh0, bh1);
+                mma_f16(s[n], ah, bl0, bl1);
+                mma_f16(s[n], al, bh0, bh1);
+            }
+        }
+
+        // Scale, soft-cap, mask; the online softmax of rows r0 (e = 0, 1)
+        // and r1 (e = 2, 3).
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            float mx = NEG_INF;
+#pragma unroll
+            for (int n = 0; n < 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int j = j0 + n * 8 + 2 * t + e;
+                    const bool valid = j >= qlo[rr] && j <= qpos[rr];
+                    float& x = s[n][2 * rr + e];
+                    x = valid ? softcap_score(x * p.scale, p.softcap) : NEG_INF;
+                    mx = fmaxf(mx, x);
+                }
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
+            const float mn = fmaxf(m[rr], mx);
+            const float ref = mn == NEG_INF ? 0.0f : mn;
+            const float corr = expf(m[rr] - ref);
+            m[rr] = mn;
+            float rs = 0.0f;
+#pragma unroll
+            for (int n = 0; n < 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float& x = s[n][2 * rr + e];
+                    x = expf(x - ref);
+                    rs += x;
+                }
+            l[rr] = l[rr] * corr + rs;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                o[n][2 * rr] *= corr;
+                o[n][2 * rr + 1] *= corr;
+            }
+        }
+
+        // O += P V, 16 keys per k-step: P's A fragments are S's tiles 2kk
+        // and 2kk + 1, split into f16 halves.
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            u32 ph[4], pl[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                // q: 0 = (row r0, tile 2kk), 1 = (r1, 2kk), 2 = (r0, 2kk+1), 3 = (r1, 2kk+1)
+                const float* x = &s[2 * kk + (q >> 1)][2 * (q & 1)];
+                const float h0 = f16_round(x[0]), h1 = f16_round(x[1]);
+                ph[q] = pack_h2(h0, h1);
+                pl[q] = pack_h2(x[0] - h0, x[1] - h1);
+            }
+            const int c = kk * 16 + 2 * t;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                const int dim = n * 8 + g;
+                const u32 bh0 = ld_u32(vh + dim * TA_LDT + c), bh1 = ld_u32(vh + dim * TA_LDT + c + 8);
+                const u32 bl0 = ld_u32(vl + dim * TA_LDT + c), bl1 = ld_u32(vl + dim * TA_LDT + c + 8);
+                mma_f16(o[n], ph, bh0, bh1);
+                mma_f16(o[n], ph, bl0, bl1);
+                mma_f16(o[n], pl, bh0, bh1);
+            }
+        }
+    }
+
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        float lt = l[rr];
+        lt += __shfl_xor_sync(FULL_MASK, lt, 1);
+        lt += __shfl_xor_sync(FULL_MASK, lt, 2);
+        const int r = rr ? r1 : r0;
+        if (r >= nq) continue;
+        const float inv = 1.0f / lt;
+        float* __restrict__ op = O + (u64)r * p.out_stride;
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int d = n * 8 + 2 * t + e;
+                if (d < (int)hd) op[d] = o[n][2 * rr + e] * inv;
+            }
+    }
+}
+
+#define TA_KERNEL(D)                                                           \
+    extern "C" __global__ void __launch_bounds__(TA_THREADS)                   \
+    k_attn_tc_##D(Bind b, AttnParams p, StepArg a) {                           \
+        AKUNU_PROLOGUE(a);                                                     \
+        extern __shared__ float4 ta_smem[];                                    \
+        attn_tc_body<D>(b, p, attn_kv_len(p, a), a.rows, (u16*)ta_smem);       \
+    }
+TA_KERNEL(64)
+TA_KERNEL(128)

@@ -54,16 +54,37 @@ pub const fn flash_smem_bytes(width: u32) -> u32 {
     (64 * (width + 4) * 2 + 64 * width) * 4
 }
 
+/// Head widths of the tensor-core flash prefill attention (model.cu
+/// `k_attn_tc_<width>`); wider heads take `k_attn_flash_256`.
+pub const TC_ATTN_WIDTHS: [u32; 2] = [64, 128];
+
+/// Dynamic shared memory of `k_attn_tc_<width>`: Q and K tiles of 64 rows
+/// of width + 8 halves and a transposed V tile of width rows of 72 halves,
+/// each as hi and lo halves (model.cu `attn_tc_body`).
+pub const fn tc_attention_smem_bytes(width: u32) -> u32 {
+    (2 * 64 * (width + 8) * 2 + width * 72 * 2) * 2
+}
+
 /// The flash prefill attention kernel for heads of `head_dim` and its
 /// shared memory, unless `AKUNU_CUDA_PF_ATTN=0` (the old `k_attn_prefill`,
 /// for A/B runs) or the device could not allow it (`load_kernels`).
-fn flash_attention(k: &crate::Kernels, head_dim: u32) -> Option<(sys::CUfunction, u32)> {
+/// Returns the kernel, its shared memory and its block size: the
+/// tensor-core kernel (`k_attn_tc_*`) for heads up to 128 wide, unless
+/// `AKUNU_CUDA_PF_ATTN_TC=0`, else the CUDA-core one (`k_attn_flash_*`).
+fn flash_attention(k: &crate::Kernels, head_dim: u32) -> Option<(sys::CUfunction, u32, u32)> {
     static PF_ATTN: Knob = Knob::new("AKUNU_CUDA_PF_ATTN");
+    static PF_ATTN_TC: Knob = Knob::new("AKUNU_CUDA_PF_ATTN_TC");
     if PF_ATTN.is("0") {
         return None;
     }
+    if !PF_ATTN_TC.is("0")
+        && let Some(i) = TC_ATTN_WIDTHS.iter().position(|&w| head_dim <= w)
+        && let Some((f, smem)) = k.attn_tc[i]
+    {
+        return Some((f, smem, 128));
+    }
     let i = FLASH_WIDTHS.iter().position(|&w| head_dim <= w)?;
-    k.attn_flash[i]
+    k.attn_flash[i].map(|(f, smem)| (f, smem, 256))
 }
 
 /// The multi-block sampler (sampling.cu `SMB_*`): block size, slice sizes
@@ -999,8 +1020,13 @@ pub fn plan(
                     rope,
                 };
                 vec![a]
-            } else if let Some((f, smem)) = flash_attention(k, p.head_dim) {
-                vec![mk(f, (p.n_heads, rows.div_ceil(FLASH_ROWS), 1), 256, smem)]
+            } else if let Some((f, smem, block)) = flash_attention(k, p.head_dim) {
+                vec![mk(
+                    f,
+                    (p.n_heads, rows.div_ceil(FLASH_ROWS), 1),
+                    block,
+                    smem,
+                )]
             } else {
                 vec![mk(k.attn_prefill, (p.n_heads, rows.div_ceil(8), 1), 256, 0)]
             }

@@ -107,6 +107,9 @@ pub(crate) struct Kernels {
     /// (model.cu `k_attn_flash_*`), each with its dynamic shared memory;
     /// `None` where the device cannot give a block that much.
     pub attn_flash: [Option<(sys::CUfunction, u32)>; 3],
+    /// The tensor-core flash prefill attention for heads up to 64 and 128
+    /// wide (model.cu `k_attn_tc_*`), likewise.
+    pub attn_tc: [Option<(sys::CUfunction, u32)>; 2],
     pub argmax: sys::CUfunction,
     pub gumbel_sample: sys::CUfunction,
     /// The multi-block sampler (sampling.cu, "Gumbel sampling on many
@@ -561,6 +564,7 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
         attn_decode: get("k_attn_decode")?,
         attn_prefill: get("k_attn_prefill")?,
         attn_flash: [None; 3],
+        attn_tc: [None; 2],
         argmax: get("k_argmax")?,
         gumbel_sample: get("k_gumbel_sample")?,
         sample_prep: get("k_sample_prep")?,
@@ -618,6 +622,15 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
         }
         let f = get(&format!("k_attn_flash_{width}"))?;
         allow_smem(f, bytes as i32, "flash attention")?;
+        *slot = Some((f, bytes));
+    }
+    for (slot, width) in k.attn_tc.iter_mut().zip(launch::TC_ATTN_WIDTHS) {
+        let bytes = launch::tc_attention_smem_bytes(width);
+        if bytes as i32 > smem_optin {
+            continue;
+        }
+        let f = get(&format!("k_attn_tc_{width}"))?;
+        allow_smem(f, bytes as i32, "tensor-core flash attention")?;
         *slot = Some((f, bytes));
     }
     Ok(k)

@@ -303,7 +303,8 @@ fn logits_match_cpu_on_real_shapes() {
     }
 }
 
-/// Prefill attention (`k_attn_flash_*`, or `k_attn_prefill` with
+/// Prefill attention (`k_attn_tc_*` for heads up to 128, `k_attn_flash_*`
+/// for wider ones or with `AKUNU_CUDA_PF_ATTN_TC=0`, `k_attn_prefill` with
 /// `AKUNU_CUDA_PF_ATTN=0`) over many 64-row blocks: a 300-token prompt in
 /// steps of 256 (4 row blocks, the last ragged, then 44 rows behind 256
 /// cached positions) and of 100 (64 + 36 rows), on heads of 64 (SmolLM2,
