@@ -2114,6 +2114,37 @@ __device__ __forceinline__ void fa_stage(float* dst, const float* __restrict__ s
     }
 }
 
+// One row block of a flash prefill attention (k_attn_flash_*, k_attn_tc_*:
+// grid = (n_heads, ceil(rows / 64)), row blocks in reverse order): its
+// first row t0 and row count nq, the positions it covers, and its head's
+// operands. `vec`: Q, K and V take float4 loads (head_dim == D, aligned).
+struct FlashBlock {
+    int t0, nq, base_pos, pos_hi, key_lo;
+    const float* Q;
+    const float* K;
+    const float* V;
+    float* O;
+    bool vec;
+};
+
+__device__ __forceinline__ FlashBlock flash_block(const Bind& b, const AttnParams& p, u32 kv, u32 rows,
+                                                  int bq, u32 D) {
+    FlashBlock f;
+    const u32 h = blockIdx.x, hd = p.head_dim;
+    const u32 g = h / (p.n_heads / p.n_kv_heads);
+    f.t0 = (int)(gridDim.y - 1 - blockIdx.y) * bq;
+    f.nq = min(bq, (int)rows - f.t0);
+    f.base_pos = (int)kv - (int)rows;
+    f.pos_hi = f.base_pos + f.t0 + f.nq - 1;
+    f.key_lo = attn_first_key(f.base_pos + f.t0, p.window);
+    f.Q = (const float*)b.p[0] + (u64)f.t0 * p.qkv_stride + (u64)h * hd;
+    f.K = (const float*)b.p[1] + (u64)g * p.capacity * hd;
+    f.V = (const float*)b.p[2] + (u64)g * p.capacity * hd;
+    f.O = (float*)b.p[3] + (u64)f.t0 * p.out_stride + (u64)h * hd;
+    f.vec = hd == D && (p.qkv_stride & 3) == 0 && (((u64)f.Q | (u64)f.K | (u64)f.V) & 15) == 0;
+    return f;
+}
+
 template <int D>
 __device__ __forceinline__ void attn_flash_body(const Bind& b, const AttnParams& p, u32 kv,
                                                 u32 rows, float* sm) {
@@ -2126,20 +2157,14 @@ __device__ __forceinline__ void attn_flash_body(const Bind& b, const AttnParams&
     static_assert(FA_LDP <= LDK, "P^T must fit in the K tile");
 
     const int tid = (int)threadIdx.x, tx = tid & 15, ty = tid >> 4;
-    const u32 h = blockIdx.x, hd = p.head_dim;
-    const u32 g = h / (p.n_heads / p.n_kv_heads);
-    const int t0 = (int)(gridDim.y - 1 - blockIdx.y) * FA_BQ;
-    const int nq = min(FA_BQ, (int)rows - t0);
-    const int base_pos = (int)kv - (int)rows;
-    const int pos_hi = base_pos + t0 + nq - 1;
-    const int key_lo = attn_first_key(base_pos + t0, p.window);
-
-    const float* __restrict__ Q = (const float*)b.p[0] + (u64)t0 * p.qkv_stride + (u64)h * hd;
-    const float* __restrict__ K = (const float*)b.p[1] + (u64)g * p.capacity * hd;
-    const float* __restrict__ V = (const float*)b.p[2] + (u64)g * p.capacity * hd;
-    float* __restrict__ O = (float*)b.p[3] + (u64)t0 * p.out_stride + (u64)h * hd;
-    const bool vec = hd == (u32)D && (p.qkv_stride & 3) == 0 &&
-                     (((u64)Q | (u64)K | (u64)V) & 15) == 0;
+    const u32 hd = p.head_dim;
+    const FlashBlock fb = flash_block(b, p, kv, rows, FA_BQ, D);
+    const int t0 = fb.t0, nq = fb.nq, base_pos = fb.base_pos, pos_hi = fb.pos_hi, key_lo = fb.key_lo;
+    const float* __restrict__ Q = fb.Q;
+    const float* __restrict__ K = fb.K;
+    const float* __restrict__ V = fb.V;
+    float* __restrict__ O = fb.O;
+    const bool vec = fb.vec;
     const bool vec_o = hd == (u32)D && (p.out_stride & 3) == 0 && ((u64)O & 15) == 0;
 
     fa_stage<D, FA_BQ, LDK>(qs, Q, p.qkv_stride, nq, hd, vec);
@@ -2391,21 +2416,14 @@ __device__ __forceinline__ void attn_tc_body(const Bind& b, const AttnParams& p,
 
     const int lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const u32 h = blockIdx.x, hd = p.head_dim;
-    const u32 kvh = h / (p.n_heads / p.n_kv_heads);
-    const int t0 = (int)(gridDim.y - 1 - blockIdx.y) * TA_BQ;
-    const int nq = min(TA_BQ, (int)rows - t0);
-    const int base_pos = (int)kv - (int)rows;
-    const int pos_hi = base_pos + t0 + nq - 1;
-    const int key_lo = attn_first_key(base_pos + t0, p.window);
-
-    const float* __restrict__ Q = (const float*)b.p[0] + (u64)t0 * p.qkv_stride + (u64)h * hd;
-    const float* __restrict__ K = (const float*)b.p[1] + (u64)kvh * p.capacity * hd;
-    const float* __restrict__ V = (const float*)b.p[2] + (u64)kvh * p.capacity * hd;
-    float* __restrict__ O = (float*)b.p[3] + (u64)t0 * p.out_stride + (u64)h * hd;
-
-    const bool vec = hd == (u32)D && (p.qkv_stride & 3) == 0 &&
-                     (((u64)Q | (u64)K | (u64)V) & 15) == 0;
+    const u32 hd = p.head_dim;
+    const FlashBlock fb = flash_block(b, p, kv, rows, TA_BQ, D);
+    const int t0 = fb.t0, nq = fb.nq, base_pos = fb.base_pos, pos_hi = fb.pos_hi, key_lo = fb.key_lo;
+    const float* __restrict__ Q = fb.Q;
+    const float* __restrict__ K = fb.K;
+    const float* __restrict__ V = fb.V;
+    float* __restrict__ O = fb.O;
+    const bool vec = fb.vec;
     ta_stage<D, TA_BQ, false>(qh, ql, Q, p.qkv_stride, nq, hd, vec);
 
     // This lane's rows (block-local) and their positions; rows past the

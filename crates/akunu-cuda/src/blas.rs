@@ -408,6 +408,7 @@ impl Blas {
         self.products = products;
     }
 
+    /// What the products compute.
     pub fn products(&self) -> Products {
         self.products
     }
