@@ -2356,8 +2356,9 @@ __device__ __forceinline__ void ta_split(float x, u16& hi, u16& lo) {
 // halves; row-major [r][D + 8], or transposed [d][R + 8] (V). Zero past n
 // and hd. `vec` (hd == D, src and stride 16-byte aligned): float4 loads;
 // row-major tiles store 4 halves at once, transposed ones take two rows
-// per thread and store each dim's pair of halves at once.
-template <int D, int R, bool TRANS>
+// per thread and store each dim's pair of halves at once. Without LO only
+// the hi halves are written (the f16 instances).
+template <int D, int R, bool TRANS, bool LO>
 __device__ __forceinline__ void ta_stage(u16* hi, u16* lo, const float* __restrict__ src,
                                          u64 stride, int n, u32 hd, bool vec) {
     if (vec && !TRANS) {
@@ -2369,7 +2370,7 @@ __device__ __forceinline__ void ta_stage(u16* hi, u16* lo, const float* __restri
             const float h0 = f16_round(v.x), h1 = f16_round(v.y), h2 = f16_round(v.z), h3 = f16_round(v.w);
             const u32 at = (u32)(r * (D + 8) + c);
             *(uint2*)(hi + at) = make_uint2(pack_h2(h0, h1), pack_h2(h2, h3));
-            *(uint2*)(lo + at) = make_uint2(pack_h2(v.x - h0, v.y - h1), pack_h2(v.z - h2, v.w - h3));
+            if (LO) *(uint2*)(lo + at) = make_uint2(pack_h2(v.x - h0, v.y - h1), pack_h2(v.z - h2, v.w - h3));
         }
         return;
     }
@@ -2386,7 +2387,7 @@ __device__ __forceinline__ void ta_stage(u16* hi, u16* lo, const float* __restri
                 const float h0 = f16_round(a[i]), h1 = f16_round(bb[i]);
                 const u32 at = (u32)((c + i) * (R + 8) + r);
                 *(u32*)(hi + at) = pack_h2(h0, h1);
-                *(u32*)(lo + at) = pack_h2(a[i] - h0, bb[i] - h1);
+                if (LO) *(u32*)(lo + at) = pack_h2(a[i] - h0, bb[i] - h1);
             }
         }
         return;
@@ -2395,13 +2396,16 @@ __device__ __forceinline__ void ta_stage(u16* hi, u16* lo, const float* __restri
         const int r = e / D, c = e - r * D;
         const float x = (r < n && c < (int)hd) ? src[(u64)r * stride + c] : 0.0f;
         const u32 at = TRANS ? (u32)(c * (R + 8) + r) : (u32)(r * (D + 8) + c);
-        ta_split(x, hi[at], lo[at]);
+        u16 hb, lb;
+        ta_split(x, hb, lb);
+        hi[at] = hb;
+        if (LO) lo[at] = lb;
     }
 }
 
 __device__ __forceinline__ u32 ld_u32(const u16* p) { return *(const u32*)p; }
 
-template <int D>
+template <int D, bool LO>
 __device__ __forceinline__ void attn_tc_body(const Bind& b, const AttnParams& p, u32 kv, u32 rows,
                                              u16* sm) {
     constexpr int LD = D + 8;   // halves per Q / K row
@@ -2424,7 +2428,7 @@ __device__ __forceinline__ void attn_tc_body(const Bind& b, const AttnParams& p,
     const float* __restrict__ V = fb.V;
     float* __restrict__ O = fb.O;
     const bool vec = fb.vec;
-    ta_stage<D, TA_BQ, false>(qh, ql, Q, p.qkv_stride, nq, hd, vec);
+    ta_stage<D, TA_BQ, false, LO>(qh, ql, Q, p.qkv_stride, nq, hd, vec);
 
     // This lane's rows (block-local) and their positions; rows past the
     // step's last take its position (finite scores, never written).
@@ -2441,8 +2445,8 @@ __device__ __forceinline__ void attn_tc_body(const Bind& b, const AttnParams& p,
     for (int j0 = key_lo; j0 <= pos_hi; j0 += TA_BK) {
         const int nt = min(TA_BK, pos_hi + 1 - j0);
         __syncthreads();  // the previous tile's K and V are consumed
-        ta_stage<D, TA_BK, false>(kh, kl, K + (u64)j0 * hd, hd, nt, hd, vec);
-        ta_stage<D, TA_BK, true>(vh, vl, V + (u64)j0 * hd, hd, nt, hd, vec);
+        ta_stage<D, TA_BK, false, LO>(kh, kl, K + (u64)j0 * hd, hd, nt, hd, vec);
+        ta_stage<D, TA_BK, true, LO>(vh, vl, V + (u64)j0 * hd, hd, nt, hd, vec);
         __syncthreads();  // K, V (and Q, the first time) staged
 
         float s[8][4];
@@ -2455,16 +2459,18 @@ __device__ __forceinline__ void attn_tc_body(const Bind& b, const AttnParams& p,
             const int c = ks * 16 + 2 * t;
             const u32 ah[4] = {ld_u32(qh + r0 * LD + c), ld_u32(qh + r1 * LD + c),
                                ld_u32(qh + r0 * LD + c + 8), ld_u32(qh + r1 * LD + c + 8)};
-            const u32 al[4] = {ld_u32(ql + r0 * LD + c), ld_u32(ql + r1 * LD + c),
-                               ld_u32(ql + r0 * LD + c + 8), ld_u32(ql + r1 * LD + c + 8)};
 #pragma unroll
             for (int n = 0; n < 8; ++n) {
                 const int key = n * 8 + g;
                 const u32 bh0 = ld_u32(kh + key * LD + c), bh1 = ld_u32(kh + key * LD + c + 8);
-                const u32 bl0 = ld_u32(kl + key * LD + c), bl1 = ld_u32(kl + key * LD + c + 8);
                 mma_f16(s[n], ah, bh0, bh1);
-                mma_f16(s[n], ah, bl0, bl1);
-                mma_f16(s[n], al, bh0, bh1);
+                if (LO) {
+                    const u32 al[4] = {ld_u32(ql + r0 * LD + c), ld_u32(ql + r1 * LD + c),
+                                       ld_u32(ql + r0 * LD + c + 8), ld_u32(ql + r1 * LD + c + 8)};
+                    const u32 bl0 = ld_u32(kl + key * LD + c), bl1 = ld_u32(kl + key * LD + c + 8);
+                    mma_f16(s[n], ah, bl0, bl1);
+                    mma_f16(s[n], al, bh0, bh1);
+                }
             }
         }
 
@@ -2517,17 +2523,19 @@ __device__ __forceinline__ void attn_tc_body(const Bind& b, const AttnParams& p,
                 const float* x = &s[2 * kk + (q >> 1)][2 * (q & 1)];
                 const float h0 = f16_round(x[0]), h1 = f16_round(x[1]);
                 ph[q] = pack_h2(h0, h1);
-                pl[q] = pack_h2(x[0] - h0, x[1] - h1);
+                pl[q] = LO ? pack_h2(x[0] - h0, x[1] - h1) : 0u;
             }
             const int c = kk * 16 + 2 * t;
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
                 const int dim = n * 8 + g;
                 const u32 bh0 = ld_u32(vh + dim * TA_LDT + c), bh1 = ld_u32(vh + dim * TA_LDT + c + 8);
-                const u32 bl0 = ld_u32(vl + dim * TA_LDT + c), bl1 = ld_u32(vl + dim * TA_LDT + c + 8);
                 mma_f16(o[n], ph, bh0, bh1);
-                mma_f16(o[n], ph, bl0, bl1);
-                mma_f16(o[n], pl, bh0, bh1);
+                if (LO) {
+                    const u32 bl0 = ld_u32(vl + dim * TA_LDT + c), bl1 = ld_u32(vl + dim * TA_LDT + c + 8);
+                    mma_f16(o[n], ph, bl0, bl1);
+                    mma_f16(o[n], pl, bh0, bh1);
+                }
             }
         }
     }
@@ -2551,12 +2559,16 @@ __device__ __forceinline__ void attn_tc_body(const Bind& b, const AttnParams& p,
     }
 }
 
-#define TA_KERNEL(D)                                                           \
+// k_attn_tc_<D>: exact (hi + lo operands); k_attn_tc_<D>_f16: operands
+// rounded to f16, one product per pair (`--prefill-products f16`).
+#define TA_KERNEL(D, NAME, LO)                                                 \
     extern "C" __global__ void __launch_bounds__(TA_THREADS)                   \
-    k_attn_tc_##D(Bind b, AttnParams p, StepArg a) {                           \
+    NAME(Bind b, AttnParams p, StepArg a) {                                    \
         AKUNU_PROLOGUE(a);                                                     \
         extern __shared__ float4 ta_smem[];                                    \
-        attn_tc_body<D>(b, p, attn_kv_len(p, a), a.rows, (u16*)ta_smem);       \
+        attn_tc_body<D, LO>(b, p, attn_kv_len(p, a), a.rows, (u16*)ta_smem);   \
     }
-TA_KERNEL(64)
-TA_KERNEL(128)
+TA_KERNEL(64, k_attn_tc_64, true)
+TA_KERNEL(128, k_attn_tc_128, true)
+TA_KERNEL(64, k_attn_tc_64_f16, false)
+TA_KERNEL(128, k_attn_tc_128_f16, false)

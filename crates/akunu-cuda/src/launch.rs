@@ -69,17 +69,25 @@ pub const fn tc_attention_smem_bytes(width: u32) -> u32 {
 /// shared memory, unless `AKUNU_CUDA_PF_ATTN=0` (the old `k_attn_prefill`,
 /// for A/B runs) or the device could not allow it (`load_kernels`).
 /// Returns the kernel, its shared memory and its block size: the
-/// tensor-core kernel (`k_attn_tc_*`) for heads up to 128 wide, unless
-/// `AKUNU_CUDA_PF_ATTN_TC=0`, else the CUDA-core one (`k_attn_flash_*`).
-fn flash_attention(k: &crate::Kernels, head_dim: u32) -> Option<(sys::CUfunction, u32, u32)> {
+/// tensor-core kernel (`k_attn_tc_*`, its f16 instance with `f16`) for
+/// heads up to 128 wide, unless `AKUNU_CUDA_PF_ATTN_TC=0`, else the
+/// CUDA-core one (`k_attn_flash_*`, exact). `AKUNU_CUDA_PF_ATTN_F16=0`
+/// keeps the exact instance under f16 products (A/B runs).
+fn flash_attention(
+    k: &crate::Kernels,
+    head_dim: u32,
+    f16: bool,
+) -> Option<(sys::CUfunction, u32, u32)> {
     static PF_ATTN: Knob = Knob::new("AKUNU_CUDA_PF_ATTN");
     static PF_ATTN_TC: Knob = Knob::new("AKUNU_CUDA_PF_ATTN_TC");
+    static PF_ATTN_F16: Knob = Knob::new("AKUNU_CUDA_PF_ATTN_F16");
     if PF_ATTN.is("0") {
         return None;
     }
+    let f16 = f16 && !PF_ATTN_F16.is("0");
     if !PF_ATTN_TC.is("0")
         && let Some(i) = TC_ATTN_WIDTHS.iter().position(|&w| head_dim <= w)
-        && let Some((f, smem)) = k.attn_tc[i]
+        && let Some((f, smem)) = if f16 { k.attn_tc_f16[i] } else { k.attn_tc[i] }
     {
         return Some((f, smem, 128));
     }
@@ -1020,7 +1028,12 @@ pub fn plan(
                     rope,
                 };
                 vec![a]
-            } else if let Some((f, smem, block)) = flash_attention(k, p.head_dim) {
+            } else if let Some((f, smem, block)) = flash_attention(
+                k,
+                p.head_dim,
+                be.blas()
+                    .is_some_and(|b| b.products() == crate::blas::Products::F16),
+            ) {
                 vec![mk(
                     f,
                     (p.n_heads, rows.div_ceil(FLASH_ROWS), 1),

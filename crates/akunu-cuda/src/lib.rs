@@ -110,6 +110,9 @@ pub(crate) struct Kernels {
     /// The tensor-core flash prefill attention for heads up to 64 and 128
     /// wide (model.cu `k_attn_tc_*`), likewise.
     pub attn_tc: [Option<(sys::CUfunction, u32)>; 2],
+    /// Their f16 instances (`k_attn_tc_*_f16`: operands rounded to f16, one
+    /// product per pair), taken with `--prefill-products f16`.
+    pub attn_tc_f16: [Option<(sys::CUfunction, u32)>; 2],
     pub argmax: sys::CUfunction,
     pub gumbel_sample: sys::CUfunction,
     /// The multi-block sampler (sampling.cu, "Gumbel sampling on many
@@ -565,6 +568,7 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
         attn_prefill: get("k_attn_prefill")?,
         attn_flash: [None; 3],
         attn_tc: [None; 2],
+        attn_tc_f16: [None; 2],
         argmax: get("k_argmax")?,
         gumbel_sample: get("k_gumbel_sample")?,
         sample_prep: get("k_sample_prep")?,
@@ -624,14 +628,16 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
         allow_smem(f, bytes as i32, "flash attention")?;
         *slot = Some((f, bytes));
     }
-    for (slot, width) in k.attn_tc.iter_mut().zip(launch::TC_ATTN_WIDTHS) {
+    for (i, width) in launch::TC_ATTN_WIDTHS.into_iter().enumerate() {
         let bytes = launch::tc_attention_smem_bytes(width);
         if bytes as i32 > smem_optin {
             continue;
         }
-        let f = get(&format!("k_attn_tc_{width}"))?;
-        allow_smem(f, bytes as i32, "tensor-core flash attention")?;
-        *slot = Some((f, bytes));
+        for (slots, suffix) in [(&mut k.attn_tc, ""), (&mut k.attn_tc_f16, "_f16")] {
+            let f = get(&format!("k_attn_tc_{width}{suffix}"))?;
+            allow_smem(f, bytes as i32, "tensor-core flash attention")?;
+            slots[i] = Some((f, bytes));
+        }
     }
     Ok(k)
 }
