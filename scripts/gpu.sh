@@ -160,7 +160,7 @@ sanitize() {
     # tensor-core prefill attention (racecheck: its shared-memory tiles);
     # the f16 products (hi-only dequantization).
     local v products
-    for v in memcheck:exact racecheck:exact memcheck:f16; do
+    for v in memcheck:exact racecheck:exact memcheck:f16 racecheck:f16; do
         tool=${v%%:*}
         products=${v##*:}
         log=$OUTDIR/sanitize-cublas-$tool-$products.log
