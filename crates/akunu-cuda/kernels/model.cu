@@ -1075,10 +1075,15 @@ __device__ __forceinline__ u32 pack_h2(float lo, float hi) {
     return r;
 }
 
-__device__ __forceinline__ float f16_round(float x) {
+// The f16 nearest to x, as its bits.
+__device__ __forceinline__ u16 f16_bits(float x) {
     u16 h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
-    return f16_to_f32(h);
+    return h;
+}
+
+__device__ __forceinline__ float f16_round(float x) {
+    return f16_to_f32(f16_bits(x));
 }
 
 __device__ __forceinline__ void mma_f16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
@@ -2320,7 +2325,7 @@ FA_KERNEL(256, 1)
 // to f32 accumulation.
 //
 // grid = (n_heads, ceil(rows / 64)), block TA_THREADS = 128 (4 warps), dynamic
-// shared memory ta_smem_bytes(D) (launch.rs `tc_attention_smem_bytes`). The
+// shared memory launch.rs `tc_attention_smem_bytes(D)`. The
 // block owns 64 query rows of one head (row blocks in reverse order, as in
 // k_attn_flash), warp w the rows 16w .. 16w + 15, and walks the visible keys
 // in tiles of 64 as k_attn_flash does, with the same masks, soft-cap and
@@ -2345,12 +2350,6 @@ FA_KERNEL(256, 1)
 #define TA_BQ 64
 #define TA_BK 64
 #define TA_LDT (TA_BK + 8)  // halves per transposed V row
-
-__device__ __forceinline__ void ta_split(float x, u16& hi, u16& lo) {
-    const float h = f16_round(x);
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(hi) : "f"(h));
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(lo) : "f"(x - h));
-}
 
 // Rows [0, n) of R rows of hd floats from src + r * stride into hi/lo
 // halves; row-major [r][D + 8], or transposed [d][R + 8] (V). Zero past n
@@ -2396,10 +2395,9 @@ __device__ __forceinline__ void ta_stage(u16* hi, u16* lo, const float* __restri
         const int r = e / D, c = e - r * D;
         const float x = (r < n && c < (int)hd) ? src[(u64)r * stride + c] : 0.0f;
         const u32 at = TRANS ? (u32)(c * (R + 8) + r) : (u32)(r * (D + 8) + c);
-        u16 hb, lb;
-        ta_split(x, hb, lb);
-        hi[at] = hb;
-        if (LO) lo[at] = lb;
+        const float h = f16_round(x);
+        hi[at] = f16_bits(h);
+        if (LO) lo[at] = f16_bits(x - h);
     }
 }
 
@@ -2459,14 +2457,19 @@ __device__ __forceinline__ void attn_tc_body(const Bind& b, const AttnParams& p,
             const int c = ks * 16 + 2 * t;
             const u32 ah[4] = {ld_u32(qh + r0 * LD + c), ld_u32(qh + r1 * LD + c),
                                ld_u32(qh + r0 * LD + c + 8), ld_u32(qh + r1 * LD + c + 8)};
+            u32 al[4] = {0u, 0u, 0u, 0u};
+            if (LO) {
+                al[0] = ld_u32(ql + r0 * LD + c);
+                al[1] = ld_u32(ql + r1 * LD + c);
+                al[2] = ld_u32(ql + r0 * LD + c + 8);
+                al[3] = ld_u32(ql + r1 * LD + c + 8);
+            }
 #pragma unroll
             for (int n = 0; n < 8; ++n) {
                 const int key = n * 8 + g;
                 const u32 bh0 = ld_u32(kh + key * LD + c), bh1 = ld_u32(kh + key * LD + c + 8);
                 mma_f16(s[n], ah, bh0, bh1);
                 if (LO) {
-                    const u32 al[4] = {ld_u32(ql + r0 * LD + c), ld_u32(ql + r1 * LD + c),
-                                       ld_u32(ql + r0 * LD + c + 8), ld_u32(ql + r1 * LD + c + 8)};
                     const u32 bl0 = ld_u32(kl + key * LD + c), bl1 = ld_u32(kl + key * LD + c + 8);
                     mma_f16(s[n], ah, bl0, bl1);
                     mma_f16(s[n], al, bh0, bh1);
