@@ -4,7 +4,7 @@
 // programmatic dependent launch as in a chunk graph. Compares the register
 // form (k_gemv_tc_*) with the bulk-copy form (k_gemv_tcb_*) and checks that
 // they agree. On the GPU machine:
-//   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/gp bench/cuda/gemv_probe.cu && /tmp/gp
+//   nvcc -O3 -std=c++17 -arch=sm_90 --expt-relaxed-constexpr -o /tmp/gp bench/cuda/gemv_probe.cu && /tmp/gp
 #include <cstdio>
 #include <cstdlib>
 #include <cmath>
@@ -42,12 +42,18 @@ __global__ void fill_x(float* p, size_t n) {
 
 typedef void (*Kern)(Bind, GemvParams, StepArg, GemvExtra);
 
+// launch.rs `tcg_split`: rounds x (groups / S + 2), two blocks per SM.
 static u32 tcg_split_host(u32 tiles, u32 groups, u32 sms) {
     u32 cap = 1;
     while (cap < groups && cap < 8) cap *= 2;
-    u32 s = 1;
-    while (s < cap && tiles * s < sms * 16) s *= 2;
-    return s;
+    u64 best = ~0ull;
+    u32 bs = 1;
+    for (u32 s = 1; s <= cap; s *= 2) {
+        const u64 rounds = ((tiles + 8 / s - 1) / (8 / s) + 2 * sms - 1) / (2 * sms);
+        const u64 cost = rounds * ((groups + s - 1) / s + 2);
+        if (cost <= best) { best = cost; bs = s; }
+    }
+    return bs;
 }
 
 struct Res { double us; std::vector<float> out; };
@@ -151,7 +157,8 @@ int main(int argc, char** argv) {
             const u32 tiles = (s.R + 15) / 16;
             printf("%s %s (%u x %u, %.1f MB): floor %.2f us at 4.2 TB/s\n", dt == DT_F16 ? "F16" : "Q4_0", s.name,
                    s.R, s.K, bytes / 1e6, bytes / 4.2e6);
-            const u32 S0 = tcg_split_host(tiles, ng, sms);
+            // PROBE_S=1|2|4|8 forces the register form's split (AKUNU_CUDA_TCG_SPLIT).
+            const u32 S0 = getenv("PROBE_S") ? (u32)atoi(getenv("PROBE_S")) : tcg_split_host(tiles, ng, sms);
             printf("  register form\n");
             // As launch.rs: warps with 2+ rounds of groups take the unguarded instance.
             const bool full = (ng + S0 - 1) / S0 >= 2 * (dt == DT_F16 ? tcg_ahead<DT_F16>() : tcg_ahead<DT_Q4_0>());
@@ -160,6 +167,7 @@ int main(int argc, char** argv) {
             printf("  (%s instance)\n", full ? "unguarded" : "guarded");
             Res r0 = time_kernel(reg, pool, bytes, copies, x, out, s.R, s.K,
                                  dt, S0, smem_img, sms, pdl);
+            if (getenv("PROBE_NO_TCB")) continue;
             const u32 CG = TCB_QROW / (4 * (dt == DT_F16 ? 32 : 16));
             const u32 n_ch = (ng + CG - 1) / CG;
             const u32 stage = dt == DT_F16 ? TcbT<DT_F16>::STAGE : TcbT<DT_Q4_0>::STAGE;

@@ -606,20 +606,48 @@ pub fn tcg_smem(dt: akunu_core::dtype::DType, k: u32, rows: u32) -> u64 {
 }
 
 /// Warps per 16-row tile of the tensor-core gemv (each takes every S-th
-/// group of the tile's k range): the fewest that give every SM 16 warps of
-/// work, at most 8 and at most the groups there are (rounded up to a power
-/// of two). `AKUNU_CUDA_TCG_SPLIT=1|2|4|8` forces it (A/B runs).
+/// group of the tile's k range). A block runs 8 / S tiles at a time (a
+/// round) and the grid holds two blocks per SM (`TCG_MINB`), so a product
+/// takes ceil(row groups / blocks) rounds. A round costs a warp its
+/// groups, k / S of them, plus about two groups' time in which its
+/// pipeline restarts (the first loads' latency and the split merge): S
+/// minimizes rounds x (groups / S + 2), ties going to the larger S, and
+/// is at most 8 and at most the groups there are (rounded up to a power
+/// of two). On the 8B Q4_0 shape this picks S 1 for gate_up (24.3 against
+/// 25.8 us with the former rule's S 2: one round instead of two), 2 for
+/// the 49,152-row logits (37.9 against 44.2 us with S 1: 3 rounds of 16
+/// groups instead of 2 of 32, the second one 45% full) and 4 for qkv
+/// (8.7 against 9.8 us with S 8); the probe's other S measured slower
+/// (bench/RESULTS.md, session 12). The count depends on the shape alone,
+/// so that verification steps add in the one-row order.
+/// `AKUNU_CUDA_TCG_SPLIT=1|2|4|8` forces it (A/B runs), and
+/// `AKUNU_CUDA_TCG_SPLIT=warps` keeps the former rule: the fewest warps
+/// per tile that give every SM 16 warps of work.
 fn tcg_split(tiles: u32, groups: u32, sm_count: u32) -> u32 {
     static SPLIT: Knob = Knob::new("AKUNU_CUDA_TCG_SPLIT");
     if let Some(s) = SPLIT.number::<u32>().filter(|s| [1, 2, 4, 8].contains(s)) {
         return s;
     }
     let cap = groups.next_power_of_two().clamp(1, TCG_WARPS);
+    if SPLIT.is("warps") {
+        let mut s = 1;
+        while s < cap && tiles * s < sm_count * 16 {
+            s *= 2;
+        }
+        return s;
+    }
+    let blocks = (2 * sm_count).max(1);
+    let mut best = (u64::MAX, 1);
     let mut s = 1;
-    while s < cap && tiles * s < sm_count * 16 {
+    while s <= cap {
+        let rounds = tiles.div_ceil(TCG_WARPS / s).div_ceil(blocks) as u64;
+        let cost = rounds * (groups.div_ceil(s) as u64 + 2);
+        if cost <= best.0 {
+            best = (cost, s);
+        }
         s *= 2;
     }
-    s
+    best.1
 }
 
 /// Bytes of quants per weight row in one chunk of the bulk-copy gemv
@@ -1150,6 +1178,23 @@ mod tests {
             repeat_last_n: 64,
             ..bytemuck::Zeroable::zeroed()
         }
+    }
+
+    #[test]
+    fn tensor_core_gemv_split() {
+        // H200: 132 SMs. 8B shapes (Q4_0: 32 groups a row of 4096).
+        assert_eq!(tcg_split(1792, 32, 132), 1, "gate_up: one round");
+        assert_eq!(tcg_split(3072, 32, 132), 2, "logits: 3 rounds of 16");
+        assert_eq!(tcg_split(384, 32, 132), 4, "qkv");
+        assert_eq!(tcg_split(256, 32, 132), 8, "o");
+        assert_eq!(tcg_split(256, 112, 132), 8, "down");
+        // SmolLM2 (5 groups a row of 576): as many warps as groups allow,
+        // but for the logits' 3,072 tiles.
+        assert_eq!(tcg_split(60, 5, 132), 8);
+        assert_eq!(tcg_split(3072, 5, 132), 1);
+        // Never more warps than groups.
+        assert_eq!(tcg_split(4, 1, 132), 1);
+        assert_eq!(tcg_split(4, 3, 132), 4);
     }
 
     #[test]
