@@ -436,7 +436,7 @@ template <int DT> struct TcbT {
 template <int MR, class BiasOf>
 __device__ __forceinline__ void tcg_finish(const Bind& b, const GemvParams& p, float (&acc)[MR][2], u32 rows,
                                            u32 tile, u32 n_tiles, u32 S, u32 g, u32 t, float* part,
-                                           BiasOf bias_of) {
+                                           u32 pair_act, BiasOf bias_of) {
     const u32 warp = threadIdx.x >> 5, split = warp % S, total = gemv_total_rows(p);
 #pragma unroll
     for (u32 r = 0; r < (u32)MR; ++r) {
@@ -465,6 +465,17 @@ __device__ __forceinline__ void tcg_finish(const Bind& b, const GemvParams& p, f
             }
         }
         __syncthreads();  // part is rewritten by the next tile
+    }
+    if (pair_act != ACT_NONE) {
+        // Paired epilogue: rows g and g + 8 are unit tile * 8 + g's gate
+        // and up (no bias, soft-cap or accumulation: the launcher checks).
+        const u32 u = tile * 8 + g;
+        if (split == 0 && t == 0 && tile < n_tiles) {
+#pragma unroll
+            for (u32 r = 0; r < (u32)MR; ++r)
+                if (r < rows) ((float*)b.p[1])[(u64)r * p.out_stride + u] = gated(acc[r][0], acc[r][1], pair_act);
+        }
+        return;
     }
     if (split == 0 && t == 0 && tile < n_tiles) {
 #pragma unroll
@@ -524,7 +535,14 @@ __device__ __forceinline__ void tcg_body(const Bind& b, const GemvParams& p, con
     TcgW<DT> W[D];
 
     // This lane's rows of a tile (a missing row reads the last one again).
+    // With the paired epilogue, gate row u = tile * 8 + g and up row n[0] + u.
     auto tile_rows = [&](u32 tile, SegRow& s0, SegRow& s1) {
+        if (ex.pair_act != ACT_NONE) {
+            const u32 u = tile * 8 + g;
+            s0 = seg_row(b, p, u);
+            s1 = seg_row(b, p, p.n[0] + u);
+            return;
+        }
         const u32 o0 = tile * 16 + g, o1 = o0 + 8;
         s0 = seg_row(b, p, o0 < total ? o0 : total - 1);
         s1 = seg_row(b, p, o1 < total ? o1 : total - 1);
@@ -587,7 +605,7 @@ __device__ __forceinline__ void tcg_body(const Bind& b, const GemvParams& p, con
                 }
             }
         }
-        tcg_finish<MR>(b, p, acc, rows, tile, n_tiles, S, g, t, part,
+        tcg_finish<MR>(b, p, acc, rows, tile, n_tiles, S, g, t, part, ex.pair_act,
                        [&](u32 h, u32) { return h ? s1.bias : s0.bias; });
     }
 }
@@ -818,7 +836,7 @@ __device__ __forceinline__ void tcb_body(const Bind& b, const GemvParams& p, con
                 }
             }
         }
-        tcg_finish<1>(b, p, acc, 1, tile, n_tiles, S, g, t, part,
+        tcg_finish<1>(b, p, acc, 1, tile, n_tiles, S, g, t, part, ACT_NONE,
                       [&](u32, u32 o) { return seg_row(b, p, o).bias; });
     }
     TCB_STAMP(3);

@@ -370,6 +370,11 @@ struct GemvExtra {
     float norm_eps;
     u32 tc_split;  // the tensor-core gemv's warps per row tile (gemv_tc.cu)
     u32 tc_chunk;  // its groups per chunk of a warp's share: 1, or TcbT::CG
+    // The tensor-core gemv's paired epilogue (a gate | up product of n[0] +
+    // n[0] rows): an ACT_* other than ACT_NONE makes tile t hold gate rows
+    // 8t..8t+7 and the up rows of the same units, and write
+    // gated(gate, up) of unit u to out[u] (gemv_tc.cu `tcg_finish`).
+    u32 pair_act;
 };
 
 // Padded shared-memory index of input element e, and a staged row's length.

@@ -36,9 +36,9 @@
 //! model.cu). Steps of several rows keep the separate kernel: row r's
 //! attention reads the keys that rows before it wrote, across blocks.
 
-use akunu_core::ops::{AttnParams, GemvParams, KernelId, NormParams, RopeParams};
-use akunu_core::table::PatchType;
+use akunu_core::ops::{ACT_NONE, AttnParams, GemvParams, KernelId, NormParams, RopeParams};
 use akunu_core::table::{Binding, DispatchCmd, DispatchTable};
+use akunu_core::table::{PatchType, RowMode};
 
 /// What the launcher does with one command of a one-row step.
 #[derive(Copy, Clone, Debug, PartialEq)]
@@ -179,9 +179,110 @@ pub fn rope_into_attention(t: &DispatchTable, i: usize) -> Option<RopeParams> {
     fits.then_some(r)
 }
 
+/// The gated activation that the gate | up gemv at `i` can apply in its
+/// epilogue, sparing the down projection after it the activation in its
+/// input staging (which every block of it repeats over 2F inputs): `i` is
+/// a gemv of two F-row segments of one type (gate, then up) with no bias,
+/// soft-cap or accumulation, and `i + 1` a gemv that reads its output row
+/// (k = F, rows 2F apart) through the activation. The down product then
+/// reads `gated(gate, up)`, written over the gate half of each row, as a
+/// plain input; nothing else reads the row (the builder's tables). Whether
+/// the gemv can take that epilogue is the launcher's call
+/// (`launch::paired_act`). `AKUNU_CUDA_FUSE_ACT=0` turns it off.
+pub fn act_pair(t: &DispatchTable, i: usize) -> Option<u32> {
+    static PAIR: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_FUSE_ACT");
+    if FUSE.is("0") || PAIR.is("0") {
+        return None;
+    }
+    let (gu, down) = (t.commands.get(i)?, t.commands.get(i + 1)?);
+    if gu.kernel != KernelId::Gemv || down.kernel != KernelId::Gemv || gu.rows == RowMode::LastRow {
+        return None;
+    }
+    let (p, q): (GemvParams, GemvParams) = (gu.params(), down.params());
+    let f = p.n[0];
+    let fits = p.n_seg == 2
+        && p.n[1] == f
+        && f.is_multiple_of(8)
+        && p.dtype[0] == p.dtype[1]
+        && p.bias == 0
+        && p.softcap == 0.0
+        && p.accumulate == 0
+        && p.input_act == ACT_NONE
+        && p.out_stride == 2 * f
+        && q.input_act != ACT_NONE
+        && q.k == f
+        && q.x_stride == 2 * f
+        && same(&down.bindings()[0], &gu.bindings()[1]);
+    fits.then_some(q.input_act)
+}
+
 /// Kernel launches the fusions remove from a one-row step of `t`.
 pub fn fused_away(t: &DispatchTable) -> usize {
     (0..t.len())
         .filter(|&i| decode_role(t, i) == Role::Skip || rope_into_attention(t, i).is_some())
         .count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use akunu_core::ops::{ACT_GEGLU, ACT_SWIGLU};
+    use akunu_core::table::{BufferId, CmdBuilder};
+
+    /// gate | up (buffers: x 0, out 1, weights 2 and 3) of `f` + `f` rows,
+    /// then down reading buffer `down_x` with activation `act` and rows
+    /// `x_stride` apart.
+    fn ffn(f: u32, down_x: BufferId, x_stride: u32, act: u32) -> DispatchTable {
+        let mut t = DispatchTable::default();
+        let gp = GemvParams {
+            k: 64,
+            x_stride: 64,
+            out_stride: 2 * f,
+            n_seg: 2,
+            n: [f, f, 0],
+            dtype: [1, 1, 0],
+            input_act: ACT_NONE,
+            accumulate: 0,
+            bias: 0,
+            softcap: 0.0,
+        };
+        CmdBuilder::new(&mut t, KernelId::Gemv, 2 * f)
+            .buf(0, 0)
+            .buf(1, 0)
+            .buf(2, 0)
+            .buf(3, 0)
+            .params(&gp)
+            .emit();
+        let dp = GemvParams {
+            k: f,
+            x_stride,
+            out_stride: 64,
+            n_seg: 1,
+            n: [64, 0, 0],
+            dtype: [1, 0, 0],
+            input_act: act,
+            ..gp
+        };
+        CmdBuilder::new(&mut t, KernelId::Gemv, 64)
+            .buf(down_x, 0)
+            .buf(4, 0)
+            .buf(5, 0)
+            .params(&dp)
+            .emit();
+        t
+    }
+
+    #[test]
+    fn activation_moves_into_the_gate_up_epilogue_only_where_it_fits() {
+        assert_eq!(act_pair(&ffn(64, 1, 128, ACT_SWIGLU), 0), Some(ACT_SWIGLU));
+        assert_eq!(act_pair(&ffn(64, 1, 128, ACT_GEGLU), 0), Some(ACT_GEGLU));
+        // The down product itself pairs with nothing.
+        assert_eq!(act_pair(&ffn(64, 1, 128, ACT_SWIGLU), 1), None);
+        // No activation to move, another input, other row pitches, or
+        // units that do not fill 16-row tiles of 8 gate + 8 up rows.
+        assert_eq!(act_pair(&ffn(64, 1, 128, ACT_NONE), 0), None);
+        assert_eq!(act_pair(&ffn(64, 6, 128, ACT_SWIGLU), 0), None);
+        assert_eq!(act_pair(&ffn(64, 1, 64, ACT_SWIGLU), 0), None);
+        assert_eq!(act_pair(&ffn(12, 1, 24, ACT_SWIGLU), 0), None);
+    }
 }

@@ -135,6 +135,8 @@ pub struct GemvExtra {
     /// Its groups per chunk of a warp's share: 1, or the bulk-copy form's
     /// chunk where that form runs the product's one-row steps (`tcb_plan`).
     pub tc_chunk: u32,
+    /// The activation of the paired epilogue (`paired_act`), or `ACT_NONE`.
+    pub pair_act: u32,
 }
 
 /// `RopeExtra` of model.cu: the RoPE + KV write fused into one-row decode
@@ -636,12 +638,15 @@ fn tcg_split(tiles: u32, groups: u32, sm_count: u32) -> u32 {
         }
         return s;
     }
+    // The restart cost in groups (`AKUNU_CUDA_TCG_RESTART`, A/B runs).
+    static RESTART: Knob = Knob::new("AKUNU_CUDA_TCG_RESTART");
+    let restart = RESTART.number::<u64>().unwrap_or(2);
     let blocks = (2 * sm_count).max(1);
     let mut best = (u64::MAX, 1);
     let mut s = 1;
     while s <= cap {
         let rounds = tiles.div_ceil(TCG_WARPS / s).div_ceil(blocks) as u64;
-        let cost = rounds * (groups.div_ceil(s) as u64 + 2);
+        let cost = rounds * (groups.div_ceil(s) as u64 + restart);
         if cost <= best.0 {
             best = (cost, s);
         }
@@ -732,6 +737,42 @@ fn tcb_plan(
         return None;
     }
     Some(TcbPlan { chunk, split, smem })
+}
+
+/// The activation that the gate | up gemv at `i` applies in its epilogue
+/// in a decode step of `rows` input rows (`fusion::act_pair`), or `None`.
+/// Only the tensor-core gemv's register form has that epilogue, so the
+/// product must take it: a type it takes, rows it can stage, 16-byte
+/// aligned weights, and no bulk-copy plan. The down product's launch asks
+/// the same question of its predecessor, so both agree.
+fn paired_act(
+    be: &CudaBackend,
+    table: &DispatchTable,
+    i: usize,
+    rows: u32,
+) -> Result<Option<u32>, String> {
+    let Some(act) = fusion::act_pair(table, i) else {
+        return Ok(None);
+    };
+    let c = &table.commands[i];
+    let p: GemvParams = c.params();
+    let Some(dt) = tcg_type(&p) else {
+        return Ok(None);
+    };
+    let budget = (be.smem_optin() - TCG_STATIC_SMEM) as u64;
+    if rows > GEMV_MAX_ROWS || tcg_smem(dt, p.k, rows) > budget {
+        return Ok(None);
+    }
+    for b in &c.bindings()[2..4] {
+        if !(be.dptr(b.buffer)?.0 + b.offset).is_multiple_of(16) {
+            return Ok(None);
+        }
+    }
+    let tiles = p.total_rows().div_ceil(16);
+    if tcb_plan(dt, p.k, tiles, be.sm_count(), budget).is_some() {
+        return Ok(None);
+    }
+    Ok(Some(act))
 }
 
 /// Whether a multi-row product runs on the tensor cores (`k_gemm_tc`, or
@@ -864,6 +905,15 @@ pub fn plan(
                         extra.norm_eps = eps;
                     }
                     fusion::Role::Skip | fusion::Role::Plain => {}
+                }
+                if let Some(act) = paired_act(be, table, i, r)? {
+                    extra.pair_act = act;
+                }
+                if i > 0 && paired_act(be, table, i - 1, r)?.is_some() {
+                    // The gate | up product before this one applied it.
+                    p.input_act = ACT_NONE;
+                    l.params[..std::mem::size_of::<GemvParams>()]
+                        .copy_from_slice(bytemuck::bytes_of(&p));
                 }
             }
             if last_row {
