@@ -309,15 +309,30 @@ ab_one() { # NAME FILE
             env "$AB_VAR=$v" "$BIN/akunu" bench -m "$2" --device cuda ${AB_BENCH:--p 0 -n 128 -r 5} 2>&1 |
                 tee "$OUTDIR/ab-$1-$AB_VAR-${v//[^A-Za-z0-9_.]/_}-$r.log" | grep -E "tg[0-9]|pp[0-9]|floor|kernels|error" |
                 sed "s/^/$1 $AB_VAR=$v /" || true
+            if [ -n "${AB_SAME:-}" ]; then
+                env "$AB_VAR=$v" "$BIN/akunu" generate -m "$2" --device cuda --prompt-ids 1,2,3,4,5,6,7,8 \
+                    -n 64 --ignore-eos --json 2>/dev/null |
+                    python3 -c 'import json, sys; print(json.load(sys.stdin)["generated_ids"])' \
+                        >"$OUTDIR/ids-$1-${v//[^A-Za-z0-9_.]/_}.txt" || echo "$1 $AB_VAR=$v: generate failed"
+            fi
         done
     done
+    if [ -n "${AB_SAME:-}" ]; then
+        if [ "$(cat "$OUTDIR"/ids-"$1"-*.txt | sort -u | wc -l)" = 1 ]; then
+            echo "$1: the same 64 greedy tokens for every value of $AB_VAR"
+        else
+            echo "$1: greedy tokens DIFFER between values of $AB_VAR"
+        fi
+    fi
 }
 
 # Decode A/B of a developer switch on the same binaries: AB_VAR takes each
 # of AB_VALUES (default 0 1) in turn, AB_ROUNDS times (synthetic shapes);
 # AB_BENCH replaces the bench arguments (default "-p 0 -n 128 -r 5"; e.g.
 # "-p 512 -n 0 -r 5 --no-bandwidth" for prefill, "-p 0 -n 128 -d 512 -r 5"
-# for decode after a 512-token prompt).
+# for decode after a 512-token prompt). AB_SAME=1 also generates 64 greedy
+# tokens per value and says whether they are the same (switches that must
+# not change results).
 ab() {
     echo "== decode A/B of $AB_VAR over ${AB_VALUES:-0 1}"
     each_shape "${BENCH_SHAPES:-smollm2-135m:q4_1 llama-1b:f16 llama-8b:q4_0 llama-8b:f16}" ab_one

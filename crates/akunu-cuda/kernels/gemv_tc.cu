@@ -741,7 +741,10 @@ __device__ __forceinline__ void tcb_body(const Bind& b, const GemvParams& p, con
         const u32 g0 = c * C::CG, gq = ng - g0 < C::CG ? ng - g0 : C::CG;
         if (lane == 0) mbar_expect_tx(&bar[s], 16 * gq * 4 * (T::QB + T::SB));
         __syncwarp();
-        const u32 r = lane & 15, o = tile * 16 + r;
+        // Tile row r; with the paired epilogue, gate row tile * 8 + r or
+        // (r >= 8) the same unit's up row.
+        const u32 r = lane & 15;
+        const u32 o = ex.pair_act != ACT_NONE ? (r < 8 ? 0 : p.n[0]) + tile * 8 + (r & 7) : tile * 16 + r;
         const SegRow sr = seg_row(b, p, o < total ? o : total - 1);
         u8* st = ring + s * C::STAGE;
         if (lane < 16) {
@@ -836,7 +839,7 @@ __device__ __forceinline__ void tcb_body(const Bind& b, const GemvParams& p, con
                 }
             }
         }
-        tcg_finish<1>(b, p, acc, 1, tile, n_tiles, S, g, t, part, ACT_NONE,
+        tcg_finish<1>(b, p, acc, 1, tile, n_tiles, S, g, t, part, ex.pair_act,
                       [&](u32, u32 o) { return seg_row(b, p, o).bias; });
     }
     TCB_STAMP(3);

@@ -741,10 +741,10 @@ fn tcb_plan(
 
 /// The activation that the gate | up gemv at `i` applies in its epilogue
 /// in a decode step of `rows` input rows (`fusion::act_pair`), or `None`.
-/// Only the tensor-core gemv's register form has that epilogue, so the
-/// product must take it: a type it takes, rows it can stage, 16-byte
-/// aligned weights, and no bulk-copy plan. The down product's launch asks
-/// the same question of its predecessor, so both agree.
+/// Only the tensor-core gemv (both forms, and its verification twins) has
+/// that epilogue, so the product must take it: a type it takes, rows it
+/// can stage, 16-byte aligned weights. The down product's launch asks the
+/// same question of its predecessor, so both agree.
 fn paired_act(
     be: &CudaBackend,
     table: &DispatchTable,
@@ -767,10 +767,6 @@ fn paired_act(
         if !(be.dptr(b.buffer)?.0 + b.offset).is_multiple_of(16) {
             return Ok(None);
         }
-    }
-    let tiles = p.total_rows().div_ceil(16);
-    if tcb_plan(dt, p.k, tiles, be.sm_count(), budget).is_some() {
-        return Ok(None);
     }
     Ok(Some(act))
 }
