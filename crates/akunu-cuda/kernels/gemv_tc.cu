@@ -130,6 +130,27 @@ template <int DT> struct TcgW {
     u32 sc[2];
 };
 
+// A weight load of the 4-bit products asks L2 for the 128 bytes around it
+// (the `.L2::128B` prefetch-size hint): a warp reads 64 contiguous bytes of
+// each of its 16 rows per group, and the hint lets DRAM serve the row's
+// next group in the same burst. Probe (bench/RESULTS.md, session 12): 8B
+// gate_up 24.5 -> 23.1 us, logits 38.4 -> 36.8; 256 bytes measured the
+// same on Q4_0 and slower on F16. `-DTCG_L2PF=0` drops the hint.
+#ifndef TCG_L2PF
+#define TCG_L2PF 128
+#endif
+template <int DT>
+__device__ __forceinline__ uint4 tcg_ldw(const uint4* p) {
+    if constexpr (TCG_L2PF == 128 && (DT == DT_Q4_0 || DT == DT_Q4_1)) {
+        uint4 v;
+        asm("ld.global.nc.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];"
+            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+            : "l"(p));
+        return v;
+    }
+    return *p;
+}
+
 // Loads group `grp` of rows w0 (row g) and w1 (row g + 8) into registers;
 // lane-blocks past the row read as zeros.
 template <int DT>
@@ -141,8 +162,8 @@ __device__ __forceinline__ void tcg_load(TcgW<DT>& W, WRow w0, WRow w1, u32 grp,
         const uint4* c = (const uint4*)(w1.w + (u64)lb * T::QB);
 #pragma unroll
         for (u32 i = 0; i < T::QB / 16; ++i) {
-            W.q[0][i] = a[i];
-            W.q[1][i] = c[i];
+            W.q[0][i] = tcg_ldw<DT>(a + i);
+            W.q[1][i] = tcg_ldw<DT>(c + i);
         }
         if constexpr (T::SB == 2) {
             W.sc[0] = ld_u16(w0.sc + 2 * (u64)lb);
