@@ -610,9 +610,9 @@ pub fn tcg_smem(dt: akunu_core::dtype::DType, k: u32, rows: u32) -> u64 {
 /// Warps per 16-row tile of the tensor-core gemv (each takes every S-th
 /// group of the tile's k range). A block runs 8 / S tiles at a time (a
 /// round) and the grid holds two blocks per SM (`TCG_MINB`), so a product
-/// takes ceil(row groups / blocks) rounds. A round costs a warp its
-/// groups, k / S of them, plus about two groups' time in which its
-/// pipeline restarts (the first loads' latency and the split merge): S
+/// takes ceil(row groups / blocks) rounds. A round costs a warp its share
+/// of the tile's groups (groups / S) plus about two groups' time in which
+/// its pipeline restarts (the first loads' latency and the split merge): S
 /// minimizes rounds x (groups / S + 2), ties going to the larger S, and
 /// is at most 8 and at most the groups there are (rounded up to a power
 /// of two). On the 8B Q4_0 shape this picks S 1 for gate_up (24.3 against
