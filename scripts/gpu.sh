@@ -18,7 +18,8 @@
 #                                 ncu-token,
 #                                 model-part1, model-part2, model-part3,
 #                                 model, sampler (needs the model), attn,
-#                                 prefill, spec-ab (needs the model), pfattn.
+#                                 prefill, spec-ab (needs the model), pfattn,
+#                                 probe (the gemv kernels alone, nvcc).
 #                                 Logs go to $OUT (or ./gpu-out),
 #                                 a summary to stdout.
 #
@@ -501,6 +502,31 @@ print(sys.argv[1], sys.argv[2], tg, json.dumps(d["speculative"]))' "$t" "idle=$m
     done
 }
 
+# The decode gemv kernels alone (bench/cuda/gemv_probe.cu, built here with
+# nvcc; no .gpu needed): for each of $PROBE_DEFINES (space-separated, each a
+# comma-separated list of -D options, "-" for none) the register form on
+# every shape of $PROBE_TYPE (Q4_0 or F16; default Q4_0), then the 8B FFN
+# down shape with its activation staged. PROBE_S=1|2|4|8 forces the split;
+# PROBE_NO_TCB=0 adds the bulk-copy form. E.g. PROBE_DEFINES="- -DTCG_L2PF=0".
+probe() {
+    echo "== gemv probe (nvcc, ${PROBE_TYPE:-Q4_0})"
+    local d defs bin tag
+    for d in ${PROBE_DEFINES:--}; do
+        defs=""
+        [ "$d" = "-" ] || defs=${d//,/ }
+        tag=${d//[^A-Za-z0-9_]/_}
+        bin=$STORE/gemv-probe-$tag
+        # shellcheck disable=SC2086 # defs is a list of -D options
+        nvcc -O3 -std=c++17 -arch=sm_90 --expt-relaxed-constexpr $defs -o "$bin" bench/cuda/gemv_probe.cu 2>&1 |
+            grep -i error || true
+        echo "-- $d"
+        PROBE_NO_TCB=${PROBE_NO_TCB:-1} "$bin" 1 "" "${PROBE_TYPE:-Q4_0}" | tee "$OUTDIR/probe-$tag.log" |
+            grep -E "^(Q4_0|F16) |grid|MISMATCH" || true
+        PROBE_ACT=1 PROBE_NO_TCB=${PROBE_NO_TCB:-1} "$bin" 1 "8b down" "${PROBE_TYPE:-Q4_0}" |
+            grep -E "grid|MISMATCH" | sed 's/^/act-down /' || true
+    done
+}
+
 pfattn() {
     echo "== prefill attention A/B: k_attn_prefill (AKUNU_CUDA_PF_ATTN=0), then k_attn_flash (synthetic llama-1b f16)"
     local f=$STORE/llama-1b-f16.gguf n v
@@ -610,6 +636,7 @@ run)
         prefill) prefill ;;
         spec-ab) spec_ab ;;
         pfattn) pfattn ;;
+        probe) probe ;;
         *)
             echo "unknown step $what" >&2
             exit 2
