@@ -2408,6 +2408,21 @@ __device__ __forceinline__ void ta_stage(u16* hi, u16* lo, const float* __restri
 
 __device__ __forceinline__ u32 ld_u32(const u16* p) { return *(const u32*)p; }
 
+// c += A B over one k-step with split operands: A = ah (+ al), B read at
+// bh (+ bl) as the B fragment's two u32 8 halves apart. The exact form
+// (LO) adds the three products hi·hi, hi·lo, lo·hi in that order.
+template <bool LO>
+__device__ __forceinline__ void mma_split(float (&c)[4], const u32 (&ah)[4], const u32 (&al)[4], const u16* bh,
+                                          const u16* bl) {
+    const u32 bh0 = ld_u32(bh), bh1 = ld_u32(bh + 8);
+    mma_f16(c, ah, bh0, bh1);
+    if (LO) {
+        const u32 bl0 = ld_u32(bl), bl1 = ld_u32(bl + 8);
+        mma_f16(c, ah, bl0, bl1);
+        mma_f16(c, al, bh0, bh1);
+    }
+}
+
 template <int D, bool LO>
 __device__ __forceinline__ void attn_tc_body(const Bind& b, const AttnParams& p, u32 kv, u32 rows,
                                              u16* sm) {
@@ -2472,13 +2487,7 @@ __device__ __forceinline__ void attn_tc_body(const Bind& b, const AttnParams& p,
 #pragma unroll
             for (int n = 0; n < 8; ++n) {
                 const int key = n * 8 + g;
-                const u32 bh0 = ld_u32(kh + key * LD + c), bh1 = ld_u32(kh + key * LD + c + 8);
-                mma_f16(s[n], ah, bh0, bh1);
-                if (LO) {
-                    const u32 bl0 = ld_u32(kl + key * LD + c), bl1 = ld_u32(kl + key * LD + c + 8);
-                    mma_f16(s[n], ah, bl0, bl1);
-                    mma_f16(s[n], al, bh0, bh1);
-                }
+                mma_split<LO>(s[n], ah, al, kh + key * LD + c, kl + key * LD + c);
             }
         }
 
@@ -2537,13 +2546,7 @@ __device__ __forceinline__ void attn_tc_body(const Bind& b, const AttnParams& p,
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
                 const int dim = n * 8 + g;
-                const u32 bh0 = ld_u32(vh + dim * TA_LDT + c), bh1 = ld_u32(vh + dim * TA_LDT + c + 8);
-                mma_f16(o[n], ph, bh0, bh1);
-                if (LO) {
-                    const u32 bl0 = ld_u32(vl + dim * TA_LDT + c), bl1 = ld_u32(vl + dim * TA_LDT + c + 8);
-                    mma_f16(o[n], ph, bl0, bl1);
-                    mma_f16(o[n], pl, bh0, bh1);
-                }
+                mma_split<LO>(o[n], ph, pl, vh + dim * TA_LDT + c, vl + dim * TA_LDT + c);
             }
         }
     }
