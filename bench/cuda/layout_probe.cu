@@ -7,6 +7,10 @@
 // Pattern 1 ("tiles"): each group (16 rows x 4 lane-blocks, quants then
 // scales) contiguous, in the order the lanes read it: every load of a warp
 // is one contiguous 512-byte (or 128-byte) span.
+// Pattern 2 ("gmaj"): the same group blocks stored group-major (group g of
+// every tile, then group g + 1): the warps that run together read one
+// contiguous front instead of one stream each.
+// "stream": a plain grid-stride read of the same bytes, for the ceiling.
 #include <cstdio>
 #include <cstdint>
 #include <vector>
@@ -21,22 +25,32 @@ template <int QB, int SB> struct W {
     u32 sc[2];
 };
 
+// Pattern 3: "rows" with the engine's `ld.global.nc.L2::128B` weight loads.
+__device__ __forceinline__ uint4 ld128(const uint4* p) {
+    uint4 v;
+    asm("ld.global.nc.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
 template <int PAT, int QB, int SB>
 __device__ __forceinline__ void load(W<QB, SB>& w, const uint8_t* base, u32 R, u32 n_lb, u32 tile, u32 grp, u32 lane) {
     const u32 g = lane >> 2, t = lane & 3;
-    if (PAT == 0) {
+    if (PAT == 0 || PAT == 3) {
         const u64 r0 = tile * 16 + g, r1 = r0 + 8, lb = grp * 4 + t;
         const uint4* a = (const uint4*)(base + (r0 * n_lb + lb) * QB);
         const uint4* c = (const uint4*)(base + (r1 * n_lb + lb) * QB);
 #pragma unroll
-        for (int i = 0; i < QB / 16; ++i) { w.q[0][i] = a[i]; w.q[1][i] = c[i]; }
+        for (int i = 0; i < QB / 16; ++i) {
+            w.q[0][i] = PAT == 3 ? ld128(a + i) : a[i];
+            w.q[1][i] = PAT == 3 ? ld128(c + i) : c[i];
+        }
         if (SB) {
             const uint8_t* s = base + (u64)R * n_lb * QB;
             w.sc[0] = *(const unsigned short*)(s + (r0 * n_lb + lb) * SB);
             w.sc[1] = *(const unsigned short*)(s + (r1 * n_lb + lb) * SB);
         }
     } else {
-        const u64 G = (u64)tile * (n_lb / 4) + grp;
+        const u64 G = PAT == 1 ? (u64)tile * (n_lb / 4) + grp : (u64)grp * (R / 16) + tile;
         const u64 gbytes = 16 * 4 * (QB + SB);
         const uint4* a = (const uint4*)(base + G * gbytes);
 #pragma unroll
@@ -87,6 +101,33 @@ __global__ void __launch_bounds__(256, MINB) probe(const uint8_t* base, u32 R, u
     if (h == 0x12345678u) out[0] = h;
 }
 
+__global__ void __launch_bounds__(256) stream(const uint4* p, size_t n, u32* out) {
+    u32 h = 0;
+    const size_t step = (size_t)gridDim.x * blockDim.x;
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    for (; i + 3 * step < n; i += 4 * step) {
+        uint4 a = p[i], b = p[i + step], c = p[i + 2 * step], d = p[i + 3 * step];
+        h += a.x ^ b.y ^ c.z ^ d.w;
+    }
+    for (; i < n; i += step) h += p[i].x;
+    if (h == 0x12345678u) out[0] = h;
+}
+
+void run_stream(uint8_t* pool, size_t pool_bytes, size_t bytes, u32 grid, u32* out) {
+    const int copies = (int)(pool_bytes / bytes);
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+    for (int i = 0; i < 8; ++i) stream<<<grid, 256>>>((const uint4*)(pool + (size_t)(i % copies) * bytes), bytes / 16, out);
+    const int iters = 200;
+    CK(cudaEventRecord(e0));
+    for (int i = 0; i < iters; ++i) stream<<<grid, 256>>>((const uint4*)(pool + (size_t)(i % copies) * bytes), bytes / 16, out);
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
+    const double us = ms * 1000.0 / iters;
+    printf("stream %9zu bytes grid=%4u: %7.2f us  %6.0f GB/s\n", bytes, grid, us, bytes / us / 1e3);
+}
+
 template <int PAT, int QB, int SB, int D, int MINB>
 void run(const char* name, uint8_t* pool, size_t pool_bytes, u32 R, u32 K, u32 S, u32 grid_mult, u32* out, int sms) {
     const u32 LB = QB == 32 && SB == 0 ? 16 : 32;
@@ -105,7 +146,7 @@ void run(const char* name, uint8_t* pool, size_t pool_bytes, u32 R, u32 K, u32 S
     CK(cudaEventSynchronize(e1));
     float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
     const double us = ms * 1000.0 / iters;
-    printf("%-6s %s R=%5u K=%5u S=%u D=%d minb=%d grid=%4u: %7.2f us  %6.0f GB/s\n", name, PAT ? "tiles" : "rows ", R, K, S, D, MINB, grid, us, bytes / us / 1e3);
+    printf("%-6s %s R=%5u K=%5u S=%u D=%d minb=%d grid=%4u: %7.2f us  %6.0f GB/s\n", name, PAT == 3 ? "rowsh" : PAT == 2 ? "gmaj " : PAT ? "tiles" : "rows ", R, K, S, D, MINB, grid, us, bytes / us / 1e3);
 }
 
 int main() {
@@ -114,21 +155,25 @@ int main() {
     uint8_t* pool; CK(cudaMalloc(&pool, pool_bytes));
     CK(cudaMemset(pool, 1, pool_bytes));
     u32* out; CK(cudaMalloc(&out, 4));
-    struct Shape { u32 R, K; } shapes[] = {{28672, 4096}, {4096, 14336}, {6144, 4096}, {4096, 4096}, {16384, 2048}, {2048, 8192}, {2048, 2048}};
+    struct Shape { u32 R, K; } shapes[] = {{28672, 4096}, {49152, 4096}, {4096, 14336}, {6144, 4096}, {4096, 4096}, {16384, 2048}, {2048, 8192}, {2048, 2048}};
     for (auto s : shapes) {
+        const size_t q4 = (size_t)s.R * (s.K / 32) * 18, f16 = (size_t)s.R * s.K * 2;
+        for (u32 m : {2u, 4u, 8u}) run_stream(pool, pool_bytes, q4, sms * m, out);
         for (u32 S : {1u, 2u, 4u, 8u}) {
             if ((s.K / 128) < S * 4) continue;
             run<0, 16, 2, 4, 2>("q4_0", pool, pool_bytes, s.R, s.K, S, 2, out, sms);
             run<1, 16, 2, 4, 2>("q4_0", pool, pool_bytes, s.R, s.K, S, 2, out, sms);
+            run<2, 16, 2, 4, 2>("q4_0", pool, pool_bytes, s.R, s.K, S, 2, out, sms);
+            run<3, 16, 2, 4, 2>("q4_0", pool, pool_bytes, s.R, s.K, S, 2, out, sms);
         }
+        run<2, 16, 2, 8, 2>("q4_0", pool, pool_bytes, s.R, s.K, 1, 2, out, sms);
+        run<2, 16, 2, 2, 2>("q4_0", pool, pool_bytes, s.R, s.K, 1, 2, out, sms);
+        run_stream(pool, pool_bytes, f16, sms * 4, out);
         for (u32 S : {1u, 4u}) {
             run<0, 32, 0, 3, 2>("f16", pool, pool_bytes, s.R, s.K, S, 2, out, sms);
             run<1, 32, 0, 3, 2>("f16", pool, pool_bytes, s.R, s.K, S, 2, out, sms);
+            run<2, 32, 0, 3, 2>("f16", pool, pool_bytes, s.R, s.K, S, 2, out, sms);
         }
-        run<1, 16, 2, 4, 4>("q4_0", pool, pool_bytes, s.R, s.K, 1, 4, out, sms);
-        run<1, 16, 2, 8, 2>("q4_0", pool, pool_bytes, s.R, s.K, 1, 2, out, sms);
-        run<1, 32, 0, 6, 2>("f16", pool, pool_bytes, s.R, s.K, 1, 2, out, sms);
-        run<1, 32, 0, 3, 4>("f16", pool, pool_bytes, s.R, s.K, 1, 4, out, sms);
     }
     // Device-to-device copy for the floor.
     cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));

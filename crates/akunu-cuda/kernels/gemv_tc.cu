@@ -588,6 +588,13 @@ __device__ __forceinline__ void tcg_body(const Bind& b, const GemvParams& p, con
     // Staging loads TCG_SV float4s per thread before using any; that hurts
     // rows of under 2048 (SmolLM2: 1477 against 1281 tok/s), where one
     // suffices, and helps wider ones (llama-1b F16: 945 against 922).
+#ifdef DIAG_SKIP_STAGE
+    // Measurement only (wrong results): products of k >= DIAG_SKIP_STAGE
+    // run without their staging (a zeroed image instead).
+    if (k >= DIAG_SKIP_STAGE) {
+        for (u32 i = threadIdx.x; i < rows * ng * IMG; i += blockDim.x) img[i] = 0;
+    } else
+#endif
     if (k < 2048) tcg_stage<DT, 1>(b, p, ex, rows, img, bsum, red);
     else tcg_stage<DT, TCG_SV>(b, p, ex, rows, img, bsum, red);
     __syncthreads();

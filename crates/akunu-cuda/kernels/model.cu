@@ -1858,6 +1858,9 @@ k_attn_decode(Bind b, AttnParams p, StepArg a, float* part, u32 n_split, RopeExt
     if (re.on && threadIdx.x < (re.rope_dim >> 1))
         rope_cs(attn_kv_len(p, a) - 1, threadIdx.x, re.rope_dim, re.theta, re.freq_scale, re.ff, rc, rs);
     AKUNU_PROLOGUE(a);
+#ifdef DIAG_SKIP_ATTN
+    return;  // measurement only (wrong results): decode time without attention
+#endif
     __shared__ float sm_m[DEC_WARPS], sm_l[DEC_WARPS];
     __shared__ float sm_acc[DEC_WARPS * 256];
     __shared__ float sm_q[256];
