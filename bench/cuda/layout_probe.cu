@@ -10,6 +10,7 @@
 // Pattern 2 ("gmaj"): the same group blocks stored group-major (group g of
 // every tile, then group g + 1): the warps that run together read one
 // contiguous front instead of one stream each.
+// Pattern 3 ("rowsh"): pattern 0 with the engine's `L2::128B` weight loads.
 // "stream": a plain grid-stride read of the same bytes, for the ceiling.
 #include <cstdio>
 #include <cstdint>
@@ -25,7 +26,6 @@ template <int QB, int SB> struct W {
     u32 sc[2];
 };
 
-// Pattern 3: "rows" with the engine's `ld.global.nc.L2::128B` weight loads.
 __device__ __forceinline__ uint4 ld128(const uint4* p) {
     uint4 v;
     asm("ld.global.nc.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
@@ -166,6 +166,8 @@ int main() {
             run<2, 16, 2, 4, 2>("q4_0", pool, pool_bytes, s.R, s.K, S, 2, out, sms);
             run<3, 16, 2, 4, 2>("q4_0", pool, pool_bytes, s.R, s.K, S, 2, out, sms);
         }
+        run<1, 16, 2, 4, 4>("q4_0", pool, pool_bytes, s.R, s.K, 1, 4, out, sms);
+        run<1, 16, 2, 8, 2>("q4_0", pool, pool_bytes, s.R, s.K, 1, 2, out, sms);
         run<2, 16, 2, 8, 2>("q4_0", pool, pool_bytes, s.R, s.K, 1, 2, out, sms);
         run<2, 16, 2, 2, 2>("q4_0", pool, pool_bytes, s.R, s.K, 1, 2, out, sms);
         run_stream(pool, pool_bytes, f16, sms * 4, out);
@@ -174,6 +176,8 @@ int main() {
             run<1, 32, 0, 3, 2>("f16", pool, pool_bytes, s.R, s.K, S, 2, out, sms);
             run<2, 32, 0, 3, 2>("f16", pool, pool_bytes, s.R, s.K, S, 2, out, sms);
         }
+        run<1, 32, 0, 6, 2>("f16", pool, pool_bytes, s.R, s.K, 1, 2, out, sms);
+        run<1, 32, 0, 3, 4>("f16", pool, pool_bytes, s.R, s.K, 1, 4, out, sms);
     }
     // Device-to-device copy for the floor.
     cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
