@@ -516,10 +516,16 @@ probe() {
         [ "$d" = "-" ] || defs=${d//,/ }
         tag=${d//[^A-Za-z0-9_]/_}
         bin=$STORE/gemv-probe-$tag
+        # A failed build must not leave an earlier build of the same tag to run.
+        rm -f "$bin"
         # shellcheck disable=SC2086 # defs is a list of -D options
         nvcc -O3 -std=c++17 -arch=sm_90 --expt-relaxed-constexpr $defs -o "$bin" bench/cuda/gemv_probe.cu 2>&1 |
             grep -i error || true
         echo "-- $d"
+        if [ ! -x "$bin" ]; then
+            echo "probe build failed for $d"
+            continue
+        fi
         PROBE_NO_TCB=${PROBE_NO_TCB:-1} "$bin" 1 "" "${PROBE_TYPE:-Q4_0}" | tee "$OUTDIR/probe-$tag.log" |
             grep -E "^(Q4_0|F16) |grid|MISMATCH" || true
         PROBE_ACT=1 PROBE_NO_TCB=${PROBE_NO_TCB:-1} "$bin" 1 "8b down" "${PROBE_TYPE:-Q4_0}" |
