@@ -130,6 +130,8 @@ tests() {
       echo "== AKUNU_CUDA_CUBLAS_CHUNK_MB=1: prefill with many dequantized chunks, slots reused"
       AKUNU_CUDA_CUBLAS_CHUNK_MB=1 "$BIN/gpu-tests" --ignored --test-threads=1 --nocapture \
           cublas_prefill_matches_cpu_with_and_without_cublas 2>&1
+      echo "== AKUNU_CUDA_TCB=all: real shapes on the 4-bit bulk-copy gemv (raw staging of llama-1b's down product)"
+      AKUNU_CUDA_TCB=all "$BIN/gpu-tests" --ignored --test-threads=1 --nocapture logits_match_cpu_on_real_shapes 2>&1
       "$BIN/gpu-sampling-kernels-tests" --ignored --test-threads=1 2>&1; } | tee "$OUTDIR/tests.log" |
         grep -E "^test |^== |rel-L2|near-tie|delivery|stop at|result|panicked|compiling" || true
 }
@@ -173,6 +175,26 @@ sanitize() {
             echo "$tool, cuBLAS prefill ($products products): FAILED"
             tail -30 "$log"
         fi
+    done
+    # Llama-1B's FFN down product (k = 8,192) stages its input raw with
+    # asynchronous copies and converts it in place (gemv_tc.cu
+    # `tcg_stage_raw`): on the register form (Q4_0) and the bulk-copy
+    # form (F16). A short decode; racecheck sees the in-place conversion.
+    local t f1
+    for t in q4_0 f16; do
+        f1=$STORE/llama-1b-$t.gguf
+        synth_file llama-1b "$t" "$f1"
+        for tool in memcheck racecheck; do
+            log=$OUTDIR/sanitize-raw-$tool-$t.log
+            if compute-sanitizer --tool "$tool" --error-exitcode 3 \
+                "$BIN/akunu" generate -m "$f1" --device cuda --prompt-ids 1,2,3,4 -n 3 --ignore-eos \
+                --chunk 2 >"$log" 2>&1; then
+                echo "$tool, llama-1b $t (raw staging): $(grep -hE '(ERROR|RACECHECK) SUMMARY' "$log" | tail -1)"
+            else
+                echo "$tool, llama-1b $t (raw staging): FAILED"
+                tail -30 "$log"
+            fi
+        done
     done
     # A token limit inside a chunk: the chunk's remaining kernels return
     # early, the bulk-copy gemv after waiting for the copies it started.

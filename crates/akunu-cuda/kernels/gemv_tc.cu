@@ -319,10 +319,87 @@ __device__ __forceinline__ float4 tcg_ld4(const float* __restrict__ p, u32 j, bo
     return make_float4(p[j], p[j + 1], p[j + 2], p[j + 3]);
 }
 
+// The hi/lo image pairs of input elements [j, j + 4) and, for Q4_1, the
+// block sums (8 consecutive lanes hold a 32-element block), as the
+// load-ahead staging below writes them. That staging keeps its own copy of
+// these lines: calling this function from it changed the SASS of the short
+// products and cost SmolLM2 decode 1.3% (bench/RESULTS.md, session 13).
+template <int DT>
+__device__ __forceinline__ void tcg_put4(u32* im, float* bsum, u32 j, u32 k, const float (&e)[4], bool lead8) {
+    if (j < k) {
+        float h[4];
+#pragma unroll
+        for (u32 c = 0; c < 4; ++c) h[c] = f16_round(e[c]);
+        const u32 at_hi = tcg_img_at<DT>(j, 0), at_lo = tcg_img_at<DT>(j, 1);
+        if constexpr (DT == DT_F16) {
+            *(uint2*)(im + at_hi) = make_uint2(pack_h2(h[0], h[1]), pack_h2(h[2], h[3]));
+            *(uint2*)(im + at_lo) = make_uint2(pack_h2(e[0] - h[0], e[1] - h[1]), pack_h2(e[2] - h[2], e[3] - h[3]));
+        } else {
+            *(uint2*)(im + at_hi) = make_uint2(pack_h2(h[0], h[2]), pack_h2(h[1], h[3]));
+            *(uint2*)(im + at_lo) = make_uint2(pack_h2(e[0] - h[0], e[2] - h[2]), pack_h2(e[1] - h[1], e[3] - h[3]));
+        }
+    }
+    if constexpr (DT == DT_Q4_1) {
+        float s = (e[0] + e[1]) + (e[2] + e[3]);
+        s += __shfl_xor_sync(FULL_MASK, s, 1);
+        s += __shfl_xor_sync(FULL_MASK, s, 2);
+        s += __shfl_xor_sync(FULL_MASK, s, 4);
+        if (j < k && lead8) bsum[j >> 5] = s;
+    }
+}
+
+// Raw staging of one plain input row (no norm, no activation, 16-byte
+// aligned, k % 4 == 0) longer than one pass of the load-ahead staging
+// below: the FFN down product. That staging is a chain of dependent L2
+// round trips per thread, k / (1024 SV) of them (four for the 8B shape's
+// k = 14,336). Here every float4 of the row is requested at once with
+// asynchronous copies straight into the row's image region, and each warp
+// then turns 128-element spans into image pairs in place: a group's image
+// (4 LB elements, one u32 each) occupies exactly the bytes of its raw
+// elements and a span holds whole groups, so no warp writes where another
+// still reads. Only the unguarded register instances and the bulk-copy
+// form compile it (`tcg_stage`'s RAW), so the short products' code stays
+// as it was. Decode tok/s, same binary, -DTCG_RAW=0 -> 1: 1B F16 1,117 ->
+// 1,148, 8B Q4_0 408 -> 413. As kernel instances of its own chosen by the
+// launcher, without the load-ahead path beside it, the 8B Q4_0 decode
+// instead fell 406 -> 381 (code generation of the weight pipeline;
+// bench/RESULTS.md, session 14). `-DTCG_RAW=0` turns it off (A/B runs).
+#ifndef TCG_RAW
+#define TCG_RAW 1
+#endif
+template <int DT>
+__device__ __forceinline__ void tcg_stage_raw(const float* __restrict__ xr, u32 k, u32* im, float* bsum_r) {
+    constexpr u32 LB = TcgT<DT>::LB;
+    const u32 tid = threadIdx.x, bd = blockDim.x, lane = tid & 31;
+    for (u32 i = tid; i < k / 4; i += bd)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(im + 4 * i)),
+                     "l"(xr + 4 * i)
+                     : "memory");
+    asm volatile("cp.async.commit_group;\n\tcp.async.wait_all;" ::: "memory");
+    __syncthreads();
+    for (u32 c = tid >> 5; c * 128 < k; c += bd / 32) {
+        const u32 j = c * 128 + lane * 4;
+        float e[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (j < k) {
+            const float4 v = *(const float4*)(im + j);
+            e[0] = v.x;
+            e[1] = v.y;
+            e[2] = v.z;
+            e[3] = v.w;
+        }
+        __syncwarp();  // the whole span is read before any lane overwrites it
+        tcg_put4<DT>(im, bsum_r, j, k, e, (lane & 7) == 0);
+    }
+    // The image slots of lane-blocks past the row (zeroed next) may hold
+    // raw elements another warp is still converting.
+    const u32 n_lb = k / LB;
+    if (4 * ((n_lb + 3) >> 2) != n_lb) __syncthreads();
+}
+
 // Stages `rows` input rows as B images (and per-block sums for Q4_1): the
 // activation applied, or rmsnorm(x) * norm_w with the norm fusion, each
 // value split into f16 hi + lo. Every thread of the block must call it.
-template <int DT, u32 SV>
+template <int DT, u32 SV, bool RAW = false>
 __device__ __forceinline__ void tcg_stage(const Bind& b, const GemvParams& p, const GemvExtra& ex,
                                           u32 rows, u32* img, float* bsum, float* red) {
     constexpr u32 LB = TcgT<DT>::LB, IMG = tcg_img_u32<DT>();
@@ -336,6 +413,9 @@ __device__ __forceinline__ void tcg_stage(const Bind& b, const GemvParams& p, co
         const float* __restrict__ xr = x + (u64)r * p.x_stride;
         u32* im = img + r * ng * IMG;
         float sc = 1.0f;
+        if (RAW && TCG_RAW && act == ACT_NONE && !nw && vec && k > bd * 4 * SV && k % 4 == 0) {
+            tcg_stage_raw<DT>(xr, k, im, bsum + r * ng * 4);
+        } else {
         if (nw) {
             float ss = 0.0f;
             for (u32 base = 0; base < k; base += bd * 4 * SV) {
@@ -401,6 +481,7 @@ __device__ __forceinline__ void tcg_stage(const Bind& b, const GemvParams& p, co
                     if (j < k && (tid & 7) == 0) bsum[r * ng * 4 + (j >> 5)] = s;
                 }
             }
+        }
         }
         // Lane-blocks past the row in the last group: zero B (their A is
         // zero-filled too, but 0 * garbage could be NaN).
@@ -519,7 +600,8 @@ __device__ __forceinline__ void tcg_finish(const Bind& b, const GemvParams& p, f
 
 // Shared memory of the kernel (the launcher's `tcg_smem` mirrors it):
 // [B images: rows x groups][Q4_1 block sums]. FULL: rounds whose groups
-// and refills all exist run unguarded (below); a separate instance, since
+// and refills all exist run unguarded (below), and long plain inputs are
+// staged raw (`tcg_stage_raw`); a separate instance, since
 // the extra path costs the products too short to use it (SmolLM2: 1,592
 // against 1,524 tok/s with it compiled into every one-row kernel).
 template <int DT, int MR, bool FULL = false>
@@ -596,7 +678,7 @@ __device__ __forceinline__ void tcg_body(const Bind& b, const GemvParams& p, con
     } else
 #endif
     if (k < 2048) tcg_stage<DT, 1>(b, p, ex, rows, img, bsum, red);
-    else tcg_stage<DT, TCG_SV>(b, p, ex, rows, img, bsum, red);
+    else tcg_stage<DT, TCG_SV, FULL>(b, p, ex, rows, img, bsum, red);
     __syncthreads();
 
     const bool feeds = (g >> 1) == t;  // this lane passes B: block t, hi (even g) or lo
@@ -812,7 +894,7 @@ __device__ __forceinline__ void tcb_body(const Bind& b, const GemvParams& p, con
     // Staging with 8 or 16 loads ahead for rows over 4096 measured slower
     // (bench/RESULTS.md): the x loads queue behind the ring's copies.
     if (k < 2048) tcg_stage<DT, 1>(b, p, ex, 1, img, bsum, red);
-    else tcg_stage<DT, TCG_SV>(b, p, ex, 1, img, bsum, red);
+    else tcg_stage<DT, TCG_SV, true>(b, p, ex, 1, img, bsum, red);
     __syncthreads();
     TCB_STAMP(2);
 

@@ -288,6 +288,14 @@ fn logits_match_cpu_on_real_shapes() {
         let m = synth(Shape::SmolLm2_135M, dt);
         compare_with_cpu(&m, &format!("smollm2-135m {}", dt.name()), 1e-4);
     }
+    // Llama-1B: the FFN down product (k = 8,192) stages its plain input
+    // raw (gemv_tc.cu `tcg_stage_raw`), on the unguarded register form
+    // (Q4_0) and on the bulk-copy form (F16; Q4_0 too with
+    // AKUNU_CUDA_TCB=all).
+    for dt in [DType::Q4_0, DType::F16] {
+        let m = synth(Shape::Llama1B, dt);
+        compare_with_cpu(&m, &format!("llama-1b {}", dt.name()), 1e-4);
+    }
     if let Ok(p) = std::env::var("AKUNU_TEST_MODEL") {
         let m = Arc::new(Model::load(std::path::Path::new(&p)).expect("AKUNU_TEST_MODEL"));
         compare_with_cpu(&m, "default model", 1e-4);
