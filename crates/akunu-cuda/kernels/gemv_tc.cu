@@ -322,8 +322,9 @@ __device__ __forceinline__ float4 tcg_ld4(const float* __restrict__ p, u32 j, bo
 // The hi/lo image pairs of input elements [j, j + 4) and, for Q4_1, the
 // block sums (8 consecutive lanes hold a 32-element block), as the
 // load-ahead staging below writes them. That staging keeps its own copy of
-// these lines: calling this function from it changed the SASS of the short
-// products and cost SmolLM2 decode 1.3% (bench/RESULTS.md, session 13).
+// these lines, so that the kernels without raw staging keep the exact
+// instructions they were tuned with (code a product never runs moved decode
+// by -4% to +3% in session 13, bench/RESULTS.md).
 template <int DT>
 __device__ __forceinline__ void tcg_put4(u32* im, float* bsum, u32 j, u32 k, const float (&e)[4], bool lead8) {
     if (j < k) {
@@ -370,6 +371,7 @@ __device__ __forceinline__ void tcg_put4(u32* im, float* bsum, u32 j, u32 k, con
 template <int DT>
 __device__ __forceinline__ void tcg_stage_raw(const float* __restrict__ xr, u32 k, u32* im, float* bsum_r) {
     constexpr u32 LB = TcgT<DT>::LB;
+    static_assert(tcg_img_u32<DT>() == 4 * LB, "a group's image must take its raw elements' bytes");
     const u32 tid = threadIdx.x, bd = blockDim.x, lane = tid & 31;
     for (u32 i = tid; i < k / 4; i += bd)
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(im + 4 * i)),
