@@ -113,6 +113,36 @@ __device__ __forceinline__ Step step_of(const StepArg& a) {
 #define AKUNU_GRID_DEPS() do { } while (0)
 #endif
 
+__device__ __forceinline__ bool chain_stopped(const StepArg& a) {
+    return a.ctl && *(volatile const u32*)&a.ctl->done;
+}
+
+// The decode gemv's first work after the wait only reads (its input
+// staging), so it need not spend a dependent L2 round trip on the stop word
+// first: thread 0 copies the control block's first 16 bytes (pos0, tok0,
+// rows, done) into shared memory asynchronously, and the block tests `done`
+// after the staging's barrier, before its first global write. A plain load
+// would not do: the compiler tests its value right after the load, before
+// issuing the staging's loads. Thread 0 must run `cp.async.wait_all` before
+// that barrier. `-DLATE_STOP=0` tests the word first (A/B runs).
+#ifndef LATE_STOP
+#define LATE_STOP 1
+#endif
+__device__ __forceinline__ void chain_stop_copy(const StepArg& a, uint4* slot) {
+    if (threadIdx.x == 0 && a.ctl)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(slot)),
+                     "l"(a.ctl)
+                     : "memory");
+}
+__device__ __forceinline__ void chain_stop_landed() {
+    if (threadIdx.x == 0) asm volatile("cp.async.commit_group;\n\tcp.async.wait_all;" ::: "memory");
+}
+__device__ __forceinline__ bool chain_stop_seen(const StepArg& a, const uint4* slot) {
+    // `done` is the fourth word of the copied 16 bytes (chain.rs asserts the
+    // layout of its mirror of Ctl).
+    return a.ctl && slot->w;
+}
+
 #define AKUNU_PROLOGUE(a)                                                   \
     do {                                                                    \
         AKUNU_GRID_DEPS();                                                  \

@@ -668,7 +668,13 @@ __device__ __forceinline__ void tcg_body(const Bind& b, const GemvParams& p, con
         prologue(s0, s1);
     }
     AKUNU_GRID_DEPS();
-    if (a.ctl && *(volatile const u32*)&a.ctl->done) return;
+    // Staging only reads global memory: the short products (the non-FULL
+    // instances) test the stop word after it. In the unguarded instances
+    // the same change cost 8B Q4_0 4% (bench/RESULTS.md, session 14).
+    constexpr bool LATE = LATE_STOP && !FULL;
+    __shared__ uint4 ctl_slot;
+    if (LATE) chain_stop_copy(a, &ctl_slot);
+    else if (chain_stopped(a)) return;
     // Staging loads TCG_SV float4s per thread before using any; that hurts
     // rows of under 2048 (SmolLM2: 1477 against 1281 tok/s), where one
     // suffices, and helps wider ones (llama-1b F16: 945 against 922).
@@ -681,7 +687,9 @@ __device__ __forceinline__ void tcg_body(const Bind& b, const GemvParams& p, con
 #endif
     if (k < 2048) tcg_stage<DT, 1>(b, p, ex, rows, img, bsum, red);
     else tcg_stage<DT, TCG_SV, FULL>(b, p, ex, rows, img, bsum, red);
+    if (LATE) chain_stop_landed();
     __syncthreads();
+    if (LATE && chain_stop_seen(a, &ctl_slot)) return;
 
     const bool feeds = (g >> 1) == t;  // this lane passes B: block t, hi (even g) or lo
     const u32 lane8 = 2 * t + (g & 1);

@@ -1848,15 +1848,23 @@ __device__ __forceinline__ void attn_rope_prep(const Bind& b, const AttnParams& 
 // ATTN_TICKET_BYTES before `part`, which it resets for the next launch)
 // merges the head's splits into the row's output, so decode attention is
 // one kernel.
+#ifndef ATTN_KV_EARLY
+#define ATTN_KV_EARLY 1
+#endif
 extern "C" __global__ void __launch_bounds__(128)
 k_attn_decode(Bind b, AttnParams p, StepArg a, float* part, u32 n_split, RopeExtra re) {
     // The fused rotation's angles depend on the position alone, which no
     // kernel before this one in a chunk graph writes (k_chain_advance runs
     // after the chunk): computed before waiting on the previous kernel, the
     // f64 pow and sincospi overlap its tail.
+    // The KV length comes from the chain's pos0, which only k_chain_advance
+    // writes: read once, here, not again after the wait, where it was a
+    // second dependent L2 round trip behind the stop word
+    // (`-DATTN_KV_EARLY=0` reads it there, A/B runs).
+    const u32 kv_len = attn_kv_len(p, a);
     float rc = 0.0f, rs = 0.0f;
     if (re.on && threadIdx.x < (re.rope_dim >> 1))
-        rope_cs(attn_kv_len(p, a) - 1, threadIdx.x, re.rope_dim, re.theta, re.freq_scale, re.ff, rc, rs);
+        rope_cs(kv_len - 1, threadIdx.x, re.rope_dim, re.theta, re.freq_scale, re.ff, rc, rs);
     AKUNU_PROLOGUE(a);
 #ifdef DIAG_SKIP_ATTN
     return;  // measurement only (wrong results): decode time without attention
@@ -1872,7 +1880,11 @@ k_attn_decode(Bind b, AttnParams p, StepArg a, float* part, u32 n_split, RopeExt
     Bind bz = b;
     bz.p[0] += (u64)z * p.qkv_stride * sizeof(float);
     bz.p[3] += (u64)z * p.out_stride * sizeof(float);
+#if ATTN_KV_EARLY
+    const u32 kv = kv_len - (gridDim.z - 1 - z);
+#else
     const u32 kv = attn_kv_len(p, a) - (gridDim.z - 1 - z);
+#endif
     u32* tickets = (u32*)((char*)part - ATTN_TICKET_BYTES) + z * p.n_heads;
     part += (u64)z * p.n_heads * n_split * (hd + 2);
     const u32 chunk = attn_chunk(kv, n_split);

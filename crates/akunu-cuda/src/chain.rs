@@ -54,6 +54,10 @@ struct Ctl {
     host_stamps: u64,
 }
 
+// The decode gemv copies Ctl's first 16 bytes and reads `done` as their
+// fourth word (common.cuh `chain_stop_seen`).
+const _: () = assert!(std::mem::offset_of!(Ctl, done) == 12);
+
 const MAX_STOP: usize = 16;
 const DONE_OFFSET: u64 = 12;
 const COMPUTED_OFFSET: u64 = 20 + 4 * MAX_STOP as u64;
