@@ -24,7 +24,9 @@
 //
 // Early exit: once a stop token has been produced inside a chain, `ctl->done`
 // is set and every later kernel of the chunk returns at entry
-// (`AKUNU_PROLOGUE`), so an EOS mid-chunk costs almost nothing.
+// (`AKUNU_PROLOGUE`), so an EOS mid-chunk costs almost nothing. The short
+// decode gemv instances test it after their input staging instead
+// (`chain_stop_copy` below).
 
 typedef unsigned int u32;
 typedef int i32;
