@@ -126,7 +126,11 @@ __device__ __forceinline__ bool chain_stopped(const StepArg& a) {
 // after the staging's barrier, before its first global write. A plain load
 // would not do: the compiler tests its value right after the load, before
 // issuing the staging's loads. Thread 0 must run `cp.async.wait_all` before
-// that barrier. `-DLATE_STOP=0` tests the word first (A/B runs).
+// that barrier. The 16-byte copy needs `ctl` 16-byte aligned: it is an
+// allocation of its own (chain.rs, cuMemAlloc: 256-byte aligned). Every
+// thread reads the one copy, so the test is uniform across the block even
+// when the host raises `done` mid-kernel. `-DLATE_STOP=0` tests the word
+// first (A/B runs).
 #ifndef LATE_STOP
 #define LATE_STOP 1
 #endif
