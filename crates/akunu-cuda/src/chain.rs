@@ -54,12 +54,12 @@ struct Ctl {
     host_stamps: u64,
 }
 
-// The decode gemv copies Ctl's first 16 bytes and reads `done` as their
-// fourth word (common.cuh `chain_stop_seen`).
-const _: () = assert!(std::mem::offset_of!(Ctl, done) == 12);
-
 const MAX_STOP: usize = 16;
+/// Byte offset of `Ctl.done`. The decode gemv also relies on it: it copies
+/// Ctl's first 16 bytes and reads `done` as their fourth word (common.cuh
+/// `chain_stop_seen`).
 const DONE_OFFSET: u64 = 12;
+const _: () = assert!(std::mem::offset_of!(Ctl, done) as u64 == DONE_OFFSET);
 const COMPUTED_OFFSET: u64 = 20 + 4 * MAX_STOP as u64;
 /// Marks a mapped token slot the device has not written yet.
 const EMPTY: u32 = u32::MAX;
