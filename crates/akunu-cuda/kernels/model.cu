@@ -1575,6 +1575,74 @@ __device__ __forceinline__ u32 attn_chunk(u32 kv, u32 n_split) {
     return c > DEC_MIN_KEYS ? c : DEC_MIN_KEYS;
 }
 
+// A decode split's key range: [j0, j1) of this row's kv keys, clipped to
+// the window.
+struct AttnRange {
+    int j0, j1;
+};
+__device__ __forceinline__ AttnRange attn_range(const AttnParams& p, u32 kv, u32 n_split) {
+    const int chunk = (int)attn_chunk(kv, n_split);
+    AttnRange r;
+    r.j0 = (int)blockIdx.y * chunk;
+    r.j1 = min(r.j0 + chunk, (int)kv);
+    r.j0 = max(r.j0, attn_first_key((int)kv - 1, p.window));
+    return r;
+}
+
+// One warp step of the online softmax: DEC_KEYS keys from `base` (those
+// below j1), their scores reduced together for ILP.
+template <int NI>
+__device__ __forceinline__ void attn_step(const AttnParams& p, const float (&kk)[DEC_KEYS][NI],
+                                          const float (&vv)[DEC_KEYS][NI], int base, int j1,
+                                          const float (&q)[NI], u32 lane, float& m, float& l,
+                                          float (&acc)[NI]) {
+    const u32 hd = p.head_dim;
+    float sc[DEC_KEYS];
+#pragma unroll
+    for (int t = 0; t < DEC_KEYS; ++t) {
+        const int j = base + t;
+        float s = 0.0f;
+        if (j < j1) {
+#pragma unroll
+            for (int i = 0; i < NI; ++i) {
+                const u32 d = lane + 32 * i;
+                if (d < hd) s += q[i] * kk[t][i];
+            }
+        }
+        sc[t] = s;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+        for (int t = 0; t < DEC_KEYS; ++t) sc[t] += __shfl_xor_sync(FULL_MASK, sc[t], off);
+    float mt = NEG_INF;
+#pragma unroll
+    for (int t = 0; t < DEC_KEYS; ++t) {
+        sc[t] = base + t < j1 ? softcap_score(sc[t] * p.scale, p.softcap) : NEG_INF;
+        mt = fmaxf(mt, sc[t]);
+    }
+    // Key `base` is always valid, so mn is finite.
+    const float mn = fmaxf(m, mt);
+    const float corr = expf(m - mn);
+    l *= corr;
+#pragma unroll
+    for (int i = 0; i < NI; ++i) acc[i] *= corr;
+#pragma unroll
+    for (int t = 0; t < DEC_KEYS; ++t) {
+        const int j = base + t;
+        if (j < j1) {
+            const float pk = expf(sc[t] - mn);
+            l += pk;
+#pragma unroll
+            for (int i = 0; i < NI; ++i) {
+                const u32 d = lane + 32 * i;
+                if (d < hd) acc[i] += pk * vv[t][i];
+            }
+        }
+    }
+    m = mn;
+}
+
 // Decode split: each warp runs its own online softmax over keys taken
 // DEC_KEYS at a time (lanes over head dims, NI dims per lane; the DEC_KEYS
 // dot products are reduced together for ILP); the 4 warps are merged
@@ -1587,11 +1655,8 @@ __device__ __forceinline__ void attn_decode_body(const Bind& b, const AttnParams
     const u32 h = blockIdx.x, sp = blockIdx.y, hd = p.head_dim;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 g = h / (p.n_heads / p.n_kv_heads);
-    const int pos = (int)kv - 1;
-    const int chunk = (int)attn_chunk(kv, n_split);
-    int j0 = (int)sp * chunk;
-    const int j1 = min(j0 + chunk, (int)kv);
-    j0 = max(j0, attn_first_key(pos, p.window));
+    const AttnRange rg = attn_range(p, kv, n_split);
+    const int j0 = rg.j0, j1 = rg.j1;
 
     // The query: the head's row of QKV, or its rotation staged by the
     // fused RoPE (`attn_rope_prep`).
@@ -1623,50 +1688,7 @@ __device__ __forceinline__ void attn_decode_body(const Bind& b, const AttnParams
                 vv[t][i] = in ? V[(u64)j * hd + d] : 0.0f;
             }
         }
-        float sc[DEC_KEYS];
-#pragma unroll
-        for (int t = 0; t < DEC_KEYS; ++t) {
-            const int j = base + t;
-            float s = 0.0f;
-            if (j < j1) {
-#pragma unroll
-                for (int i = 0; i < NI; ++i) {
-                    const u32 d = lane + 32 * i;
-                    if (d < hd) s += q[i] * kk[t][i];
-                }
-            }
-            sc[t] = s;
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1)
-#pragma unroll
-            for (int t = 0; t < DEC_KEYS; ++t) sc[t] += __shfl_xor_sync(FULL_MASK, sc[t], off);
-        float mt = NEG_INF;
-#pragma unroll
-        for (int t = 0; t < DEC_KEYS; ++t) {
-            sc[t] = base + t < j1 ? softcap_score(sc[t] * p.scale, p.softcap) : NEG_INF;
-            mt = fmaxf(mt, sc[t]);
-        }
-        // Key `base` is always valid, so mn is finite.
-        const float mn = fmaxf(m, mt);
-        const float corr = expf(m - mn);
-        l *= corr;
-#pragma unroll
-        for (int i = 0; i < NI; ++i) acc[i] *= corr;
-#pragma unroll
-        for (int t = 0; t < DEC_KEYS; ++t) {
-            const int j = base + t;
-            if (j < j1) {
-                const float pk = expf(sc[t] - mn);
-                l += pk;
-#pragma unroll
-                for (int i = 0; i < NI; ++i) {
-                    const u32 d = lane + 32 * i;
-                    if (d < hd) acc[i] += pk * vv[t][i];
-                }
-            }
-        }
-        m = mn;
+        attn_step<NI>(p, kk, vv, base, j1, q, lane, m, l, acc);
     }
 
     // Merge the warps' partial softmaxes.
@@ -1839,57 +1861,30 @@ __device__ __forceinline__ void attn_rope_prep(const Bind& b, const AttnParams& 
     __syncthreads();
 }
 
-// Split-KV decode attention. grid = (n_heads, n_split, query rows),
-// block 128. Splits take attn_chunk(kv_len) keys each, clipped to the
-// window; the first n_active = ceil(kv_len / chunk) write
-// part[(h*n_split + s)*(head_dim+2) + {0: m, 1: l, 2+d: acc[d]}] (an empty
-// range writes m = -inf, l = 0, acc = 0) and the rest return. The last
-// active block of a head to finish (per-head ticket counters in the
-// ATTN_TICKET_BYTES before `part`, which it resets for the next launch)
-// merges the head's splits into the row's output, so decode attention is
-// one kernel.
-#ifndef ATTN_KV_EARLY
-#define ATTN_KV_EARLY 1
-#endif
-extern "C" __global__ void __launch_bounds__(128)
-k_attn_decode(Bind b, AttnParams p, StepArg a, float* part, u32 n_split, RopeExtra re) {
-    // The fused rotation's angles depend on the position alone, which no
-    // kernel before this one in a chunk graph writes (k_chain_advance runs
-    // after the chunk): computed before waiting on the previous kernel, the
-    // f64 pow and sincospi overlap its tail.
-    // The KV length comes from the chain's pos0, which only k_chain_advance
-    // writes: read once, here, not again after the wait, where it was a
-    // second dependent L2 round trip behind the stop word
-    // (`-DATTN_KV_EARLY=0` reads it there, A/B runs).
-    const u32 kv_len = attn_kv_len(p, a);
-    float rc = 0.0f, rs = 0.0f;
-    if (re.on && threadIdx.x < (re.rope_dim >> 1))
-        rope_cs(kv_len - 1, threadIdx.x, re.rope_dim, re.theta, re.freq_scale, re.ff, rc, rs);
-    AKUNU_PROLOGUE(a);
-#ifdef DIAG_SKIP_ATTN
-    return;  // measurement only (wrong results): decode time without attention
-#endif
-    __shared__ float sm_m[DEC_WARPS], sm_l[DEC_WARPS];
-    __shared__ float sm_acc[DEC_WARPS * 256];
-    __shared__ float sm_q[256];
-    __shared__ u32 sm_last;
+// One block of decode attention for heads of up to 32 * NI dims.
+template <int NI>
+__device__ __forceinline__ void attn_decode_block(const Bind& b, const AttnParams& p, const StepArg& a,
+                                                  float* part, u32 n_split, const RopeExtra& re,
+                                                  u32 kv_len, float rc, float rs, float* sm_m,
+                                                  float* sm_l, float* sm_acc, float* sm_q,
+                                                  u32* sm_last) {
     // grid.z = query rows (speculative verification): row z is the query at
     // position pos + z, computed exactly as a one-row step there (same
     // split layout), with its own tickets and partials.
     const u32 z = blockIdx.z, hd = p.head_dim;
-    Bind bz = b;
-    bz.p[0] += (u64)z * p.qkv_stride * sizeof(float);
-    bz.p[3] += (u64)z * p.out_stride * sizeof(float);
-#if ATTN_KV_EARLY
     const u32 kv = kv_len - (gridDim.z - 1 - z);
-#else
-    const u32 kv = attn_kv_len(p, a) - (gridDim.z - 1 - z);
-#endif
-    u32* tickets = (u32*)((char*)part - ATTN_TICKET_BYTES) + z * p.n_heads;
-    part += (u64)z * p.n_heads * n_split * (hd + 2);
     const u32 chunk = attn_chunk(kv, n_split);
     const u32 n_active = (kv + chunk - 1) / chunk;
     if (blockIdx.y >= n_active) return;
+    AKUNU_PROLOGUE(a);
+#ifdef DIAG_SKIP_ATTN
+    return;  // measurement only (wrong results): decode time without attention
+#endif
+    Bind bz = b;
+    bz.p[0] += (u64)z * p.qkv_stride * sizeof(float);
+    bz.p[3] += (u64)z * p.out_stride * sizeof(float);
+    u32* tickets = (u32*)((char*)part - ATTN_TICKET_BYTES) + z * p.n_heads;
+    part += (u64)z * p.n_heads * n_split * (hd + 2);
     // With the fused RoPE (one row only: grid.z == 1), the new position is
     // kv - 1 and the last active split holds it.
     const float* q_rot = nullptr;
@@ -1899,20 +1894,15 @@ k_attn_decode(Bind b, AttnParams p, StepArg a, float* part, u32 n_split, RopeExt
     }
     // One active split writes the output itself (no partials, no merge).
     float* pp = n_active == 1 ? nullptr : part;
-    if (hd <= 64)
-        attn_decode_body<2>(bz, p, kv, q_rot, pp, n_split, sm_m, sm_l, sm_acc);
-    else if (hd <= 128)
-        attn_decode_body<4>(bz, p, kv, q_rot, pp, n_split, sm_m, sm_l, sm_acc);
-    else
-        attn_decode_body<8>(bz, p, kv, q_rot, pp, n_split, sm_m, sm_l, sm_acc);
+    attn_decode_body<NI>(bz, p, kv, q_rot, pp, n_split, sm_m, sm_l, sm_acc);
     if (n_active == 1) return;
 
     const u32 h = blockIdx.x;
     __threadfence();  // this block's partial is visible before its ticket
     __syncthreads();
-    if (threadIdx.x == 0) sm_last = atomicAdd(&tickets[h], 1u) == n_active - 1;
+    if (threadIdx.x == 0) *sm_last = atomicAdd(&tickets[h], 1u) == n_active - 1;
     __syncthreads();
-    if (!sm_last) return;
+    if (!*sm_last) return;
     __threadfence();
     // sm_acc is free again: its first 32 floats hold the split weights,
     // the rest the per-group sums.
@@ -1920,6 +1910,46 @@ k_attn_decode(Bind b, AttnParams p, StepArg a, float* part, u32 n_split, RopeExt
                       (float*)bz.p[3] + (u64)h * hd, sm_acc, sm_acc + 32);
     if (threadIdx.x == 0) tickets[h] = 0;
 }
+
+// Split-KV decode attention. grid = (n_heads, n_split, query rows),
+// block 128. Splits take attn_chunk(kv_len) keys each, clipped to the
+// window; the first n_active = ceil(kv_len / chunk) write
+// part[(h*n_split + s)*(head_dim+2) + {0: m, 1: l, 2+d: acc[d]}] (an empty
+// range writes m = -inf, l = 0, acc = 0) and the rest return. The last
+// active block of a head to finish (per-head ticket counters in the
+// ATTN_TICKET_BYTES before `part`, which it resets for the next launch)
+// merges the head's splits into the row's output, so decode attention is
+// one kernel.
+//
+// One kernel per head width class (64, 128, 256: NI = 2, 4, 8), so that
+// each gets the registers its width needs: one kernel for every width took
+// 122 a thread; the 64-wide one takes 48, the 128-wide one 64 (NVRTC
+// 13.0). With that and the idle splits' return moved before the wait,
+// tg128 went 1,632 -> 1,734 tok/s on SmolLM2, 1,154 -> 1,182 on
+// Llama-1B F16 and 414.5 -> 416.9 on 8B Q4_0 (bench/RESULTS.md, session 15).
+#define ATTN_DECODE_KERNEL(WIDTH, NI)                                                              \
+    extern "C" __global__ void __launch_bounds__(128)                                              \
+        k_attn_decode_##WIDTH(Bind b, AttnParams p, StepArg a, float* part, u32 n_split,           \
+                              RopeExtra re) {                                                      \
+        /* The fused rotation's angles depend on the position alone, which no                      \
+           kernel before this one in a chunk graph writes (k_chain_advance runs                    \
+           after the chunk): computed before waiting on the previous kernel, the                   \
+           f64 pow and sincospi overlap its tail. The KV length comes from the                     \
+           chain's pos0, which only k_chain_advance writes: read once, here. */                    \
+        const u32 kv_len = attn_kv_len(p, a);                                                      \
+        float rc = 0.0f, rs = 0.0f;                                                                \
+        if (re.on && threadIdx.x < (re.rope_dim >> 1))                                             \
+            rope_cs(kv_len - 1, threadIdx.x, re.rope_dim, re.theta, re.freq_scale, re.ff, rc, rs); \
+        __shared__ float sm_m[DEC_WARPS], sm_l[DEC_WARPS];                                         \
+        __shared__ float sm_acc[DEC_WARPS * 256];                                                  \
+        __shared__ float sm_q[256];                                                                \
+        __shared__ u32 sm_last;                                                                    \
+        attn_decode_block<NI>(b, p, a, part, n_split, re, kv_len, rc, rs, sm_m, sm_l, sm_acc,      \
+                              sm_q, &sm_last);                                                     \
+    }
+ATTN_DECODE_KERNEL(64, 2)
+ATTN_DECODE_KERNEL(128, 4)
+ATTN_DECODE_KERNEL(256, 8)
 
 // Prefill attention. grid = (n_heads, ceil(rows / 8)), block 256 = 8 warps;
 // warp w handles query row t = blockIdx.y*8 + w at position

@@ -359,15 +359,42 @@ fn attn_split(p: &AttnParams) -> u32 {
 
 /// The splits of decode attention (verification rows take the same
 /// layout): `attn_split`, but no more than the GPU holds at once over the
-/// heads, so that a one-row step's blocks run in one wave. At 122 registers a thread, 4 blocks fit an SM (528 on an H200):
-/// 32 heads x 32 splits ran as two waves. With this cap (16 splits), after
-/// a 512-token prompt llama-1b F16 went from 974 to 1,043 tok/s and 8B Q4_0
-/// from 327.7 to 345.6 (bench/RESULTS.md, session 10). SmolLM2's 9 heads
-/// keep 32 splits.
+/// heads, so that a one-row step's blocks run in one wave. When one kernel
+/// served every head width (122 registers a thread, 4 blocks an SM: 528 on
+/// an H200), 32 heads x 32 splits ran as two waves; with this cap (16
+/// splits), after a 512-token prompt llama-1b F16 went from 974 to 1,043
+/// tok/s and 8B Q4_0 from 327.7 to 345.6 (bench/RESULTS.md, session 10).
+/// The per-width kernels hold 8 to 10 blocks an SM, which allows 32 splits
+/// in one wave; after a 512-token prompt that measured 390.1 against 386.3
+/// tok/s at 16 on 8B Q4_0 (heads of 128), but 1,075.5 against 1,098.4 on
+/// llama-1b F16 (heads of 64, whose splits are half the work): heads up to
+/// 64 wide keep the bound of 4 blocks an SM (session 15). SmolLM2's 9 heads
+/// keep 32 splits either way.
 fn attn_split_resident(be: &CudaBackend, p: &AttnParams) -> u32 {
-    let resident = be.sm_count() * be.occupancy(be.kernels().attn_decode, 128, 0);
+    // `AKUNU_CUDA_ATTN_SPLITS=N` caps the splits at N instead (A/B runs).
+    static SPLITS: Knob = Knob::new("AKUNU_CUDA_ATTN_SPLITS");
+    if let Some(n) = SPLITS.number::<u32>().filter(|&n| n >= 1) {
+        return attn_split(p).min(n);
+    }
+    let per_sm = if p.head_dim <= 64 {
+        4
+    } else {
+        be.occupancy(attn_decode_kernel(be, p), 128, 0)
+    };
+    let resident = be.sm_count() * per_sm;
     let per_head = (resident / p.n_heads.max(1)).max(1);
     attn_split(p).min(per_head)
+}
+
+/// The decode attention kernel for `p`'s head width (at most 256: `plan`
+/// rejects wider heads).
+fn attn_decode_kernel(be: &CudaBackend, p: &AttnParams) -> sys::CUfunction {
+    let k = &be.kernels().attn_decode;
+    match p.head_dim {
+        0..=64 => k[0],
+        65..=128 => k[1],
+        _ => k[2],
+    }
 }
 
 /// `ATTN_KEYS_PER_SPLIT`, or `AKUNU_CUDA_ATTN_KEYS` (developer A/B runs).
@@ -1095,7 +1122,12 @@ pub fn plan(
                     rope.freq_scale = r.freq_scale;
                     rope.style = r.style;
                 }
-                let mut a = mk(k.attn_decode, (p.n_heads, n_split, rows), 128, 0);
+                let mut a = mk(
+                    attn_decode_kernel(be, &p),
+                    (p.n_heads, n_split, rows),
+                    128,
+                    0,
+                );
                 a.tail = Tail::Attn {
                     part: part + ATTN_TICKET_BYTES,
                     n_split,

@@ -101,7 +101,9 @@ pub(crate) struct Kernels {
     pub gemm_dequant: sys::CUfunction,
     pub gemm_dequant_hi: sys::CUfunction,
     pub rope_kv_write: sys::CUfunction,
-    pub attn_decode: sys::CUfunction,
+    /// Decode attention for heads up to 64, 128 and 256 wide
+    /// (model.cu `k_attn_decode_*`).
+    pub attn_decode: [sys::CUfunction; 3],
     pub attn_prefill: sys::CUfunction,
     /// Flash prefill attention for heads up to 64, 128 and 256 wide
     /// (model.cu `k_attn_flash_*`), each with its dynamic shared memory;
@@ -564,7 +566,11 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
         gemm_dequant: get("k_gemm_dequant")?,
         gemm_dequant_hi: get("k_gemm_dequant_hi")?,
         rope_kv_write: get("k_rope_kv_write")?,
-        attn_decode: get("k_attn_decode")?,
+        attn_decode: [
+            get("k_attn_decode_64")?,
+            get("k_attn_decode_128")?,
+            get("k_attn_decode_256")?,
+        ],
         attn_prefill: get("k_attn_prefill")?,
         attn_flash: [None; 3],
         attn_tc: [None; 2],
