@@ -368,19 +368,28 @@ tcg_ab() {
 }
 
 tcg_split_one() { # NAME FILE
-    local v sp defs
+    local v sp defs bin
     for v in ${SPLITS:-- 8}; do
         IFS=: read -r sp defs <<<"$v"
+        bin=$BIN/akunu
+        if [ "$sp" = alt ]; then
+            bin=$ALT_BIN
+            sp=-
+        fi
+        # shellcheck disable=SC2086 # TCG_BENCH is a list of arguments
         AKUNU_CUDA_DEFINES="${defs//,/ }" AKUNU_CUDA_TCG_SPLIT=$sp \
-            "$BIN/akunu" bench -m "$2" --device cuda -p 0 -n 128 -r 3 --no-bandwidth 2>&1 |
-            grep -E "tg128|error" | sed "s/^/$1 $v /" | sed 's/| akunu synthetic.*prefill//' || true
+            "$bin" bench -m "$2" --device cuda ${TCG_BENCH:--p 0 -n 128 -r 3} --no-bandwidth 2>&1 |
+            grep -E "tg[0-9]|error" | sed "s/^/$1 $v /" | sed 's/| akunu synthetic.*prefill//' || true
     done
 }
 
 # Decode with the tensor-core gemv's knobs forced: each of $SPLITS is
 # SPLIT[:DEFINES] (AKUNU_CUDA_TCG_SPLIT, "-" = the launcher's choice;
 # DEFINES: comma-separated -D options for AKUNU_CUDA_DEFINES, such as
-# -DTCG_SV=1 or -DTCG_AHEAD_Q4=2).
+# -DTCG_SV=1 or -DTCG_AHEAD_Q4=2). SPLIT "alt" runs the binary $ALT_BIN
+# instead (one built at another commit and carried along, so that two
+# commits compare on one machine). TCG_BENCH replaces the bench arguments
+# (default "-p 0 -n 128 -r 3").
 tcg_split() {
     echo "== decode: tensor-core gemv variants"
     each_shape "${BENCH_SHAPES:-llama-8b:q4_0 llama-8b:f16 llama-1b:f16 smollm2-135m:q4_1}" tcg_split_one
