@@ -376,13 +376,27 @@ fn attn_split_resident(be: &CudaBackend, p: &AttnParams) -> u32 {
     if let Some(n) = SPLITS.number::<u32>().filter(|&n| n >= 1) {
         return attn_split(p).min(n);
     }
-    let per_sm = if p.head_dim <= 64 {
-        4
+    let occupancy = if p.head_dim <= 64 {
+        0 // not asked: the bound below does not use it
     } else {
         be.occupancy(attn_decode_kernel(be, p), 128, 0)
     };
-    let resident = be.sm_count() * per_sm;
-    let per_head = (resident / p.n_heads.max(1)).max(1);
+    attn_split_one_wave(p, be.sm_count(), occupancy)
+}
+
+/// Blocks an SM that heads up to 64 wide count on in `attn_split_one_wave`
+/// (the old single kernel's occupancy; see `attn_split_resident`).
+const ATTN_BLOCKS_PER_SM_64: u32 = 4;
+
+/// `attn_split(p)` bounded so that the heads' splits fit `sm_count` SMs at
+/// `occupancy` blocks each (`ATTN_BLOCKS_PER_SM_64` for heads up to 64).
+fn attn_split_one_wave(p: &AttnParams, sm_count: u32, occupancy: u32) -> u32 {
+    let per_sm = if p.head_dim <= 64 {
+        ATTN_BLOCKS_PER_SM_64
+    } else {
+        occupancy.max(1)
+    };
+    let per_head = (sm_count * per_sm / p.n_heads.max(1)).max(1);
     attn_split(p).min(per_head)
 }
 
@@ -1244,6 +1258,36 @@ fn pick_target(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The split counts measured in bench/RESULTS.md (session 15) on an
+    /// H200's 132 SMs: 32 for SmolLM2's 9 heads of 64, 16 for llama-1b's
+    /// 32 heads of 64, 32 for 8B's 32 heads of 128 at the 128-wide
+    /// kernel's 8 blocks an SM.
+    #[test]
+    fn attention_splits_per_head_width() {
+        let attn = |n_heads, head_dim, capacity| AttnParams {
+            pos: 0,
+            kv_len: 1,
+            n_heads,
+            n_kv_heads: 8.min(n_heads),
+            head_dim,
+            capacity,
+            scale: 1.0,
+            window: 0,
+            qkv_stride: 0,
+            out_stride: 0,
+            softcap: 0.0,
+            _pad: 0,
+        };
+        assert_eq!(attn_split_one_wave(&attn(9, 64, 8192), 132, 0), 32);
+        assert_eq!(attn_split_one_wave(&attn(32, 64, 8192), 132, 10), 16);
+        assert_eq!(attn_split_one_wave(&attn(32, 128, 8192), 132, 8), 32);
+        assert_eq!(attn_split_one_wave(&attn(32, 128, 8192), 132, 4), 16);
+        // A short cache takes fewer (capacity / 16), whatever the bound.
+        assert_eq!(attn_split_one_wave(&attn(32, 128, 160), 132, 8), 10);
+        // More heads than the bound's blocks: one split each.
+        assert_eq!(attn_split_one_wave(&attn(1024, 64, 8192), 132, 0), 1);
+    }
 
     fn sp(n: u32, t: f32, k: u32, tp: f32, mp: f32) -> SampleParams {
         SampleParams {
