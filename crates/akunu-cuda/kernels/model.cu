@@ -1575,74 +1575,6 @@ __device__ __forceinline__ u32 attn_chunk(u32 kv, u32 n_split) {
     return c > DEC_MIN_KEYS ? c : DEC_MIN_KEYS;
 }
 
-// A decode split's key range: [j0, j1) of this row's kv keys, clipped to
-// the window.
-struct AttnRange {
-    int j0, j1;
-};
-__device__ __forceinline__ AttnRange attn_range(const AttnParams& p, u32 kv, u32 n_split) {
-    const int chunk = (int)attn_chunk(kv, n_split);
-    AttnRange r;
-    r.j0 = (int)blockIdx.y * chunk;
-    r.j1 = min(r.j0 + chunk, (int)kv);
-    r.j0 = max(r.j0, attn_first_key((int)kv - 1, p.window));
-    return r;
-}
-
-// One warp step of the online softmax: DEC_KEYS keys from `base` (those
-// below j1), their scores reduced together for ILP.
-template <int NI>
-__device__ __forceinline__ void attn_step(const AttnParams& p, const float (&kk)[DEC_KEYS][NI],
-                                          const float (&vv)[DEC_KEYS][NI], int base, int j1,
-                                          const float (&q)[NI], u32 lane, float& m, float& l,
-                                          float (&acc)[NI]) {
-    const u32 hd = p.head_dim;
-    float sc[DEC_KEYS];
-#pragma unroll
-    for (int t = 0; t < DEC_KEYS; ++t) {
-        const int j = base + t;
-        float s = 0.0f;
-        if (j < j1) {
-#pragma unroll
-            for (int i = 0; i < NI; ++i) {
-                const u32 d = lane + 32 * i;
-                if (d < hd) s += q[i] * kk[t][i];
-            }
-        }
-        sc[t] = s;
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1)
-#pragma unroll
-        for (int t = 0; t < DEC_KEYS; ++t) sc[t] += __shfl_xor_sync(FULL_MASK, sc[t], off);
-    float mt = NEG_INF;
-#pragma unroll
-    for (int t = 0; t < DEC_KEYS; ++t) {
-        sc[t] = base + t < j1 ? softcap_score(sc[t] * p.scale, p.softcap) : NEG_INF;
-        mt = fmaxf(mt, sc[t]);
-    }
-    // Key `base` is always valid, so mn is finite.
-    const float mn = fmaxf(m, mt);
-    const float corr = expf(m - mn);
-    l *= corr;
-#pragma unroll
-    for (int i = 0; i < NI; ++i) acc[i] *= corr;
-#pragma unroll
-    for (int t = 0; t < DEC_KEYS; ++t) {
-        const int j = base + t;
-        if (j < j1) {
-            const float pk = expf(sc[t] - mn);
-            l += pk;
-#pragma unroll
-            for (int i = 0; i < NI; ++i) {
-                const u32 d = lane + 32 * i;
-                if (d < hd) acc[i] += pk * vv[t][i];
-            }
-        }
-    }
-    m = mn;
-}
-
 // Decode split: each warp runs its own online softmax over keys taken
 // DEC_KEYS at a time (lanes over head dims, NI dims per lane; the DEC_KEYS
 // dot products are reduced together for ILP); the 4 warps are merged
@@ -1655,8 +1587,11 @@ __device__ __forceinline__ void attn_decode_body(const Bind& b, const AttnParams
     const u32 h = blockIdx.x, sp = blockIdx.y, hd = p.head_dim;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 g = h / (p.n_heads / p.n_kv_heads);
-    const AttnRange rg = attn_range(p, kv, n_split);
-    const int j0 = rg.j0, j1 = rg.j1;
+    const int pos = (int)kv - 1;
+    const int chunk = (int)attn_chunk(kv, n_split);
+    int j0 = (int)sp * chunk;
+    const int j1 = min(j0 + chunk, (int)kv);
+    j0 = max(j0, attn_first_key(pos, p.window));
 
     // The query: the head's row of QKV, or its rotation staged by the
     // fused RoPE (`attn_rope_prep`).
@@ -1688,7 +1623,50 @@ __device__ __forceinline__ void attn_decode_body(const Bind& b, const AttnParams
                 vv[t][i] = in ? V[(u64)j * hd + d] : 0.0f;
             }
         }
-        attn_step<NI>(p, kk, vv, base, j1, q, lane, m, l, acc);
+        float sc[DEC_KEYS];
+#pragma unroll
+        for (int t = 0; t < DEC_KEYS; ++t) {
+            const int j = base + t;
+            float s = 0.0f;
+            if (j < j1) {
+#pragma unroll
+                for (int i = 0; i < NI; ++i) {
+                    const u32 d = lane + 32 * i;
+                    if (d < hd) s += q[i] * kk[t][i];
+                }
+            }
+            sc[t] = s;
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+            for (int t = 0; t < DEC_KEYS; ++t) sc[t] += __shfl_xor_sync(FULL_MASK, sc[t], off);
+        float mt = NEG_INF;
+#pragma unroll
+        for (int t = 0; t < DEC_KEYS; ++t) {
+            sc[t] = base + t < j1 ? softcap_score(sc[t] * p.scale, p.softcap) : NEG_INF;
+            mt = fmaxf(mt, sc[t]);
+        }
+        // Key `base` is always valid, so mn is finite.
+        const float mn = fmaxf(m, mt);
+        const float corr = expf(m - mn);
+        l *= corr;
+#pragma unroll
+        for (int i = 0; i < NI; ++i) acc[i] *= corr;
+#pragma unroll
+        for (int t = 0; t < DEC_KEYS; ++t) {
+            const int j = base + t;
+            if (j < j1) {
+                const float pk = expf(sc[t] - mn);
+                l += pk;
+#pragma unroll
+                for (int i = 0; i < NI; ++i) {
+                    const u32 d = lane + 32 * i;
+                    if (d < hd) acc[i] += pk * vv[t][i];
+                }
+            }
+        }
+        m = mn;
     }
 
     // Merge the warps' partial softmaxes.
