@@ -529,6 +529,31 @@ template <int DT> struct TcbT {
     static constexpr u32 STAGE = 16 * QPITCH + 16 * SROW;
 };
 
+// The values an accumulating one-row product (the o projection and the
+// FFN down: h += W x) adds its rows g and g + 8 to, requested by the lanes
+// that write them when a tile starts. Read in tcg_finish instead, that load
+// was the kernel's last step: one dependent L2 round trip after the last
+// product, paid by every block before the next kernel could start
+// (bench/RESULTS.md, session 16). Safe after the wait on the previous
+// kernel: no other block writes these rows, and they are not the input.
+// `-DTCG_PRIOR_EARLY=0` turns it off (A/B runs), 1 keeps it to the short
+// instances.
+#ifndef TCG_PRIOR_EARLY
+#define TCG_PRIOR_EARLY 2
+#endif
+template <bool FULL>
+__device__ __forceinline__ constexpr bool tcg_prior_early() {
+    return TCG_PRIOR_EARLY == 2 || (TCG_PRIOR_EARLY == 1 && !FULL);
+}
+__device__ __forceinline__ void tcg_prior(const Bind& b, const GemvParams& p, u32 tile, u32 total, u32 g,
+                                          float (&prior)[2]) {
+#pragma unroll
+    for (u32 h = 0; h < 2; ++h) {
+        const u32 o = tile * 16 + g + 8 * h;
+        prior[h] = o < total ? ((const float*)b.p[1])[o] : 0.0f;
+    }
+}
+
 // The end of a tile, in both forms: lanes t = 0..3 of a row add their
 // blocks' partials, the tile's S warps add theirs through `part` in split
 // order (so a result never depends on timing), and split 0's lanes t = 0
@@ -537,10 +562,14 @@ template <int DT> struct TcbT {
 // the bias of output row o (row g + 8 h of the tile), or null. The register
 // form passes the one it holds: finding the row's segment again here
 // measured 3.9% slower on SmolLM2 (1,531 against 1,593 tok/s).
-template <int MR, class BiasOf>
+//
+// `prior(h, dst)`: the value an accumulating product adds to at dst (row
+// g + 8 h of the tile). The one-row forms pass the value they requested
+// when the tile started (`tcg_prior`); the others read dst here.
+template <int MR, class BiasOf, class Prior>
 __device__ __forceinline__ void tcg_finish(const Bind& b, const GemvParams& p, float (&acc)[MR][2], u32 rows,
                                            u32 tile, u32 n_tiles, u32 S, u32 g, u32 t, float* part,
-                                           u32 pair_act, BiasOf bias_of) {
+                                           u32 pair_act, BiasOf bias_of, Prior prior) {
     const u32 warp = threadIdx.x >> 5, split = warp % S, total = gemv_total_rows(p);
 #pragma unroll
     for (u32 r = 0; r < (u32)MR; ++r) {
@@ -593,7 +622,7 @@ __device__ __forceinline__ void tcg_finish(const Bind& b, const GemvParams& p, f
                 if (r < rows) {
                     float* dst = (float*)b.p[1] + (u64)r * p.out_stride + o;
                     const float v = softcap_score(acc[r][h] + bias, p.softcap);
-                    *dst = p.accumulate ? *dst + v : v;
+                    *dst = p.accumulate ? prior(h, dst) + v : v;
                 }
             }
         }
@@ -698,11 +727,14 @@ __device__ __forceinline__ void tcg_body(const Bind& b, const GemvParams& p, con
         float acc[MR][2];
 #pragma unroll
         for (u32 r = 0; r < (u32)MR; ++r) acc[r][0] = acc[r][1] = 0.0f;
+        float prior[2] = {0.0f, 0.0f};
+        constexpr bool EARLY = MR == 1 && tcg_prior_early<FULL>();
         if (tile < n_tiles) {
             if (!first) {
                 tile_rows(tile, s0, s1);
                 prologue(s0, s1);
             }
+            if (EARLY && p.accumulate && split == 0 && t == 0) tcg_prior(b, p, tile, total, g, prior);
             // Group n computes from W[n % D] and refills it with group n + D.
             // Rounds whose groups and refills all exist run without guards
             // (as the bulk-copy form's full chunks), so that groups overlap.
@@ -726,7 +758,8 @@ __device__ __forceinline__ void tcg_body(const Bind& b, const GemvParams& p, con
             }
         }
         tcg_finish<MR>(b, p, acc, rows, tile, n_tiles, S, g, t, part, ex.pair_act,
-                       [&](u32 h, u32) { return h ? s1.bias : s0.bias; });
+                       [&](u32 h, u32) { return h ? s1.bias : s0.bias; },
+                       [&](u32 h, const float* dst) { return EARLY ? prior[h] : *dst; });
     }
 }
 
@@ -914,7 +947,10 @@ __device__ __forceinline__ void tcb_body(const Bind& b, const GemvParams& p, con
     for (u32 rg = blockIdx.x; rg < n_rg; rg += gridDim.x) {
         const u32 tile = rg * tpb + my_tile;
         float acc[1][2] = {{0.0f, 0.0f}};
+        float prior[2] = {0.0f, 0.0f};
+        constexpr bool EARLY = tcg_prior_early<true>();
         if (tile < n_tiles) {
+            if (EARLY && p.accumulate && split == 0 && t == 0) tcg_prior(b, p, tile, total, g, prior);
             for (u32 c = split; c < n_ch; c += S) {
                 mbar_wait(&bar[stage], phase);
                 const u8* st = ring + stage * C::STAGE;
@@ -960,7 +996,8 @@ __device__ __forceinline__ void tcb_body(const Bind& b, const GemvParams& p, con
             }
         }
         tcg_finish<1>(b, p, acc, 1, tile, n_tiles, S, g, t, part, ex.pair_act,
-                      [&](u32, u32 o) { return seg_row(b, p, o).bias; });
+                      [&](u32, u32 o) { return seg_row(b, p, o).bias; },
+                      [&](u32 h, const float* dst) { return EARLY ? prior[h] : *dst; });
     }
     TCB_STAMP(3);
 }
