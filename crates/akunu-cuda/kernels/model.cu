@@ -1749,10 +1749,35 @@ __device__ __forceinline__ float attn_combine_dim(const float* p, u32 stride, u3
 // out[d] = sum acc_s[d] e^(m_s - M) / L. The partials were written by other
 // blocks of this grid: read through L2 (ld.global.cg), never a stale L1
 // line. All the loads of a pass are independent, so they overlap.
+//
+// When a thread's partial values fit one batch of EB loads (heads of up to
+// blockDim dims, at most EB splits per thread: every head of 64 dims, heads
+// of 128 up to 8 splits), it requests them before the split weights are
+// known, so the merge waits on one L2 round trip instead of two (the sums
+// are added in the same order either way). `-DATTN_MERGE_EARLY=0` turns it
+// off (A/B runs). Heads of 128 take EB = 8 so that the kernel keeps the
+// registers, and with them the occupancy, its split count is derived from
+// (NVRTC 13.0: 64 registers with 8, 71 with 16).
+#ifndef ATTN_MERGE_EARLY
+#define ATTN_MERGE_EARLY 1
+#endif
+template <u32 EB>
 __device__ __forceinline__ void attn_combine_head(const float* ph, u32 hd, u32 n_active,
                                                   float* __restrict__ out, float* sm_f,
                                                   float* sm_red) {
     const u32 stride = hd + 2, tid = threadIdx.x;
+    const u32 groups = blockDim.x / hd;
+    // Thread t takes dim t % hd of splits t / hd, t / hd + groups, ...
+    const u32 d = groups ? tid % hd : 0, g0 = groups ? tid / hd : 0;
+    const bool early = ATTN_MERGE_EARLY && EB > 0 && groups >= 1 && n_active <= EB * groups;
+    float x[EB > 0 ? EB : 1];
+    if (early) {
+#pragma unroll
+        for (u32 i = 0; i < EB; ++i) {
+            const u32 si = g0 + i * groups;
+            x[i] = g0 < groups && si < n_active ? __ldcg(ph + 2 + d + si * stride) : 0.0f;
+        }
+    }
     // Weights of the splits: f_s = e^(m_s - M) / L (n_active <= 32).
     if (tid < 32) {
         const bool live = tid < n_active && __ldcg(ph + tid * stride + 1) > 0.0f;
@@ -1764,14 +1789,31 @@ __device__ __forceinline__ void attn_combine_head(const float* ph, u32 hd, u32 n
         sm_f[tid] = L > 0.0f ? e / L : 0.0f;
     }
     __syncthreads();
-    const u32 groups = blockDim.x / hd;
+    if (early) {
+        float v = 0.0f;
+#pragma unroll
+        for (u32 i = 0; i < EB; ++i) {
+            const u32 si = g0 + i * groups;
+            if (g0 < groups && si < n_active) v += sm_f[si] * x[i];
+        }
+        if (groups == 1) {
+            if (tid < hd) out[tid] = v;
+            return;
+        }
+        if (g0 < groups) sm_red[tid] = v;
+        __syncthreads();
+        if (tid < hd) {
+            float t = 0.0f;
+            for (u32 q = 0; q < groups; ++q) t += sm_red[q * hd + tid];
+            out[tid] = t;
+        }
+        return;
+    }
     if (groups <= 1) {
         for (u32 d = tid; d < hd; d += blockDim.x)
             out[d] = attn_combine_dim(ph + 2 + d, stride, 0, 1, n_active, sm_f);
         return;
     }
-    // Thread t takes dim t % hd of splits t / hd, t / hd + groups, ...
-    const u32 d = tid % hd, g0 = tid / hd;
     float v = 0.0f;
     if (g0 < groups) v = attn_combine_dim(ph + 2 + d, stride, g0, groups, n_active, sm_f);
     if (g0 < groups) sm_red[tid] = v;
@@ -1804,9 +1846,15 @@ struct RopeExtra {
 // Blocks of other heads that share the KV head write the same bits; no
 // other block reads that position. The QKV row itself is left unrotated:
 // nothing after attention reads it.
-__device__ __forceinline__ void attn_rope_prep(const Bind& b, const AttnParams& p, const RopeExtra& re,
+//
+// Every load comes before the first write, and the chain's stop word is
+// tested between them (`stop_seen`, after the barrier): the block does not
+// spend a dependent L2 round trip on it before reading the row, as the
+// short gemv instances (common.cuh, LATE_STOP). Returns true when stopped.
+template <class StopSeen>
+__device__ __forceinline__ bool attn_rope_prep(const Bind& b, const AttnParams& p, const RopeExtra& re,
                                                u32 pos, float c, float s, bool writes_kv,
-                                               float* q_rot) {
+                                               float* q_rot, StopSeen stop_seen) {
     const u32 h = blockIdx.x, hd = p.head_dim, half = re.rope_dim >> 1;
     const u32 g = h / (p.n_heads / p.n_kv_heads);
     const bool neox = re.style == ROPE_NEOX;
@@ -1817,27 +1865,53 @@ __device__ __forceinline__ void attn_rope_prep(const Bind& b, const AttnParams& 
     float* __restrict__ kdst = (float*)b.p[1] + ((u64)g * p.capacity + pos) * hd;
     float* __restrict__ vdst = (float*)b.p[2] + ((u64)g * p.capacity + pos) * hd;
     // Thread i rotates pair i with the (c, s) it computed before the wait
-    // (half <= 128 = blockDim: head_dim <= 256).
+    // (half <= 128 = blockDim: head_dim <= 256, so a thread also takes at
+    // most two of the dims past the rotation and two of V).
     const u32 i = threadIdx.x;
+    u32 ia = 0, ib = 0;
+    float qa = 0.0f, qb = 0.0f, ka = 0.0f, kb = 0.0f, qr[2], kr[2], vr[2];
     if (i < half) {
-        u32 ia, ib;
         rope_pair(i, half, neox, ia, ib);
-        rope_rotate(qh[ia], qh[ib], c, s, q_rot[ia], q_rot[ib]);
+        qa = qh[ia];
+        qb = qh[ib];
+        if (writes_kv) {
+            ka = kh[ia];
+            kb = kh[ib];
+        }
+    }
+#pragma unroll
+    for (u32 n = 0; n < 2; ++n) {
+        const u32 d = re.rope_dim + i + n * blockDim.x, dv = i + n * blockDim.x;
+        qr[n] = d < hd ? qh[d] : 0.0f;
+        kr[n] = writes_kv && d < hd ? kh[d] : 0.0f;
+        vr[n] = writes_kv && dv < hd ? vh[dv] : 0.0f;
+    }
+    if (stop_seen()) return true;
+    if (i < half) {
+        rope_rotate(qa, qb, c, s, q_rot[ia], q_rot[ib]);
         if (writes_kv) {
             float y0, y1;
-            rope_rotate(kh[ia], kh[ib], c, s, y0, y1);
+            rope_rotate(ka, kb, c, s, y0, y1);
             kdst[ia] = y0;
             kdst[ib] = y1;
         }
     }
-    for (u32 d = re.rope_dim + threadIdx.x; d < hd; d += blockDim.x) {
-        q_rot[d] = qh[d];
-        if (writes_kv) kdst[d] = kh[d];
+#pragma unroll
+    for (u32 n = 0; n < 2; ++n) {
+        const u32 d = re.rope_dim + i + n * blockDim.x, dv = i + n * blockDim.x;
+        if (d < hd) {
+            q_rot[d] = qr[n];
+            if (writes_kv) kdst[d] = kr[n];
+        }
+        if (writes_kv && dv < hd) vdst[dv] = vr[n];
     }
-    if (writes_kv)
-        for (u32 d = threadIdx.x; d < hd; d += blockDim.x) vdst[d] = vh[d];
     __syncthreads();
+    return false;
 }
+
+#ifndef ATTN_LATE_STOP
+#define ATTN_LATE_STOP LATE_STOP
+#endif
 
 // One block of decode attention for heads of up to 32 * NI dims.
 template <int NI>
@@ -1854,7 +1928,16 @@ __device__ __forceinline__ void attn_decode_block(const Bind& b, const AttnParam
     const u32 chunk = attn_chunk(kv, n_split);
     const u32 n_active = (kv + chunk - 1) / chunk;
     if (blockIdx.y >= n_active) return;
-    AKUNU_PROLOGUE(a);
+    // With the fused RoPE the stop word is tested after the row's loads
+    // (attn_rope_prep); `-DATTN_LATE_STOP=0` tests it first (A/B runs).
+    __shared__ uint4 ctl_slot;
+    const bool late = ATTN_LATE_STOP && re.on;
+    if (late) {
+        AKUNU_GRID_DEPS();
+        chain_stop_copy(a, &ctl_slot);
+    } else {
+        AKUNU_PROLOGUE(a);
+    }
 #ifdef DIAG_SKIP_ATTN
     return;  // measurement only (wrong results): decode time without attention
 #endif
@@ -1867,7 +1950,13 @@ __device__ __forceinline__ void attn_decode_block(const Bind& b, const AttnParam
     // kv - 1 and the last active split holds it.
     const float* q_rot = nullptr;
     if (re.on) {
-        attn_rope_prep(bz, p, re, kv - 1, rc, rs, blockIdx.y == n_active - 1, sm_q);
+        const bool stopped = attn_rope_prep(bz, p, re, kv - 1, rc, rs, blockIdx.y == n_active - 1, sm_q, [&] {
+            if (!late) return false;
+            chain_stop_landed();
+            __syncthreads();
+            return chain_stop_seen(a, &ctl_slot);
+        });
+        if (stopped) return;
         q_rot = sm_q;
     }
     // One active split writes the output itself (no partials, no merge).
@@ -1884,7 +1973,7 @@ __device__ __forceinline__ void attn_decode_block(const Bind& b, const AttnParam
     __threadfence();
     // sm_acc is free again: its first 32 floats hold the split weights,
     // the rest the per-group sums.
-    attn_combine_head(part + (u64)h * n_split * (hd + 2), hd, n_active,
+    attn_combine_head<NI <= 2 ? ATTN_MERGE_BATCH : NI <= 4 ? 8 : 0>(part + (u64)h * n_split * (hd + 2), hd, n_active,
                       (float*)bz.p[3] + (u64)h * hd, sm_acc, sm_acc + 32);
     if (threadIdx.x == 0) tickets[h] = 0;
 }
