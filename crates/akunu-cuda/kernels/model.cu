@@ -1757,7 +1757,8 @@ __device__ __forceinline__ float attn_combine_dim(const float* p, u32 stride, u3
 // are added in the same order either way). `-DATTN_MERGE_EARLY=0` turns it
 // off (A/B runs). Heads of 128 take EB = 8 so that the kernel keeps the
 // registers, and with them the occupancy, its split count is derived from
-// (NVRTC 13.0: 64 registers with 8, 71 with 16).
+// (NVRTC 13.0: 64 registers with 8, 71 with 16). Heads of 256 never take
+// it (no whole head per thread group); they pass EB = 1.
 #ifndef ATTN_MERGE_EARLY
 #define ATTN_MERGE_EARLY 1
 #endif
@@ -1769,8 +1770,8 @@ __device__ __forceinline__ void attn_combine_head(const float* ph, u32 hd, u32 n
     const u32 groups = blockDim.x / hd;
     // Thread t takes dim t % hd of splits t / hd, t / hd + groups, ...
     const u32 d = groups ? tid % hd : 0, g0 = groups ? tid / hd : 0;
-    const bool early = ATTN_MERGE_EARLY && EB > 0 && groups >= 1 && n_active <= EB * groups;
-    float x[EB > 0 ? EB : 1];
+    const bool early = ATTN_MERGE_EARLY && groups >= 1 && n_active <= EB * groups;
+    float x[EB];
     if (early) {
 #pragma unroll
         for (u32 i = 0; i < EB; ++i) {
@@ -1973,7 +1974,7 @@ __device__ __forceinline__ void attn_decode_block(const Bind& b, const AttnParam
     __threadfence();
     // sm_acc is free again: its first 32 floats hold the split weights,
     // the rest the per-group sums.
-    attn_combine_head<NI <= 2 ? ATTN_MERGE_BATCH : NI <= 4 ? 8 : 0>(part + (u64)h * n_split * (hd + 2), hd, n_active,
+    attn_combine_head<NI <= 2 ? ATTN_MERGE_BATCH : NI <= 4 ? 8 : 1>(part + (u64)h * n_split * (hd + 2), hd, n_active,
                       (float*)bz.p[3] + (u64)h * hd, sm_acc, sm_acc + 32);
     if (threadIdx.x == 0) tickets[h] = 0;
 }
