@@ -149,6 +149,25 @@ __device__ __forceinline__ bool chain_stop_seen(const StepArg& a, const uint4* s
     return a.ctl && slot->w;
 }
 
+// Whether this block is the last of `n` to take a ticket from `*ticket`,
+// with every block's global writes before the call visible to it when it
+// is: a barrier, then one acquire-release atomic by thread 0 (the tickets
+// form one release sequence), then a barrier; the pattern of CUTLASS's
+// semaphore. Every thread of the block must call it; the answer is the
+// same for all of them. Decode attention measured it against a fence by
+// every thread on both sides (fence.sc.gpu): SmolLM2 1,845 -> 1,868 tok/s
+// (bench/RESULTS.md, session 16).
+__device__ __forceinline__ bool last_to_arrive(u32* ticket, u32 n, u32* flag) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 old;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(ticket) : "memory");
+        *flag = old == n - 1;
+    }
+    __syncthreads();
+    return *flag;
+}
+
 #define AKUNU_PROLOGUE(a)                                                   \
     do {                                                                    \
         AKUNU_GRID_DEPS();                                                  \

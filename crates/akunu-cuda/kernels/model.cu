@@ -1913,7 +1913,7 @@ __device__ __forceinline__ bool attn_rope_prep(const Bind& b, const AttnParams& 
 #ifndef ATTN_LATE_STOP
 #define ATTN_LATE_STOP LATE_STOP
 #endif
-// The split tickets as one acquire-release atomic of thread 0 (below);
+// The split tickets through `last_to_arrive` (common.cuh);
 // `-DATTN_TICKET_ACQREL=0` puts back a fence of every thread on both sides
 // (A/B runs).
 #ifndef ATTN_TICKET_ACQREL
@@ -1973,20 +1973,7 @@ __device__ __forceinline__ void attn_decode_block(const Bind& b, const AttnParam
 
     const u32 h = blockIdx.x;
     if (ATTN_TICKET_ACQREL) {
-        // The block's partial is ordered before its ticket by the barrier
-        // and thread 0's release; the merging block's reads after the
-        // barrier that follows thread 0's acquire of the last ticket (the
-        // tickets form one release sequence). One fence by one thread,
-        // where each thread fenced its own writes (fence.sc) and the
-        // merging block fenced again.
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            u32 old;
-            asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(&tickets[h]) : "memory");
-            *sm_last = old == n_active - 1;
-        }
-        __syncthreads();
-        if (!*sm_last) return;
+        if (!last_to_arrive(&tickets[h], n_active, sm_last)) return;
     } else {
         __threadfence();  // this block's partial is visible before its ticket
         __syncthreads();

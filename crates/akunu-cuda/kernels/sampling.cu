@@ -1245,16 +1245,11 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
     SMB_MARK(4);
     // ---- ticket: the last block to arrive merges (k_attn_decode's pattern)
     u32* ticket = (u32*)scratch;
-    __threadfence();  // this block's candidates and mass are visible before its ticket
-    __syncthreads();
-    if (tid == 0) s.last = atomicAdd(ticket, 1u) == G - 1u;
-    __syncthreads();
-    if (!s.last) {
+    if (!last_to_arrive(ticket, G, &s.last)) {
         SMB_REPORT("block 0", blockIdx.x == 0, 5);
         return;
     }
     SMB_MARK(5);
-    __threadfence();
 
     // ---- merge: all G * Kc keys, sorted; the global pool's head
     const u32 M = G * Kc;  // <= SMB_CAND_CAP (launcher)
