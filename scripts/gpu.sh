@@ -12,7 +12,8 @@
 #                                 (the GPU machine keeps files while warm).
 #   scripts/gpu.sh run WHAT...    (on the GPU machine, from the repository
 #                                 root, with .gpu carried) runs, in order,
-#                                 each WHAT of: tests, sanitize, bench, bench-ab,
+#                                 each WHAT of: tests, engine-tests (once,
+#                                 no reruns), sampled, sanitize, bench, bench-ab,
 #                                 ab (AB_VAR, AB_VALUES, AB_ROUNDS), tcg-ab,
 #                                 profile, profile-big, trace, features,
 #                                 ncu-token,
@@ -134,6 +135,30 @@ tests() {
       AKUNU_CUDA_TCB=all "$BIN/gpu-tests" --ignored --test-threads=1 --nocapture logits_match_cpu_on_real_shapes 2>&1
       "$BIN/gpu-sampling-kernels-tests" --ignored --test-threads=1 2>&1; } | tee "$OUTDIR/tests.log" |
         grep -E "^test |^== |rel-L2|near-tie|delivery|stop at|result|panicked|compiling" || true
+}
+
+# The engine and sampling-kernel tests once, without the reruns under
+# developer switches (a short check between full `tests` runs).
+engine_tests() {
+    echo "== GPU tests (engine and sampling kernels, once)"
+    { "$BIN/gpu-tests" --ignored --test-threads=1 2>&1
+      "$BIN/gpu-sampling-kernels-tests" --ignored --test-threads=1 2>&1; } | tee "$OUTDIR/engine-tests.log" |
+        grep -E "^test |test result|panicked" || true
+}
+
+# Greedy against sampled decode (the default model's sampling settings) on
+# the synthetic SmolLM2 shape, for when the default model is not at hand.
+sampled() {
+    echo "== greedy and sampled decode (synthetic smollm2-135m q4_1)"
+    local f=$STORE/smollm2-135m-q4_1.gguf r
+    synth_file smollm2-135m q4_1 "$f"
+    for r in 1 2; do
+        for args in "" "--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1"; do
+            # shellcheck disable=SC2086 # a list of arguments
+            "$BIN/akunu" bench -m "$f" --device cuda -p 0 -n 128 -r 5 --no-bandwidth $args 2>&1 |
+                grep -E "tg[0-9]|error" | sed "s/^/${args:-greedy} /" | sed 's/| akunu synthetic.*prefill//' || true
+        done
+    done
 }
 
 sanitize() {
@@ -662,6 +687,8 @@ run)
         ab) ab ;;
         tcg-ab) tcg_ab ;;
         tcg-split) tcg_split ;;
+        engine-tests) engine_tests ;;
+        sampled) sampled ;;
         profile) profile ;;
         profile-big) profile_big ;;
         trace) trace ;;
