@@ -1744,6 +1744,20 @@ __device__ __forceinline__ float attn_combine_dim(const float* p, u32 stride, u3
     return w;
 }
 
+// out[d] = the sum over thread groups of their values v for dim d (thread
+// t holds group t / hd's), added in group order. Every thread must call it.
+__device__ __forceinline__ void attn_sum_groups(float v, u32 hd, u32 groups, u32 g0,
+                                                float* __restrict__ out, float* sm_red) {
+    const u32 tid = threadIdx.x;
+    if (g0 < groups) sm_red[tid] = v;
+    __syncthreads();
+    if (tid < hd) {
+        float t = 0.0f;
+        for (u32 q = 0; q < groups; ++q) t += sm_red[q * hd + tid];
+        out[tid] = t;
+    }
+}
+
 // Merges the first n_active decode splits of head h (threads over head
 // dims and splits): M = max m_s, L = sum l_s e^(m_s - M),
 // out[d] = sum acc_s[d] e^(m_s - M) / L. The partials were written by other
@@ -1801,13 +1815,7 @@ __device__ __forceinline__ void attn_combine_head(const float* ph, u32 hd, u32 n
             if (tid < hd) out[tid] = v;
             return;
         }
-        if (g0 < groups) sm_red[tid] = v;
-        __syncthreads();
-        if (tid < hd) {
-            float t = 0.0f;
-            for (u32 q = 0; q < groups; ++q) t += sm_red[q * hd + tid];
-            out[tid] = t;
-        }
+        attn_sum_groups(v, hd, groups, g0, out, sm_red);
         return;
     }
     if (groups <= 1) {
@@ -1817,13 +1825,7 @@ __device__ __forceinline__ void attn_combine_head(const float* ph, u32 hd, u32 n
     }
     float v = 0.0f;
     if (g0 < groups) v = attn_combine_dim(ph + 2 + d, stride, g0, groups, n_active, sm_f);
-    if (g0 < groups) sm_red[tid] = v;
-    __syncthreads();
-    if (tid < hd) {
-        float t = 0.0f;
-        for (u32 q = 0; q < groups; ++q) t += sm_red[q * hd + tid];
-        out[tid] = t;
-    }
+    attn_sum_groups(v, hd, groups, g0, out, sm_red);
 }
 
 // Launch-time fusion of the RoPE + KV write that precedes decode attention
