@@ -150,7 +150,7 @@ engine_tests() {
 # the synthetic SmolLM2 shape, for when the default model is not at hand.
 sampled() {
     echo "== greedy and sampled decode (synthetic smollm2-135m q4_1)"
-    local f=$STORE/smollm2-135m-q4_1.gguf r
+    local f=$STORE/smollm2-135m-q4_1.gguf r args
     synth_file smollm2-135m q4_1 "$f"
     for r in 1 2; do
         for args in "" "--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1"; do
