@@ -13,7 +13,8 @@
 #   scripts/gpu.sh run WHAT...    (on the GPU machine, from the repository
 #                                 root, with .gpu carried) runs, in order,
 #                                 each WHAT of: tests, engine-tests (once,
-#                                 no reruns), sampled, sanitize, bench, bench-ab,
+#                                 no reruns), sampled, sampled-ab (SMB_AB),
+#                                 sanitize, bench, bench-ab,
 #                                 ab (AB_VAR, AB_VALUES, AB_ROUNDS), tcg-ab,
 #                                 profile, profile-big, trace, features,
 #                                 ncu-token,
@@ -158,6 +159,32 @@ sampled() {
             "$BIN/akunu" bench -m "$f" --device cuda -p 0 -n 128 -r 5 --no-bandwidth $args 2>&1 |
                 grep -E "tg[0-9]|error" | sed "s/^/${args:-greedy} /" | sed 's/| akunu synthetic.*prefill//' || true
         done
+    done
+}
+
+# Sampled decode with the select kernel's compile-time variants against
+# greedy, on one binary, then the select kernel's phases for each. SMB_AB:
+# define sets separated by spaces, the defines of a set by commas, `_` for
+# none (default: "-DSMB_RANK=0 -DSMB_RANK=1").
+sampled_ab() {
+    echo "== greedy and sampled decode by select-kernel variant (synthetic smollm2-135m q4_1)"
+    local f=$STORE/smollm2-135m-q4_1.gguf r d
+    synth_file smollm2-135m q4_1 "$f"
+    for r in 1 2; do
+        "$BIN/akunu" bench -m "$f" --device cuda -p 0 -n 128 -r 5 --no-bandwidth 2>&1 |
+            grep -E "tg[0-9]|error" | sed "s/^/greedy /" | sed 's/| akunu synthetic.*prefill//' || true
+        for d in ${SMB_AB:--DSMB_RANK=0 -DSMB_RANK=1}; do
+            [ "$d" = _ ] && d=
+            d=${d//,/ }
+            AKUNU_CUDA_DEFINES="$d" "$BIN/akunu" bench -m "$f" --device cuda -p 0 -n 128 -r 5 \
+                --no-bandwidth --temperature 0.8 --top-k 40 --top-p 0.95 --seed 1 2>&1 |
+                grep -E "tg[0-9]|error" | sed "s/^/sampled ${d:-_} /" | sed 's/| akunu synthetic.*prefill//' || true
+        done
+    done
+    for d in ${SMB_AB:--DSMB_RANK=0 -DSMB_RANK=1}; do
+        [ "$d" = _ ] && d=
+        d=${d//,/ }
+        smb_timing "$f" "$d"
     done
 }
 
@@ -484,10 +511,19 @@ sampler() {
     done
     "$BIN/akunu" profile -m "$MODEL" --device cuda -n 64 "${samp[@]}" 2>&1 |
         tee "$OUTDIR/profile-sampled.log" | grep -E "sample|argmax|logits|total|per token" || true
-    # Phase lengths inside k_sample_select (SM cycles), from its developer timer.
-    AKUNU_CUDA_DEFINES=-DSMB_TIMING "$BIN/akunu" generate -m "$MODEL" --device cuda \
-        --prompt-ids 1,2,3,4 -n 700 --ignore-eos "${samp[@]}" 2>/dev/null | grep '^smb' >"$OUTDIR/smb-timing.log" || true
-    python3 - "$OUTDIR/smb-timing.log" <<'PY'
+    smb_timing "$MODEL" ""
+}
+
+# Phase lengths inside k_sample_select (SM cycles), from its developer timer:
+# smb_timing MODEL EXTRA_DEFINES.
+smb_timing() {
+    local log
+    log=$OUTDIR/smb-timing$(echo "$2" | tr -c 'A-Za-z0-9_=\n' _).log
+    echo "-- k_sample_select phases, defines: ${2:-none}"
+    AKUNU_CUDA_DEFINES="-DSMB_TIMING $2" "$BIN/akunu" generate -m "$1" --device cuda \
+        --prompt-ids 1,2,3,4 -n 700 --ignore-eos --temperature 0.8 --top-k 40 --top-p 0.95 --seed 1 \
+        2>/dev/null | grep '^smb' >"$log" || true
+    python3 - "$log" <<'PY'
 import sys, statistics
 rows = {}
 for line in open(sys.argv[1]):
@@ -689,6 +725,7 @@ run)
         tcg-split) tcg_split ;;
         engine-tests) engine_tests ;;
         sampled) sampled ;;
+        sampled-ab) sampled_ab ;;
         profile) profile ;;
         profile-big) profile_big ;;
         trace) trace ;;
@@ -709,7 +746,7 @@ run)
     done
     ;;
 *)
-    sed -n '2,22p' "$0"
+    sed -n '2,23p' "$0"
     exit 2
     ;;
 esac

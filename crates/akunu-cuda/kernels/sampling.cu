@@ -1032,12 +1032,18 @@ k_gumbel_sample(Bind b, SampleParams p, StepArg a) {
 #define SMB_TIMING_DECL
 #endif
 
-struct SmbShared {
+struct __align__(16) SmbShared {
     // A block's slice keys, then (last block) the merged keys: SMB_SLICE_MAX
     // == SMB_CAND_CAP, and the two uses are separated by barriers.
     u64 keys[SMB_CAND_CAP];
-    u64 top[64];                      // block_top64's result (top-k <= 64)
-    u64 wl[(SMB_THREADS / 32) * 64];  // block_top64's per-warp lists
+    u64 top[64];  // the 64 best keys (top-k <= 64)
+    // block_top64's per-warp lists, or smb_rank_top64's candidates (16-byte
+    // aligned: read two keys at a time).
+    u64 wl[(SMB_THREADS / 32) * 64];
+    u64 mbound;  // merge: the candidates' lower bound (a j-th key)
+    u32 bound;   // slice: the candidates' lower bound (ordered logit bits)
+    u32 nc;      // slice candidates
+    u32 ncm;     // merge candidates
     u32 rc[32];
     u64 rm[32];
     float rf[32];
@@ -1046,6 +1052,67 @@ struct SmbShared {
     u32 jm;      // mass cut index
     u64 incl_c, incl_m;
 };
+
+// The 64 best keys by ranking a few candidates (SMB_RANK=1) rather than
+// merging sorted lists of 64. A lower bound b is found first such that at
+// least 64 keys are >= b; every key of the 64 best is then >= b, and so is
+// every key above any of them, so a candidate's rank among the candidates
+// (how many candidates are larger) is its rank among all keys. The
+// bounds: in a slice, the smallest over the warps of each warp's 4th
+// largest lane value (a lane's best ordered logit); in the merge, a j-th
+// key of the G sorted lists (see there). A zero bound
+// (some warp or list too short) admits every key; more than
+// SMB_RANK_CAP candidates take block_top64 / block_top64_lists instead,
+// which give the same 64 keys.
+#ifndef SMB_RANK
+#define SMB_RANK 1
+#endif
+#define SMB_RANK_CAP 384
+static_assert(SMB_THREADS / 32 * 4 >= 64, "the slice bound needs 16 warps of 4 lanes");
+static_assert(SMB_RANK_CAP <= (SMB_THREADS / 32) * 64, "candidates live in SmbShared::wl");
+
+// Largest m such that at least 4 lanes hold v >= m, or 0 when fewer than 4
+// lanes hold a nonzero v. Warp-uniform; every lane calls it.
+__device__ __forceinline__ u32 warp_fourth_largest(u32 v) {
+    u32 seen = 0, m = 0;
+    for (int r = 0; r < 4 && seen < 4u; ++r) {
+        m = __reduce_max_sync(FULL_MASK, v);
+        if (m == 0u) return 0u;
+        seen += (u32)__popc(__ballot_sync(FULL_MASK, v == m));
+        if (v == m) v = 0u;
+    }
+    return m;
+}
+
+// out[r] = cand[q] for each candidate whose rank r (candidates larger) is
+// below 64. Candidates: C distinct nonzero keys, 16-byte aligned; out is
+// zeroed and both are published (barrier) before. A candidate is ranked
+// by S lanes of one warp (S a power of two, as many as the block allows),
+// each counting every S-th pair. Every thread calls it; ends synchronised.
+__device__ void smb_rank_top64(const u64* cand, u32 C, u64* out) {
+    const u32 bd = blockDim.x, tid = threadIdx.x;
+    u32 S = 1;
+    while (S < 32u && C * (2u * S) <= bd) S *= 2u;
+    const u32 pairs = (C + 1u) / 2u;
+    const ulonglong2* c2 = (const ulonglong2*)cand;
+    // Block-uniform trip count, so that every lane reaches the shuffles.
+    for (u32 base = 0; base < C * S; base += bd) {
+        const u32 t = base + tid, q = t / S, part = t % S;
+        const bool live = q < C;
+        const u64 x = live ? cand[q] : NONE64;
+        u32 r = 0;
+        if (live) {
+#pragma unroll 4
+            for (u32 k = part; k < pairs; k += S) {
+                const ulonglong2 y = c2[k];
+                r += (u32)(y.x > x) + (u32)(2u * k + 1u < C && y.y > x);
+            }
+        }
+        for (u32 o = S / 2u; o > 0u; o >>= 1) r += __shfl_xor_sync(FULL_MASK, r, o);
+        if (live && part == 0u && r < 64u) out[r] = x;
+    }
+    __syncthreads();
+}
 
 // The window of the sampler's penalty (as k_gumbel_sample computes it),
 // applied to the ids in [lo, hi) of this block. Block-uniform; ends
@@ -1130,6 +1197,14 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
     const bool inv_ok = inv_t > 0.0f && inv_t < POS_INF;
     const u32 base = position_base(p.seed_lo, p.seed_hi, kv_len);
 
+    if (tid == 0) {
+        // Before the first barrier (block_argmax's): the bounds and the
+        // counters change only after it.
+        s.bound = ~0u;
+        s.mbound = 0;
+        s.nc = 0;
+        s.ncm = 0;
+    }
     SMB_MARK(0);
     // ---- the global max and its lowest index, from the prep partials
     // (L2 loads: written by the previous grid)
@@ -1181,8 +1256,17 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
     // Slice keys (0 = not in the pool: -inf, NaN, below min-p; real keys
     // are never 0) and the slice's mass of finite tokens (top-p measures
     // against all of them, as the single-block kernel).
+    // The slice's keys in rank order, at least the first Kc of them: the
+    // 64 best for top-k <= 64 (the engine's usual settings), a block sort
+    // otherwise.
+#ifdef SMB_NO_TOP64
+    const bool top64 = false;  // developer A/B: the block sort only
+#else
+    const bool top64 = p.top_k <= 64u;
+#endif
     const u32 P = pow2_at_least(cnt);
     u64 mass = 0;
+    u32 lane_best = 0;  // this thread's best ordered logit (0: no key)
     for (u32 j = tid; j < P; j += bd) {
         u64 key = 0;
         if (j < cnt) {
@@ -1195,19 +1279,33 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
             }
         }
         s.keys[j] = key;
+        lane_best = max(lane_best, (u32)(key >> 32));
     }
-    mass = block_sum_u64(mass, s.rm);  // its barriers also publish s.keys
+    if (SMB_RANK && top64) {
+        const u32 t = warp_fourth_largest(lane_best);
+        if ((tid & 31u) == 0u) atomicMin(&s.bound, t);
+    }
+    mass = block_sum_u64(mass, s.rm);  // its barriers also publish s.keys and s.bound
     SMB_MARK(2);
     __syncthreads();
-    // The slice's keys in rank order, at least the first Kc of them: the
-    // warp-level top-64 for top-k <= 64 (the engine's usual settings), a
-    // block sort otherwise.
-#ifdef SMB_NO_TOP64
-    const bool top64 = false;  // developer A/B: the block sort only
-#else
-    const bool top64 = p.top_k <= 64u;
-#endif
-    if (top64) {
+    if (top64 && SMB_RANK) {
+        // Candidates: the keys at or above the bound (smb_rank_top64).
+        const u32 b = s.bound;
+        if (tid < 64u) s.top[tid] = 0ull;
+        for (u32 j = tid; j < cnt; j += bd) {
+            const u64 key = s.keys[j];
+            if (key != 0ull && (u32)(key >> 32) >= b) {
+                const u32 q = atomicAdd(&s.nc, 1u);
+                if (q < SMB_RANK_CAP) s.wl[q] = key;
+            }
+        }
+        __syncthreads();
+        const u32 C = s.nc;
+        if (C <= SMB_RANK_CAP)
+            smb_rank_top64(s.wl, C, s.top);
+        else
+            block_top64(s.keys, cnt, s.top, s.wl);
+    } else if (top64) {
         block_top64(s.keys, cnt, s.top, s.wl);
     } else {
         bitonic<u64, true>(s.keys, P);
@@ -1254,9 +1352,11 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
     // ---- merge: all G * Kc keys, sorted; the global pool's head
     const u32 M = G * Kc;  // <= SMB_CAND_CAP (launcher)
     const u32 PM = pow2_at_least(M);
+    const bool rank_merge = SMB_RANK && top64 && !SMB_MERGE_SORT;
     {
         const u64* cand = (const u64*)(scratch + SMB_CAND_OFF);
         for (u32 j = tid; j < PM; j += bd) s.keys[j] = j < M ? __ldcg(cand + j) : 0ull;
+        if (rank_merge && tid < 64u) s.top[tid] = 0ull;  // every block is past its reads of s.top
     }
     u64 all_mass = 0;
     {
@@ -1279,7 +1379,38 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
     // The G published lists are each in rank order already (block_top64's
     // output), so they are merged without sorting (SMB_MERGE_SORT=1: as
     // one unsorted set, for A/B runs).
-    if (top64 && !SMB_MERGE_SORT) {
+    if (rank_merge) {
+        // smb_rank_top64's bound: the r-th largest of the lists' jb-th keys,
+        // jb = ceil(64 / G) and r = ceil(64 / jb) <= G, so that r lists hold
+        // jb keys at or above it. It is the largest jb-th key with at least
+        // r - 1 others above it (0 when fewer than r lists are that long:
+        // every key is a candidate). Lists shorter than jb, or more than 256
+        // of them (a G^2 count), take bound 0 as well.
+        const u32 jb = (64u + G - 1u) / G, r = (64u + jb - 1u) / jb;
+        if (jb <= Kc && G <= 256u) {
+            for (u32 v = tid; v < G; v += bd) {
+                const u64 a = s.keys[v * Kc + jb - 1u];
+                u32 above = 0;
+                for (u32 u = 0; u < G; ++u) above += (u32)(s.keys[u * Kc + jb - 1u] > a);
+                if (above + 1u >= r) atomicMax(&s.mbound, a);
+            }
+        }
+        __syncthreads();
+        const u64 b = s.mbound;
+        for (u32 j = tid; j < M; j += bd) {
+            const u64 key = s.keys[j];
+            if (key != 0ull && key >= b) {
+                const u32 q = atomicAdd(&s.ncm, 1u);
+                if (q < SMB_RANK_CAP) s.wl[q] = key;
+            }
+        }
+        __syncthreads();
+        const u32 C = s.ncm;
+        if (C <= SMB_RANK_CAP)
+            smb_rank_top64(s.wl, C, s.top);
+        else
+            block_top64_lists(s.keys, G, Kc, s.top, s.wl);
+    } else if (top64 && !SMB_MERGE_SORT) {
         block_top64_lists(s.keys, G, Kc, s.top, s.wl);
     } else if (top64) {
         block_top64(s.keys, PM, s.top, s.wl);
@@ -1355,7 +1486,9 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
         const u32 i = ~(u32)key;
         float out = NEG_INF;
         if (key >= kept_min) {
-            float sc = scaled(logits[i], f);  // the penalised logit, untouched so far
+            // The penalised logit: the key holds it (with -0 as +0, which
+            // gives the same output), so no load is needed.
+            float sc = scaled(SMB_RANK ? rank_logit(key) : logits[i], f);
             float ln_p = __double2float_rn((double)sc - ln_sum);
             out = __fadd_rn(ln_p, gumbel_from_hash(pcg_hash(base ^ i)));
             if (out > NEG_INF) argmax_combine(bv, bi, out, i);
