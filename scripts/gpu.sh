@@ -518,7 +518,7 @@ sampler() {
 # smb_timing MODEL EXTRA_DEFINES.
 smb_timing() {
     local log
-    log=$OUTDIR/smb-timing$(echo "$2" | tr -c 'A-Za-z0-9_=\n' _).log
+    log=$OUTDIR/smb-timing$(echo "$2" | tr -c 'A-Za-z0-9_\n' _).log
     echo "-- k_sample_select phases, defines: ${2:-none}"
     AKUNU_CUDA_DEFINES="-DSMB_TIMING $2" "$BIN/akunu" generate -m "$1" --device cuda \
         --prompt-ids 1,2,3,4 -n 700 --ignore-eos --temperature 0.8 --top-k 40 --top-p 0.95 --seed 1 \
@@ -530,10 +530,14 @@ for line in open(sys.argv[1]):
     head, _, nums = line.partition(": ")
     who = head.split(" kv ")[0]
     for q, v in enumerate(nums.split(), 1):
-        if int(v):
+        if int(v) or who.startswith("smbc"):
             rows.setdefault((who, q), []).append(int(v))
 for (who, q), v in sorted(rows.items()):
-    print(f"{who:16} phase {q - 1}-{q}: median {statistics.median(v):8.0f} cycles over {len(v)}")
+    if who.startswith("smbc"):
+        what = ("slice", "merge")[q - 1]
+        print(f"{who[5:]:16} {what} candidates: median {statistics.median(v):.0f}, max {max(v)} over {len(v)}")
+    else:
+        print(f"{who[4:]:16} phase {q - 1}-{q}: median {statistics.median(v):8.0f} cycles over {len(v)}")
 PY
 }
 

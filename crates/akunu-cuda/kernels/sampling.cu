@@ -1019,12 +1019,15 @@ k_gumbel_sample(Bind b, SampleParams p, StepArg a) {
 #define SMB_TIMING_DECL long long t_mark[10] = {0};
 // One printf per report, so that the two blocks' lines do not interleave.
 #define SMB_D(q) (t_mark[q] && t_mark[q - 1] && (q) < (n) ? t_mark[q] - t_mark[q - 1] : 0ll)
+// Then the candidates smb_rank_top64 had (slice, merge).
 #define SMB_REPORT(who, cond, n)                                                               \
     do {                                                                                       \
-        if ((cond) && tid == 0 && kv_len % 64u == 0u)                                          \
+        if ((cond) && tid == 0 && kv_len % 64u == 0u) {                                        \
             printf("smb %s kv %u: %lld %lld %lld %lld %lld %lld %lld %lld %lld\n", who, kv_len, \
                    SMB_D(1), SMB_D(2), SMB_D(3), SMB_D(4), SMB_D(5), SMB_D(6), SMB_D(7),        \
                    SMB_D(8), SMB_D(9));                                                        \
+            printf("smbc %s kv %u: %u %u\n", who, kv_len, s.nc, s.ncm);                        \
+        }                                                                                      \
     } while (0)
 #else
 #define SMB_REPORT(who, cond, n) ((void)0)
@@ -1067,7 +1070,9 @@ struct __align__(16) SmbShared {
 #ifndef SMB_RANK
 #define SMB_RANK 1
 #endif
+#ifndef SMB_RANK_CAP
 #define SMB_RANK_CAP 384
+#endif
 static_assert(SMB_THREADS / 32 * 4 >= 64, "the slice bound needs 16 warps of 4 lanes");
 static_assert(SMB_RANK_CAP <= (SMB_THREADS / 32) * 64, "candidates live in SmbShared::wl");
 
@@ -1082,6 +1087,18 @@ __device__ __forceinline__ u32 warp_fourth_largest(u32 v) {
         if (v == m) v = 0u;
     }
     return m;
+}
+
+// Appends `key` to list[0..cap) at counter *n when `take`: one shared atomic
+// per warp. Every lane of the warp calls it.
+__device__ __forceinline__ void warp_append(bool take, u64 key, u32* n, u64* list, u32 cap) {
+    const u32 lane = threadIdx.x & 31u, m = __ballot_sync(FULL_MASK, take);
+    if (m == 0u) return;
+    const u32 leader = (u32)__ffs((int)m) - 1u;
+    u32 q = 0;
+    if (lane == leader) q = atomicAdd(n, (u32)__popc(m));
+    q = __shfl_sync(FULL_MASK, q, leader) + (u32)__popc(m & ((1u << lane) - 1u));
+    if (take && q < cap) list[q] = key;
 }
 
 // out[r] = cand[q] for each candidate whose rank r (candidates larger) is
@@ -1292,12 +1309,9 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
         // Candidates: the keys at or above the bound (smb_rank_top64).
         const u32 b = s.bound;
         if (tid < 64u) s.top[tid] = 0ull;
-        for (u32 j = tid; j < cnt; j += bd) {
-            const u64 key = s.keys[j];
-            if (key != 0ull && (u32)(key >> 32) >= b) {
-                const u32 q = atomicAdd(&s.nc, 1u);
-                if (q < SMB_RANK_CAP) s.wl[q] = key;
-            }
+        for (u32 j0 = 0; j0 < cnt; j0 += bd) {  // warp-uniform trips
+            const u64 key = j0 + tid < cnt ? s.keys[j0 + tid] : 0ull;
+            warp_append(key != 0ull && (u32)(key >> 32) >= b, key, &s.nc, s.wl, SMB_RANK_CAP);
         }
         __syncthreads();
         const u32 C = s.nc;
@@ -1397,12 +1411,9 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
         }
         __syncthreads();
         const u64 b = s.mbound;
-        for (u32 j = tid; j < M; j += bd) {
-            const u64 key = s.keys[j];
-            if (key != 0ull && key >= b) {
-                const u32 q = atomicAdd(&s.ncm, 1u);
-                if (q < SMB_RANK_CAP) s.wl[q] = key;
-            }
+        for (u32 j0 = 0; j0 < M; j0 += bd) {  // warp-uniform trips
+            const u64 key = j0 + tid < M ? s.keys[j0 + tid] : 0ull;
+            warp_append(key != 0ull && key >= b, key, &s.ncm, s.wl, SMB_RANK_CAP);
         }
         __syncthreads();
         const u32 C = s.ncm;
