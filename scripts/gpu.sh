@@ -495,19 +495,20 @@ features() {
 }
 
 sampler() {
-    echo "== sampled against greedy decode on the default model (A/B of the select kernel's pick)"
+    echo "== sampled against greedy decode on the default model, by select-kernel variant (SMB_AB)"
     assemble_model || return 0
-    local r pick
+    local r d
     local samp=(--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1)
+    # SMB_AB as in sampled_ab; e.g. "_ -DSMB_NO_TOP64" for the block sort.
+    # AKUNU_CUDA_SAMPLE_PICK=0 (from the caller) keeps the Argmax launch.
     for r in 1 2; do
         bench_one "greedy-$r" "$MODEL" | grep tg128 || true
-        for pick in 1 0; do
-            AKUNU_CUDA_SAMPLE_PICK=$pick bench_one "sampled-pick$pick-$r" "$MODEL" "${samp[@]}" |
-                sed "s/^/pick=$pick /" | grep tg128 || true
+        for d in ${SMB_AB:-_}; do
+            [ "$d" = _ ] && d=
+            d=${d//,/ }
+            AKUNU_CUDA_DEFINES="$d" bench_one "sampled-$r$(echo "$d" | tr -c 'A-Za-z0-9_\n' _)" "$MODEL" "${samp[@]}" |
+                sed "s/^/sampled ${d:-_} /" | grep tg128 || true
         done
-        # The select kernel's block sort instead of its warp-level top-64.
-        AKUNU_CUDA_SAMPLE_PICK=0 AKUNU_CUDA_DEFINES=-DSMB_NO_TOP64 bench_one "sampled-sort-$r" "$MODEL" \
-            "${samp[@]}" | sed "s/^/pick=0 sort /" | grep tg128 || true
     done
     "$BIN/akunu" profile -m "$MODEL" --device cuda -n 64 "${samp[@]}" 2>&1 |
         tee "$OUTDIR/profile-sampled.log" | grep -E "sample|argmax|logits|total|per token" || true

@@ -1019,7 +1019,7 @@ k_gumbel_sample(Bind b, SampleParams p, StepArg a) {
 #define SMB_TIMING_DECL long long t_mark[10] = {0};
 // One printf per report, so that the two blocks' lines do not interleave.
 #define SMB_D(q) (t_mark[q] && t_mark[q - 1] && (q) < (n) ? t_mark[q] - t_mark[q - 1] : 0ll)
-// Then the candidates smb_rank_top64 had (slice, merge).
+// Then the candidates smb_rank_top had (slice, merge).
 #define SMB_REPORT(who, cond, n)                                                               \
     do {                                                                                       \
         if ((cond) && tid == 0 && kv_len % 64u == 0u) {                                        \
@@ -1039,8 +1039,8 @@ struct __align__(16) SmbShared {
     // A block's slice keys, then (last block) the merged keys: SMB_SLICE_MAX
     // == SMB_CAND_CAP, and the two uses are separated by barriers.
     u64 keys[SMB_CAND_CAP];
-    u64 top[64];  // the 64 best keys (top-k <= 64)
-    // block_top64's per-warp lists, or smb_rank_top64's candidates (16-byte
+    u64 top[64];  // the best keys, descending, 0-padded (top-k <= 64)
+    // block_top64's per-warp lists, or smb_rank_top's candidates (16-byte
     // aligned: read two keys at a time).
     u64 wl[(SMB_THREADS / 32) * 64];
     u64 mbound;  // merge: the candidates' lower bound (a j-th key)
@@ -1056,31 +1056,34 @@ struct __align__(16) SmbShared {
     u64 incl_c, incl_m;
 };
 
-// The 64 best keys by ranking a few candidates (SMB_RANK=1) rather than
-// merging sorted lists of 64. A lower bound b is found first such that at
-// least 64 keys are >= b; every key of the 64 best is then >= b, and so is
-// every key above any of them, so a candidate's rank among the candidates
-// (how many candidates are larger) is its rank among all keys. The
-// bounds: in a slice, the smallest over the warps of each warp's 4th
+// The K = min(top-k, slice) <= 64 best keys by ranking a few candidates
+// (SMB_RANK=1) rather than merging sorted lists of 64 (only the first K of
+// the 64 are ever read). A lower bound b is found first such that at least
+// K keys are >= b; every key of the K best is then >= b, and so is every
+// key above any of them, so a candidate's rank among the candidates (how
+// many candidates are larger) is its rank among all keys. The bounds: in a
+// slice, the smallest over the 16 warps of each warp's ceil(K / 16)-th
 // largest lane value (a lane's best ordered logit); in the merge, a j-th
-// key of the G sorted lists (see there). A zero bound
-// (some warp or list too short) admits every key; more than
-// SMB_RANK_CAP candidates take block_top64 / block_top64_lists instead,
-// which give the same 64 keys.
+// key of the G sorted lists (see there). A zero bound (some warp or list
+// too short) admits every key; more than SMB_RANK_CAP candidates take
+// block_top64 / block_top64_lists instead, whose first K keys are the same.
 #ifndef SMB_RANK
 #define SMB_RANK 1
 #endif
 #ifndef SMB_RANK_CAP
 #define SMB_RANK_CAP 384
 #endif
-static_assert(SMB_THREADS / 32 * 4 >= 64, "the slice bound needs 16 warps of 4 lanes");
-static_assert(SMB_RANK_CAP <= (SMB_THREADS / 32) * 64, "candidates live in SmbShared::wl");
+// The candidate list's length: SMB_RANK_CAP keys, then zeros for
+// smb_rank_top's loads of eight pairs per lane past the end.
+#define SMB_RANK_LIST (SMB_RANK_CAP + 2 * 8 * 32)
+static_assert(SMB_THREADS / 32 * 4 >= 64, "the slice bound needs 16 warps for K <= 64");
+static_assert(SMB_RANK_LIST <= (SMB_THREADS / 32) * 64, "candidates live in SmbShared::wl");
 
-// Largest m such that at least 4 lanes hold v >= m, or 0 when fewer than 4
-// lanes hold a nonzero v. Warp-uniform; every lane calls it.
-__device__ __forceinline__ u32 warp_fourth_largest(u32 v) {
+// Largest m such that at least k <= 4 lanes hold v >= m, or 0 when fewer
+// than k lanes hold a nonzero v. k warp-uniform; every lane calls it.
+__device__ __forceinline__ u32 warp_kth_largest(u32 v, u32 k) {
     u32 seen = 0, m = 0;
-    for (int r = 0; r < 4 && seen < 4u; ++r) {
+    for (u32 r = 0; r < 4u && seen < k; ++r) {
         m = __reduce_max_sync(FULL_MASK, v);
         if (m == 0u) return 0u;
         seen += (u32)__popc(__ballot_sync(FULL_MASK, v == m));
@@ -1102,11 +1105,14 @@ __device__ __forceinline__ void warp_append(bool take, u64 key, u32* n, u64* lis
 }
 
 // out[r] = cand[q] for each candidate whose rank r (candidates larger) is
-// below 64. Candidates: C distinct nonzero keys, 16-byte aligned; out is
-// zeroed and both are published (barrier) before. A candidate is ranked
-// by S lanes of one warp (S a power of two, as many as the block allows),
-// each counting every S-th pair. Every thread calls it; ends synchronised.
-__device__ void smb_rank_top64(const u64* cand, u32 C, u64* out) {
+// below K. Candidates: C <= SMB_RANK_CAP distinct nonzero keys, 16-byte
+// aligned, in a list of SMB_RANK_LIST keys zeroed before the appends (so
+// that loads past C read zeros, which count nothing); out is zeroed and
+// both are published (barrier) before. A candidate is ranked by S lanes of
+// one warp (S a power of two, as many as the block allows), each counting
+// every S-th pair of keys, eight pairs requested at a time. Every thread
+// calls it; ends synchronised.
+__device__ void smb_rank_top(const u64* cand, u32 C, u32 K, u64* out) {
     const u32 bd = blockDim.x, tid = threadIdx.x;
     u32 S = 1;
     while (S < 32u && C * (2u * S) <= bd) S *= 2u;
@@ -1119,14 +1125,17 @@ __device__ void smb_rank_top64(const u64* cand, u32 C, u64* out) {
         const u64 x = live ? cand[q] : NONE64;
         u32 r = 0;
         if (live) {
-#pragma unroll 4
-            for (u32 k = part; k < pairs; k += S) {
-                const ulonglong2 y = c2[k];
-                r += (u32)(y.x > x) + (u32)(2u * k + 1u < C && y.y > x);
+            for (u32 k0 = part; k0 < pairs; k0 += 8u * S) {
+                ulonglong2 y[8];
+                // k0 + 7 S < pairs + 8 S <= 192 + 256 pairs: inside the list.
+#pragma unroll
+                for (u32 i = 0; i < 8u; ++i) y[i] = c2[k0 + i * S];
+#pragma unroll
+                for (u32 i = 0; i < 8u; ++i) r += (u32)(y[i].x > x) + (u32)(y[i].y > x);
             }
         }
         for (u32 o = S / 2u; o > 0u; o >>= 1) r += __shfl_xor_sync(FULL_MASK, r, o);
-        if (live && part == 0u && r < 64u) out[r] = x;
+        if (live && part == 0u && r < K) out[r] = x;
     }
     __syncthreads();
 }
@@ -1273,9 +1282,9 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
     // Slice keys (0 = not in the pool: -inf, NaN, below min-p; real keys
     // are never 0) and the slice's mass of finite tokens (top-p measures
     // against all of them, as the single-block kernel).
-    // The slice's keys in rank order, at least the first Kc of them: the
-    // 64 best for top-k <= 64 (the engine's usual settings), a block sort
-    // otherwise.
+    // The slice's keys in rank order, at least the first Kc of them: for
+    // top-k <= 64 (the engine's usual settings) the Kc best (smb_rank_top)
+    // or the 64 best (block_top64), a block sort otherwise.
 #ifdef SMB_NO_TOP64
     const bool top64 = false;  // developer A/B: the block sort only
 #else
@@ -1299,14 +1308,15 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
         lane_best = max(lane_best, (u32)(key >> 32));
     }
     if (SMB_RANK && top64) {
-        const u32 t = warp_fourth_largest(lane_best);
+        const u32 t = warp_kth_largest(lane_best, (Kc + 15u) / 16u);
         if ((tid & 31u) == 0u) atomicMin(&s.bound, t);
+        for (u32 j = tid; j < SMB_RANK_LIST; j += bd) s.wl[j] = 0ull;  // smb_rank_top's list
     }
     mass = block_sum_u64(mass, s.rm);  // its barriers also publish s.keys and s.bound
     SMB_MARK(2);
     __syncthreads();
     if (top64 && SMB_RANK) {
-        // Candidates: the keys at or above the bound (smb_rank_top64).
+        // Candidates: the keys at or above the bound (smb_rank_top).
         const u32 b = s.bound;
         if (tid < 64u) s.top[tid] = 0ull;
         for (u32 j0 = 0; j0 < cnt; j0 += bd) {  // warp-uniform trips
@@ -1316,7 +1326,7 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
         __syncthreads();
         const u32 C = s.nc;
         if (C <= SMB_RANK_CAP)
-            smb_rank_top64(s.wl, C, s.top);
+            smb_rank_top(s.wl, C, Kc, s.top);
         else
             block_top64(s.keys, cnt, s.top, s.wl);
     } else if (top64) {
@@ -1370,7 +1380,11 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
     {
         const u64* cand = (const u64*)(scratch + SMB_CAND_OFF);
         for (u32 j = tid; j < PM; j += bd) s.keys[j] = j < M ? __ldcg(cand + j) : 0ull;
-        if (rank_merge && tid < 64u) s.top[tid] = 0ull;  // every block is past its reads of s.top
+        if (rank_merge) {
+            // Every thread of this block is past its reads of s.top and s.wl.
+            if (tid < 64u) s.top[tid] = 0ull;
+            for (u32 j = tid; j < SMB_RANK_LIST; j += bd) s.wl[j] = 0ull;
+        }
     }
     u64 all_mass = 0;
     {
@@ -1386,26 +1400,36 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
     all_mass = block_sum_u64(all_mass, s.rm);  // barriers: s.keys and the fields are set
     SMB_MARK(6);
     __syncthreads();
-    // The pool's head in rank order: with top-k <= 64 its first 64 keys,
-    // which hold every key the cuts below read (they stop by the top-k-th;
-    // nnz is then min(nonzero keys, 64), which decides them the same way
-    // because top-k <= 64); else all PM, sorted.
+    // The pool's head in rank order: with top-k <= 64 its first top-k
+    // (smb_rank_top) or 64 keys, which hold every key the cuts below read
+    // (they stop by the top-k-th; nnz is then min(nonzero keys, top-k or
+    // 64), which decides them the same way because top-k <= 64); else all
+    // PM, sorted.
     // The G published lists are each in rank order already (block_top64's
     // output), so they are merged without sorting (SMB_MERGE_SORT=1: as
     // one unsorted set, for A/B runs).
     if (rank_merge) {
-        // smb_rank_top64's bound: the r-th largest of the lists' jb-th keys,
-        // jb = ceil(64 / G) and r = ceil(64 / jb) <= G, so that r lists hold
-        // jb keys at or above it. It is the largest jb-th key with at least
-        // r - 1 others above it (0 when fewer than r lists are that long:
-        // every key is a candidate). Lists shorter than jb, or more than 256
-        // of them (a G^2 count), take bound 0 as well.
-        const u32 jb = (64u + G - 1u) / G, r = (64u + jb - 1u) / jb;
+        // smb_rank_top's bound: the r-th largest of the lists' jb-th keys,
+        // jb = max(2, ceil(Kc / G)) and r = ceil(Kc / jb) <= G, so that r
+        // lists hold jb keys at or above it (jb = 2 measured fewer
+        // candidates than 1 or 3-4 on the default model's logits and on
+        // Gaussian ones). It is the largest jb-th key with at least r - 1
+        // others above it (0 when fewer than r lists are that long: every
+        // key is a candidate). Lists shorter than jb, or more than 256 of
+        // them (a G^2 count), take bound 0 as well.
+        const u32 jb = max(2u, (Kc + G - 1u) / G), r = (Kc + jb - 1u) / jb;
         if (jb <= Kc && G <= 256u) {
+            const u64* jth = s.keys + (jb - 1u);  // list u's jb-th key: jth[u * Kc]
             for (u32 v = tid; v < G; v += bd) {
-                const u64 a = s.keys[v * Kc + jb - 1u];
+                const u64 a = jth[v * Kc];
                 u32 above = 0;
-                for (u32 u = 0; u < G; ++u) above += (u32)(s.keys[u * Kc + jb - 1u] > a);
+                for (u32 u0 = 0; u0 < G; u0 += 8u) {  // eight loads in flight
+                    u64 y[8];
+#pragma unroll
+                    for (u32 i = 0; i < 8u; ++i) y[i] = u0 + i < G ? jth[(u0 + i) * Kc] : 0ull;
+#pragma unroll
+                    for (u32 i = 0; i < 8u; ++i) above += (u32)(y[i] > a);
+                }
                 if (above + 1u >= r) atomicMax(&s.mbound, a);
             }
         }
@@ -1418,7 +1442,7 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
         __syncthreads();
         const u32 C = s.ncm;
         if (C <= SMB_RANK_CAP)
-            smb_rank_top64(s.wl, C, s.top);
+            smb_rank_top(s.wl, C, Kc, s.top);
         else
             block_top64_lists(s.keys, G, Kc, s.top, s.wl);
     } else if (top64 && !SMB_MERGE_SORT) {
