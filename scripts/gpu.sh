@@ -14,7 +14,7 @@
 #                                 root, with .gpu carried) runs, in order,
 #                                 each WHAT of: tests, engine-tests (once,
 #                                 no reruns), sampled, sampled-ab (SMB_AB),
-#                                 sanitize, bench, bench-ab,
+#                                 sanitize, sanitize-sampled, bench, bench-ab,
 #                                 ab (AB_VAR, AB_VALUES, AB_ROUNDS), tcg-ab,
 #                                 profile, profile-big, trace, features,
 #                                 ncu-token,
@@ -140,9 +140,11 @@ tests() {
 
 # The engine and sampling-kernel tests once, without the reruns under
 # developer switches (a short check between full `tests` runs).
+# ENGINE_FILTER (a test-name substring) runs a subset of the engine tests,
+# e.g. "sampl" for those of the sampler; the sampling-kernel tests always run.
 engine_tests() {
-    echo "== GPU tests (engine and sampling kernels, once)"
-    { "$BIN/gpu-tests" --ignored --test-threads=1 2>&1
+    echo "== GPU tests (engine${ENGINE_FILTER:+ matching $ENGINE_FILTER} and sampling kernels, once)"
+    { "$BIN/gpu-tests" --ignored --test-threads=1 ${ENGINE_FILTER:+"$ENGINE_FILTER"} 2>&1
       "$BIN/gpu-sampling-kernels-tests" --ignored --test-threads=1 2>&1; } | tee "$OUTDIR/engine-tests.log" |
         grep -E "^test |test result|panicked" || true
 }
@@ -258,15 +260,33 @@ sanitize() {
         echo "memcheck, limit inside a chunk: FAILED"
         tail -30 "$OUTDIR/sanitize-limit.log"
     fi
-    if compute-sanitizer --tool memcheck --error-exitcode 3 \
-        "$BIN/akunu" generate -m "$m" --device cuda --prompt-ids 1,2,3,4,5 -n 20 --ignore-eos \
-        --temperature 0.9 --top-k 20 --top-p 0.9 --repeat-penalty 1.1 --seed 3 \
-        >"$OUTDIR/sanitize-sampled.log" 2>&1; then
-        echo "memcheck, sampled: $(grep -h 'ERROR SUMMARY' "$OUTDIR/sanitize-sampled.log" | tail -1)"
-    else
-        echo "memcheck, sampled: FAILED"
-        tail -30 "$OUTDIR/sanitize-sampled.log"
-    fi
+    sanitize_sampled
+}
+
+# Sampled decode: the multi-block sampler (48 blocks on SmolLM2's
+# vocabulary; racecheck and synccheck: its shared-memory candidate lists
+# and ranks), with a penalty on the tiny vocabulary.
+sanitize_sampled() {
+    local m=$STORE/tiny-q4_1.gguf mk=$STORE/tiny-k-q8_0.gguf samp v tool f log
+    [ -f "$m" ] || "$BIN/akunu" synth --shape tiny --type q4_1 "$m" >/dev/null 2>&1
+    [ -f "$mk" ] || "$BIN/akunu" synth --shape tiny-k --type q8_0 \
+        --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$mk" >/dev/null 2>&1
+    for v in memcheck:"$m" memcheck:"$mk" racecheck:"$mk" synccheck:"$mk"; do
+        tool=${v%%:*}
+        f=${v#*:}
+        samp="--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1"
+        [ "$f" = "$m" ] && samp="--temperature 0.9 --top-k 20 --top-p 0.9 --repeat-penalty 1.1 --seed 3"
+        log=$OUTDIR/sanitize-sampled-$tool-$(basename "$f" .gguf).log
+        # shellcheck disable=SC2086 # a list of arguments
+        if compute-sanitizer --tool "$tool" --error-exitcode 3 \
+            "$BIN/akunu" generate -m "$f" --device cuda --prompt-ids 1,2,3,4,5 -n 20 --ignore-eos \
+            $samp >"$log" 2>&1; then
+            echo "$tool, sampled $(basename "$f"): $(grep -hE '(ERROR|RACECHECK) SUMMARY' "$log" | tail -1)"
+        else
+            echo "$tool, sampled $(basename "$f"): FAILED"
+            tail -30 "$log"
+        fi
+    done
 }
 
 bench_one() { # NAME FILE [extra args]
@@ -720,6 +740,7 @@ run)
         case $what in
         tests) tests ;;
         sanitize) sanitize ;;
+        sanitize-sampled) sanitize_sampled ;;
         bench) bench ;;
         bench-ab) bench_ab ;;
         ncu) ncu_gemv ;;

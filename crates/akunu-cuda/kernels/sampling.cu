@@ -1010,6 +1010,12 @@ k_gumbel_sample(Bind b, SampleParams p, StepArg a) {
 #endif
 #define SMB_PICK 1u
 #define SMB_PICK_PATCHED 2u
+// Loads a thread of k_sample_select requests before using the first: its
+// slice's logits, and the merge's keys (a slice of 1,024 is 2 a thread, the
+// merge's 1,920 keys 4). 1 = one at a time (A/B runs).
+#ifndef SMB_AHEAD
+#define SMB_AHEAD 4
+#endif
 
 // Developer timing (AKUNU_CUDA_DEFINES=-DSMB_TIMING): thread 0 of block 0
 // and of the merging block note the SM clock at the phase marks and print
@@ -1293,19 +1299,27 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
     const u32 P = pow2_at_least(cnt);
     u64 mass = 0;
     u32 lane_best = 0;  // this thread's best ordered logit (0: no key)
-    for (u32 j = tid; j < P; j += bd) {
-        u64 key = 0;
-        if (j < cnt) {
-            const u32 i = lo + j;
-            float l = logits[i];
+    for (u32 j0 = tid; j0 < P; j0 += SMB_AHEAD * bd) {
+        float lv[SMB_AHEAD];  // SMB_AHEAD loads in flight, then the keys
+#pragma unroll
+        for (u32 t = 0; t < SMB_AHEAD; ++t) {
+            const u32 j = j0 + t * bd;
+            lv[t] = j < cnt ? logits[lo + j] : NEG_INF;
+        }
+#pragma unroll
+        for (u32 t = 0; t < SMB_AHEAD; ++t) {
+            const u32 j = j0 + t * bd;
+            if (j >= P) break;
+            const float l = lv[t];
+            u64 key = 0;
             if (l > NEG_INF) {
                 float sc = scaled(l, f);
                 mass += fixed_weight(sc, f);
-                if (in_pool(l, sc, f)) key = rank_key(l, i);
+                if (in_pool(l, sc, f)) key = rank_key(l, lo + j);
             }
+            s.keys[j] = key;
+            lane_best = max(lane_best, (u32)(key >> 32));
         }
-        s.keys[j] = key;
-        lane_best = max(lane_best, (u32)(key >> 32));
     }
     if (SMB_RANK && top64) {
         const u32 t = warp_kth_largest(lane_best, (Kc + 15u) / 16u);
@@ -1379,7 +1393,17 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
     const bool rank_merge = SMB_RANK && top64 && !SMB_MERGE_SORT;
     {
         const u64* cand = (const u64*)(scratch + SMB_CAND_OFF);
-        for (u32 j = tid; j < PM; j += bd) s.keys[j] = j < M ? __ldcg(cand + j) : 0ull;
+        for (u32 j0 = tid; j0 < PM; j0 += SMB_AHEAD * bd) {
+            u64 v[SMB_AHEAD];  // SMB_AHEAD loads in flight
+#pragma unroll
+            for (u32 t = 0; t < SMB_AHEAD; ++t) {
+                const u32 j = j0 + t * bd;
+                v[t] = j < M ? __ldcg(cand + j) : 0ull;
+            }
+#pragma unroll
+            for (u32 t = 0; t < SMB_AHEAD; ++t)
+                if (j0 + t * bd < PM) s.keys[j0 + t * bd] = v[t];
+        }
         if (rank_merge) {
             // Every thread of this block is past its reads of s.top and s.wl.
             if (tid < 64u) s.top[tid] = 0ull;
