@@ -164,6 +164,14 @@ sampled() {
     done
 }
 
+# One define set of SMB_AB as AKUNU_CUDA_DEFINES takes it: `_` is none,
+# commas separate defines.
+smb_defines() {
+    local d=$1
+    [ "$d" = _ ] && d=
+    printf '%s\n' "${d//,/ }"
+}
+
 # Sampled decode with the select kernel's compile-time variants against
 # greedy, on one binary, then the select kernel's phases for each. SMB_AB:
 # define sets separated by spaces, the defines of a set by commas, `_` for
@@ -176,17 +184,14 @@ sampled_ab() {
         "$BIN/akunu" bench -m "$f" --device cuda -p 0 -n 128 -r 5 --no-bandwidth 2>&1 |
             grep -E "tg[0-9]|error" | sed "s/^/greedy /" | sed 's/| akunu synthetic.*prefill//' || true
         for d in ${SMB_AB:--DSMB_RANK=0 -DSMB_RANK=1}; do
-            [ "$d" = _ ] && d=
-            d=${d//,/ }
+            d=$(smb_defines "$d")
             AKUNU_CUDA_DEFINES="$d" "$BIN/akunu" bench -m "$f" --device cuda -p 0 -n 128 -r 5 \
                 --no-bandwidth --temperature 0.8 --top-k 40 --top-p 0.95 --seed 1 2>&1 |
                 grep -E "tg[0-9]|error" | sed "s/^/sampled ${d:-_} /" | sed 's/| akunu synthetic.*prefill//' || true
         done
     done
     for d in ${SMB_AB:--DSMB_RANK=0 -DSMB_RANK=1}; do
-        [ "$d" = _ ] && d=
-        d=${d//,/ }
-        smb_timing "$f" "$d"
+        smb_timing "$f" "$(smb_defines "$d")"
     done
 }
 
@@ -524,8 +529,7 @@ sampler() {
     for r in 1 2; do
         bench_one "greedy-$r" "$MODEL" | grep tg128 || true
         for d in ${SMB_AB:-_}; do
-            [ "$d" = _ ] && d=
-            d=${d//,/ }
+            d=$(smb_defines "$d")
             AKUNU_CUDA_DEFINES="$d" bench_one "sampled-$r$(echo "$d" | tr -c 'A-Za-z0-9_\n' _)" "$MODEL" "${samp[@]}" |
                 sed "s/^/sampled ${d:-_} /" | grep tg128 || true
         done
