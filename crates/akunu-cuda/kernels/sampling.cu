@@ -1438,9 +1438,11 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
         // lists hold jb keys at or above it (jb = 2 measured fewer
         // candidates than 1 or 3-4 on the default model's logits and on
         // Gaussian ones). It is the largest jb-th key with at least r - 1
-        // others above it (0 when fewer than r lists are that long: every
-        // key is a candidate). Lists shorter than jb, or more than 256 of
-        // them (a G^2 count), take bound 0 as well.
+        // others above it: the one nonzero key with exactly r - 1 above
+        // (keys are distinct), stored by its thread. When fewer than r lists
+        // are that long, no thread stores and the bound stays 0: every key
+        // is a candidate. Lists shorter than jb, or more than 256 of them
+        // (a G^2 count), take bound 0 as well.
         const u32 jb = max(2u, (Kc + G - 1u) / G), r = (Kc + jb - 1u) / jb;
         if (jb <= Kc && G <= 256u) {
             const u64* jth = s.keys + (jb - 1u);  // list u's jb-th key: jth[u * Kc]
@@ -1454,7 +1456,7 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
 #pragma unroll
                     for (u32 i = 0; i < 8u; ++i) above += (u32)(y[i] > a);
                 }
-                if (above + 1u >= r) atomicMax(&s.mbound, a);
+                if (a != 0ull && above + 1u == r) s.mbound = a;
             }
         }
         __syncthreads();
