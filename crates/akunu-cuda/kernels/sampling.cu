@@ -964,8 +964,9 @@ k_gumbel_sample(Bind b, SampleParams p, StepArg a) {
 //                    reduction: largest, lowest index among equal ones),
 //                    then on its slice: the softmax mass of the finite
 //                    tokens, the rank keys of the pool, and its best
-//                    Kc = min(top-k, slice) keys (a shared-memory sort),
-//                    which it publishes; every other token of the slice
+//                    Kc = min(top-k, slice) keys (smb_rank_top for top-k
+//                    <= 64, else a shared-memory sort), which it
+//                    publishes; every other token of the slice
 //                    becomes -inf. The last block to finish (ticket) merges
 //                    the G * Kc keys, finds the top-k / top-p cut exactly as
 //                    the single-block kernel does, and writes ln p + G for
