@@ -153,15 +153,7 @@ engine_tests() {
 # the synthetic SmolLM2 shape, for when the default model is not at hand.
 sampled() {
     echo "== greedy and sampled decode (synthetic smollm2-135m q4_1)"
-    local f=$STORE/smollm2-135m-q4_1.gguf r args
-    synth_file smollm2-135m q4_1 "$f"
-    for r in 1 2; do
-        for args in "" "--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1"; do
-            # shellcheck disable=SC2086 # a list of arguments
-            "$BIN/akunu" bench -m "$f" --device cuda -p 0 -n 128 -r 5 --no-bandwidth $args 2>&1 |
-                grep -E "tg[0-9]|error" | sed "s/^/${args:-greedy} /" | sed 's/| akunu synthetic.*prefill//' || true
-        done
-    done
+    sampled_runs _
 }
 
 # One define set of SMB_AB as AKUNU_CUDA_DEFINES takes it: `_` is none,
@@ -178,20 +170,28 @@ smb_defines() {
 # none (default: "-DSMB_RANK=0 -DSMB_RANK=1").
 sampled_ab() {
     echo "== greedy and sampled decode by select-kernel variant (synthetic smollm2-135m q4_1)"
+    local d sets=${SMB_AB:--DSMB_RANK=0 -DSMB_RANK=1}
+    # shellcheck disable=SC2086 # a list of define sets
+    sampled_runs $sets
+    for d in $sets; do
+        smb_timing "$STORE/smollm2-135m-q4_1.gguf" "$(smb_defines "$d")"
+    done
+}
+
+# Two rounds of greedy, then sampled decode under each define set given (as
+# in SMB_AB), on the synthetic SmolLM2 file.
+sampled_runs() {
     local f=$STORE/smollm2-135m-q4_1.gguf r d
     synth_file smollm2-135m q4_1 "$f"
     for r in 1 2; do
         "$BIN/akunu" bench -m "$f" --device cuda -p 0 -n 128 -r 5 --no-bandwidth 2>&1 |
             grep -E "tg[0-9]|error" | sed "s/^/greedy /" | sed 's/| akunu synthetic.*prefill//' || true
-        for d in ${SMB_AB:--DSMB_RANK=0 -DSMB_RANK=1}; do
+        for d in "$@"; do
             d=$(smb_defines "$d")
             AKUNU_CUDA_DEFINES="$d" "$BIN/akunu" bench -m "$f" --device cuda -p 0 -n 128 -r 5 \
                 --no-bandwidth --temperature 0.8 --top-k 40 --top-p 0.95 --seed 1 2>&1 |
                 grep -E "tg[0-9]|error" | sed "s/^/sampled ${d:-_} /" | sed 's/| akunu synthetic.*prefill//' || true
         done
-    done
-    for d in ${SMB_AB:--DSMB_RANK=0 -DSMB_RANK=1}; do
-        smb_timing "$f" "$(smb_defines "$d")"
     done
 }
 
