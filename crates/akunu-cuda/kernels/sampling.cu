@@ -1147,6 +1147,24 @@ __device__ void smb_rank_top(const u64* cand, u32 C, u32 K, u64* out) {
     __syncthreads();
 }
 
+// smb_rank_top over the nonzero keys of a[0..n) at or above `bound`,
+// collected into `list` (zeroed and published before) at counter *nc.
+// Returns false, with out untouched, when more than SMB_RANK_CAP keys
+// qualify: the caller then takes its sorting fallback, whose first K keys
+// are the same. Every thread calls it; ends synchronised.
+__device__ bool smb_top_by_rank(const u64* a, u32 n, u64 bound, u32* nc, u64* list, u32 K, u64* out) {
+    const u32 bd = blockDim.x, tid = threadIdx.x;
+    for (u32 j0 = 0; j0 < n; j0 += bd) {  // warp-uniform trips
+        const u64 key = j0 + tid < n ? a[j0 + tid] : 0ull;
+        warp_append(key != 0ull && key >= bound, key, nc, list, SMB_RANK_CAP);
+    }
+    __syncthreads();
+    const u32 C = *nc;
+    if (C > SMB_RANK_CAP) return false;
+    smb_rank_top(list, C, K, out);
+    return true;
+}
+
 // The window of the sampler's penalty (as k_gumbel_sample computes it),
 // applied to the ids in [lo, hi) of this block. Block-uniform; ends
 // synchronised when it touched anything.
@@ -1331,19 +1349,10 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
     SMB_MARK(2);
     __syncthreads();
     if (top64 && SMB_RANK) {
-        // Candidates: the keys at or above the bound (smb_rank_top).
-        const u32 b = s.bound;
+        // Candidates: the keys whose ordered logit is at or above the bound.
+        const u64 b = (u64)s.bound << 32;
         if (tid < 64u) s.top[tid] = 0ull;
-        for (u32 j0 = 0; j0 < cnt; j0 += bd) {  // warp-uniform trips
-            const u64 key = j0 + tid < cnt ? s.keys[j0 + tid] : 0ull;
-            warp_append(key != 0ull && (u32)(key >> 32) >= b, key, &s.nc, s.wl, SMB_RANK_CAP);
-        }
-        __syncthreads();
-        const u32 C = s.nc;
-        if (C <= SMB_RANK_CAP)
-            smb_rank_top(s.wl, C, Kc, s.top);
-        else
-            block_top64(s.keys, cnt, s.top, s.wl);
+        if (!smb_top_by_rank(s.keys, cnt, b, &s.nc, s.wl, Kc, s.top)) block_top64(s.keys, cnt, s.top, s.wl);
     } else if (top64) {
         block_top64(s.keys, cnt, s.top, s.wl);
     } else {
@@ -1461,16 +1470,7 @@ k_sample_select(Bind b, SampleParams p, StepArg a, char* scratch, u32 slice) {
             }
         }
         __syncthreads();
-        const u64 b = s.mbound;
-        for (u32 j0 = 0; j0 < M; j0 += bd) {  // warp-uniform trips
-            const u64 key = j0 + tid < M ? s.keys[j0 + tid] : 0ull;
-            warp_append(key != 0ull && key >= b, key, &s.ncm, s.wl, SMB_RANK_CAP);
-        }
-        __syncthreads();
-        const u32 C = s.ncm;
-        if (C <= SMB_RANK_CAP)
-            smb_rank_top(s.wl, C, Kc, s.top);
-        else
+        if (!smb_top_by_rank(s.keys, M, s.mbound, &s.ncm, s.wl, Kc, s.top))
             block_top64_lists(s.keys, G, Kc, s.top, s.wl);
     } else if (top64 && !SMB_MERGE_SORT) {
         block_top64_lists(s.keys, G, Kc, s.top, s.wl);
