@@ -21,7 +21,8 @@
 #                                 model-part1, model-part2, model-part3,
 #                                 model, sampler (needs the model), attn,
 #                                 prefill, spec-ab (needs the model), pfattn,
-#                                 probe (the gemv kernels alone, nvcc).
+#                                 probe (the gemv kernels alone, nvcc),
+#                                 mega (a persistent decode kernel, nvcc).
 #                                 Logs go to $OUT (or ./gpu-out),
 #                                 a summary to stdout.
 #
@@ -654,6 +655,37 @@ probe() {
     done
 }
 
+# The persistent decode kernel of the SmolLM2 shape (bench/cuda/mega_probe.cu,
+# built here with nvcc; no .gpu needed). MEGA_RUNS: space-separated runs,
+# each WARPS:BLOCKS:TOKENS:POS ("-" or nothing for a default: 8 warps, every
+# SM (0), 128 tokens, position 0).
+mega() {
+    echo "== persistent decode probe (nvcc)"
+    local r w b t p bin built=" "
+    for r in ${MEGA_RUNS:--:-:-:-}; do
+        IFS=: read -r w b t p <<<"$r"
+        # "-" or nothing: the default.
+        [ "${w:--}" = "-" ] && w=8
+        [ "${b:--}" = "-" ] && b=0
+        [ "${t:--}" = "-" ] && t=128
+        [ "${p:--}" = "-" ] && p=0
+        bin=$STORE/mega-probe-w$w
+        # Built once a call (a warm machine keeps an older source's binary).
+        if [ "${built#* $w }" = "$built" ]; then
+            built="$built$w "
+            rm -f "$bin"
+            nvcc -O3 -std=c++17 -arch=sm_90 -DWARPS="$w" -o "$bin" bench/cuda/mega_probe.cu 2>&1 |
+                grep -iE "error|warning" || true
+        fi
+        echo "-- warps $w, blocks $b (0: every SM), tokens $t, position $p"
+        if [ ! -x "$bin" ]; then
+            echo "mega probe build failed (warps $w)"
+            continue
+        fi
+        "$bin" "$b" "$t" "$p" 2>&1 | tee "$OUTDIR/mega-w$w-b$b-t$t-p$p.log" || true
+    done
+}
+
 pfattn() {
     echo "== prefill attention A/B: k_attn_prefill (AKUNU_CUDA_PF_ATTN=0), then k_attn_flash (synthetic llama-1b f16)"
     local f=$STORE/llama-1b-f16.gguf n v
@@ -768,6 +800,7 @@ run)
         spec-ab) spec_ab ;;
         pfattn) pfattn ;;
         probe) probe ;;
+        mega) mega ;;
         *)
             echo "unknown step $what" >&2
             exit 2

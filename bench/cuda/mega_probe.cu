@@ -1,0 +1,758 @@
+// A persistent decode kernel for the SmolLM2-135M shape, with per-block
+// phase flags in place of kernel boundaries (issue 5: the 3,000 tok/s
+// target, which session 14's boundary probe put out of reach of one kernel
+// per product). Build and run on the GPU machine:
+//   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/mp bench/cuda/mega_probe.cu && /tmp/mp
+// Optional arguments: blocks (0 or none: the SM count), tokens per launch
+// (128), start position (0; the KV cache below it is filled at random).
+//
+// The model: 30 layers, d 576, 9 query heads and 3 KV heads of 64, FFN
+// 1536 (SiLU-gated), vocabulary 49,152 with the embedding tied to the
+// logits, every matrix in a 4-bit format of the Q4_1 size (32 weights a
+// block, a half scale and a half minimum: 20 bytes of 32 weights, stored as
+// row records of nibbles then scales). Random weights; a CPU forward pass
+// over the same dequantized values checks the tokens and logits.
+//
+// The kernel runs T tokens in one cooperative launch, as chain decode does:
+// every token's argmax picks the next token's embedding on the device.
+// Each layer is five phases, each followed by a flag store per block:
+//   qkv   norm, the q|k|v rows, RoPE on (2i, 2i+1) pairs, K/V into the cache;
+//   attn  one block per query head (scores, softmax, values);
+//   o     h += Wo attn (each h row lives in its owner warp's register);
+//   gu    norm, gate and up rows, silu(g) u;
+//   down  h += Wd a.
+// then the logits (each block keeps its best) and, at the next token's
+// start, the argmax over the blocks' bests. A phase starts when every
+// block's flag shows the phase before it (one acquire load per flag by
+// threads < blocks, then __syncthreads_and); it ends with a barrier and a
+// release of the block's flag by thread 0. No atomics, no kernel boundary.
+// Weights never wait on a flag: each block copies its rows of layer l + 1
+// into shared memory (cp.async) while it runs layer l, so a phase's
+// critical path is its flag wait, its input's L2 round trip, the dot
+// products and the stores.
+//
+// Printed: tok/s and us per token (median of 5 launches), the phases'
+// share of a token (clock64 of block 0 between its phase starts), and the
+// check against the CPU.
+#ifndef __CUDACC_RTC__  // (the kernel alone also compiles with NVRTC)
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include <cuda_runtime.h>
+typedef uint32_t u32;
+typedef uint64_t u64;
+#else
+typedef unsigned int u32;
+typedef unsigned long long u64;
+#endif
+#include <cuda_fp16.h>
+
+#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e_)); exit(1); } } while (0)
+
+#ifndef WARPS
+#define WARPS 8
+#endif
+constexpr int THREADS = WARPS * 32;
+constexpr int PARTS = THREADS / 64;  // attention: threads per value column
+constexpr int D = 576, NH = 9, NKV = 3, HD = 64, FF = 1536, NL = 30, VOCAB = 49152;
+constexpr int QKV = D + 2 * NKV * HD;  // 960 rows
+constexpr int CTX = 2048;
+constexpr float EPS = 1e-5f, ROPE_BASE = 10000.0f;
+
+// A row record of k weights: k/2 bytes of nibbles (word w holds weights
+// 8w..8w+7, weight 8w+n at bits 4n), then ceil4(k/32) half2 (scale, min).
+__host__ __device__ constexpr int rec_bytes(int k) { return k / 2 + 4 * ((k / 32 + 3) / 4 * 4); }
+constexpr int R576 = rec_bytes(D), R1536 = rec_bytes(FF);
+static_assert(R576 % 16 == 0 && R1536 % 16 == 0, "records are copied in 16-byte pieces");
+
+// Per layer: qkv (960 records of 576), o (576 of 576), gu (3072 of 576:
+// gate i and up i are records 2i and 2i + 1), down (576 of 1536).
+constexpr size_t OFF_QKV = 0, OFF_O = OFF_QKV + (size_t)QKV * R576, OFF_GU = OFF_O + (size_t)D * R576,
+                 OFF_DOWN = OFF_GU + (size_t)2 * FF * R576, LAYER_BYTES = OFF_DOWN + (size_t)D * R1536;
+// Work items per phase: a pair of records for qkv (RoPE pairs) and gu.
+constexpr int IT_QKV = QKV / 2, IT_O = D, IT_GU = FF, IT_DOWN = D;
+
+struct Params {
+    const unsigned char* w;    // NL layers of LAYER_BYTES
+    const unsigned char* emb;  // VOCAB records of 576 (the logits too)
+    const float* norms;        // NL x (attn, ffn) x D, then the output norm
+    __half* kc;                // NL x NKV x CTX x HD
+    __half* vc;
+    float* h;                  // D: the residual stream, written by owner warps
+    float* q;                  // D: rotated queries
+    float* att;                // D: attention output
+    float* act;                // FF: silu(g) u
+    float* logits;             // T x VOCAB
+    u64* best;                 // blocks: each block's best logit key
+    u32* tokens;               // T: the chain's tokens
+    u32* flags;                // blocks: the last phase each block finished
+    long long* clocks;         // phase starts of block 0 in the last token
+    u32 tok0, pos0, T;
+};
+
+__device__ __forceinline__ float mp_warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ u32 ld_acquire(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Waits until every block has finished phase e.
+__device__ __forceinline__ void wait_phase(const u32* flags, u32 e) {
+    bool ok;
+    do {
+        ok = threadIdx.x >= gridDim.x || ld_acquire(flags + threadIdx.x) >= e;
+    } while (!__syncthreads_and(ok));
+}
+
+// This block has finished phase e: its writes are published by the
+// barrier and thread 0's release.
+__device__ __forceinline__ void end_phase(u32* flags, u32 e) {
+    __syncthreads();
+    if (threadIdx.x == 0) asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flags + blockIdx.x), "r"(e) : "memory");
+}
+
+__device__ __forceinline__ void cp16(void* s, const void* g) {
+    const u32 sa = (u32)__cvta_generic_to_shared(s);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(g) : "memory");
+}
+
+// Dot product of a record of K weights with xs (shared memory), the sum in
+// every lane.
+template <int K>
+__device__ __forceinline__ float dot_rec(const unsigned char* rec, const float* xs, int lane) {
+    constexpr int W = K / 8;
+    const u32* qw = (const u32*)rec;
+    const __half2* sc = (const __half2*)(rec + K / 2);
+    float acc = 0.0f;
+#pragma unroll
+    for (int w0 = 0; w0 < W; w0 += 32) {
+        const int w = w0 + lane;
+        if (w < W) {
+            const u32 q = qw[w];
+            const float2 s = __half22float2(sc[w >> 2]);
+            const float4 a = *(const float4*)(xs + 8 * w), b = *(const float4*)(xs + 8 * w + 4);
+            const float qs = (float)(q & 15) * a.x + (float)((q >> 4) & 15) * a.y + (float)((q >> 8) & 15) * a.z +
+                             (float)((q >> 12) & 15) * a.w + (float)((q >> 16) & 15) * b.x +
+                             (float)((q >> 20) & 15) * b.y + (float)((q >> 24) & 15) * b.z + (float)(q >> 28) * b.w;
+            acc += s.x * qs + s.y * ((a.x + a.y) + (a.z + a.w) + ((b.x + b.y) + (b.z + b.w)));
+        }
+    }
+    return mp_warp_sum(acc);
+}
+
+// One weight of an embedding record.
+__device__ __forceinline__ float emb_at(const unsigned char* rec, int i) {
+    const u32 q = (((const u32*)rec)[i >> 3] >> (4 * (i & 7))) & 15u;
+    const float2 s = __half22float2(((const __half2*)(rec + D / 2))[i >> 5]);
+    return s.x * (float)q + s.y;
+}
+
+struct Range {
+    int lo, n;
+};
+__device__ __forceinline__ Range block_items(int items) {
+    const int per = (items + gridDim.x - 1) / gridDim.x;
+    const int lo = min(items, (int)blockIdx.x * per);
+    return {lo, min(items, lo + per) - lo};
+}
+
+// Shared-memory bytes of one layer's rows for this grid.
+__host__ __device__ inline size_t layer_smem(int blocks) {
+    auto per = [&](int items) { return (size_t)((items + blocks - 1) / blocks); };
+    return per(IT_QKV) * 2 * R576 + per(IT_O) * R576 + per(IT_GU) * 2 * R576 + per(IT_DOWN) * R1536;
+}
+
+// Copies this block's rows of layer l into buf (cp.async, one group).
+__device__ void prefetch_layer(unsigned char* buf, const unsigned char* w, int l) {
+    const unsigned char* L = w + (size_t)l * LAYER_BYTES;
+    const Range rq = block_items(IT_QKV), ro = block_items(IT_O), rg = block_items(IT_GU), rd = block_items(IT_DOWN);
+    const unsigned char* src[4] = {L + OFF_QKV + (size_t)rq.lo * 2 * R576, L + OFF_O + (size_t)ro.lo * R576,
+                                   L + OFF_GU + (size_t)rg.lo * 2 * R576, L + OFF_DOWN + (size_t)rd.lo * R1536};
+    const int bytes[4] = {rq.n * 2 * R576, ro.n * R576, rg.n * 2 * R576, rd.n * R1536};
+    const int pbq = (IT_QKV + gridDim.x - 1) / gridDim.x, pbo = (IT_O + gridDim.x - 1) / gridDim.x,
+              pbg = (IT_GU + gridDim.x - 1) / gridDim.x;
+    const size_t dst[4] = {0, (size_t)pbq * 2 * R576, (size_t)pbq * 2 * R576 + (size_t)pbo * R576,
+                           (size_t)pbq * 2 * R576 + (size_t)pbo * R576 + (size_t)pbg * 2 * R576};
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+        for (int i = threadIdx.x * 16; i < bytes[m]; i += THREADS * 16) cp16(buf + dst[m] + i, src[m] + i);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// Block sum; red holds WARPS floats. Ends synchronised.
+__device__ __forceinline__ float mp_block_sum(float v, float* red) {
+    v = mp_warp_sum(v);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < WARPS; ++i) s += red[i];
+    __syncthreads();
+    return s;
+}
+
+// xs = rmsnorm(v) * nw for a row of D held as (up to) 3 values a thread.
+constexpr int PER_T = (D + THREADS - 1) / THREADS;
+__device__ __forceinline__ void stage_norm(float* xs, const float (&v)[PER_T], const float (&nw)[PER_T], float* red) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PER_T; ++j) ss += v[j] * v[j];
+    const float r = rsqrtf(mp_block_sum(ss, red) / D + EPS);
+#pragma unroll
+    for (int j = 0; j < PER_T; ++j) {
+        const int i = threadIdx.x + j * THREADS;
+        if (i < D) xs[i] = v[j] * r * nw[j];
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ u64 logit_key(float v, u32 idx) {
+    u32 b = __float_as_uint(v);
+    b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((u64)b << 32) | (u64)(0xffffffffu - idx);  // ties: the lower index
+}
+
+__device__ __forceinline__ long long gtimer() {
+    long long v;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
+    return v;
+}
+
+__device__ __forceinline__ void mark(const Params& p, u32 t, int ph) {
+    if (blockIdx.x == 0 && threadIdx.x == 0 && t + 1 == p.T) p.clocks[ph] = clock64();
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const size_t lb = layer_smem(gridDim.x);
+    unsigned char* wbuf[2] = {smem, smem + lb};
+    float* xs = (float*)(smem + 2 * lb);  // FF floats
+    float* sc = xs + FF;                  // CTX scores
+    float* red = sc + CTX;                // WARPS floats
+    float* part = red + WARPS;            // PARTS x HD attention partials, then q
+    __shared__ u64 wbest[WARPS];
+    __shared__ u32 s_token;
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const Range ro = block_items(IT_O), rd = block_items(IT_DOWN);
+    // The h rows this warp owns (o and down have the same items): at most
+    // one a warp at every grid this probe runs (576 rows, >= 72 blocks).
+    const int own = warp < ro.n ? ro.lo + warp : -1;
+    float hreg = 0.0f;
+    u32 e = 0;  // phases finished
+    u32 token = p.tok0;
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        p.clocks[3 + 5 * NL] = clock64();
+        p.clocks[5 + 5 * NL] = gtimer();
+    }
+    prefetch_layer(wbuf[0], p.w, 0);
+    for (u32 t = 0; t < p.T; ++t) {
+        const u32 pos = p.pos0 + t;
+        if (t > 0) {
+            // The argmax over the blocks' bests of the last token.
+            wait_phase(p.flags, e);
+            mark(p, t, 0);
+            u64 b = 0;
+            for (int i = threadIdx.x; i < (int)gridDim.x; i += THREADS) b = max(b, __ldcg(p.best + i));
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) b = max(b, __shfl_xor_sync(0xffffffffu, b, o));
+            if (lane == 0) wbest[warp] = b;
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                u64 m = 0;
+                for (int i = 0; i < WARPS; ++i) m = max(m, wbest[i]);
+                s_token = 0xffffffffu - (u32)m;
+                if (blockIdx.x == 0) p.tokens[t] = s_token;
+            }
+            __syncthreads();
+            token = s_token;
+        } else if (blockIdx.x == 0 && threadIdx.x == 0) {
+            p.tokens[0] = token;
+        }
+        const unsigned char* erec = p.emb + (size_t)token * R576;
+        if (own >= 0) hreg = emb_at(erec, own);
+        for (int l = 0; l < NL; ++l) {
+            // This layer's rows arrived (they were requested a layer ago);
+            // request the next layer's (the next token's first at the last).
+            asm volatile("cp.async.wait_group 0;" ::: "memory");
+            __syncthreads();
+            prefetch_layer(wbuf[(l + 1) & 1], p.w, (l + 1) % NL);
+            const unsigned char* wl = wbuf[l & 1];
+            const int pbq = (IT_QKV + gridDim.x - 1) / gridDim.x, pbo = (IT_O + gridDim.x - 1) / gridDim.x,
+                      pbg = (IT_GU + gridDim.x - 1) / gridDim.x;
+            const unsigned char* wq = wl;
+            const unsigned char* wo = wq + (size_t)pbq * 2 * R576;
+            const unsigned char* wg = wo + (size_t)pbo * R576;
+            const unsigned char* wd = wg + (size_t)pbg * 2 * R576;
+            const float* an = p.norms + (size_t)l * 2 * D;
+            const float* fn = an + D;
+
+            // ---- qkv
+            {
+                float nw[PER_T], v[PER_T];
+#pragma unroll
+                for (int j = 0; j < PER_T; ++j) {
+                    const int i = threadIdx.x + j * THREADS;
+                    nw[j] = i < D ? __ldg(an + i) : 0.0f;
+                }
+                if (l > 0) wait_phase(p.flags, e);
+                mark(p, t, 1 + 5 * l);
+#pragma unroll
+                for (int j = 0; j < PER_T; ++j) {
+                    const int i = threadIdx.x + j * THREADS;
+                    v[j] = i < D ? (l == 0 ? emb_at(erec, i) : __ldcg(p.h + i)) : 0.0f;
+                }
+                stage_norm(xs, v, nw, red);
+                const Range r = block_items(IT_QKV);
+                for (int it = warp; it < r.n; it += WARPS) {
+                    const float a = dot_rec<D>(wq + (size_t)it * 2 * R576, xs, lane);
+                    const float b = dot_rec<D>(wq + (size_t)it * 2 * R576 + R576, xs, lane);
+                    if (lane == 0) {
+                        const int row = 2 * (r.lo + it);
+                        if (row < D + NKV * HD) {
+                            const int dim = row % HD;
+                            const float th = (float)pos * powf(ROPE_BASE, -(float)dim / HD);
+                            float sn, cs;
+                            sincosf(th, &sn, &cs);
+                            const float x0 = a * cs - b * sn, x1 = a * sn + b * cs;
+                            if (row < D) {
+                                p.q[row] = x0;
+                                p.q[row + 1] = x1;
+                            } else {
+                                const int g = (row - D) / HD;
+                                __half* k = p.kc + (((size_t)l * NKV + g) * CTX + pos) * HD + dim;
+                                *(__half2*)k = __floats2half2_rn(x0, x1);
+                            }
+                        } else {
+                            const int g = (row - D - NKV * HD) / HD, dim = row % HD;
+                            __half* v2 = p.vc + (((size_t)l * NKV + g) * CTX + pos) * HD + dim;
+                            *(__half2*)v2 = __floats2half2_rn(a, b);
+                        }
+                    }
+                }
+                end_phase(p.flags, ++e);
+            }
+            // ---- attention: block j < NH takes query head j
+            {
+                wait_phase(p.flags, e);
+                mark(p, t, 2 + 5 * l);
+                if ((int)blockIdx.x < NH) {
+                    const int hq = blockIdx.x, g = hq / (NH / NKV);
+                    const int n = pos + 1;
+                    float* qs = part + PARTS * HD;
+                    if (threadIdx.x < HD) qs[threadIdx.x] = __ldcg(p.q + hq * HD + threadIdx.x);
+                    __syncthreads();
+                    const __half* K = p.kc + ((size_t)l * NKV + g) * CTX * HD;
+                    const __half* V = p.vc + ((size_t)l * NKV + g) * CTX * HD;
+                    float m = __int_as_float(0xff800000);  // -inf
+                    for (int j = threadIdx.x; j < n; j += THREADS) {
+                        const uint4* kr = (const uint4*)(K + (size_t)j * HD);
+                        uint4 kv[8];
+#pragma unroll
+                        for (int u = 0; u < 8; ++u) kv[u] = __ldcg(kr + u);
+                        float s = 0.0f;
+#pragma unroll
+                        for (int u = 0; u < 8; ++u) {
+                            const __half2* h2 = (const __half2*)&kv[u];
+#pragma unroll
+                            for (int c = 0; c < 4; ++c) {
+                                const float2 f = __half22float2(h2[c]);
+                                s += f.x * qs[8 * u + 2 * c] + f.y * qs[8 * u + 2 * c + 1];
+                            }
+                        }
+                        s *= 0.125f;  // 1 / sqrt(HD)
+                        sc[j] = s;
+                        m = fmaxf(m, s);
+                    }
+                    // Block max (as a sum of one nonzero per warp would not do).
+                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+                    if (lane == 0) red[warp] = m;
+                    __syncthreads();
+                    m = red[0];
+#pragma unroll
+                    for (int i = 1; i < WARPS; ++i) m = fmaxf(m, red[i]);
+                    __syncthreads();
+                    float z = 0.0f;
+                    for (int j = threadIdx.x; j < n; j += THREADS) {
+                        const float x = __expf(sc[j] - m);
+                        sc[j] = x;
+                        z += x;
+                    }
+                    z = mp_block_sum(z, red);  // its barriers publish sc
+                    const int d = threadIdx.x % HD, q4 = threadIdx.x / HD, nq = PARTS;
+                    float acc = 0.0f;
+                    for (int j = q4; j < n; j += nq) acc += sc[j] * __half2float(__ldcg(V + (size_t)j * HD + d));
+                    part[q4 * HD + d] = acc;
+                    __syncthreads();
+                    if (threadIdx.x < HD) {
+                        float o = 0.0f;
+                        for (int i = 0; i < nq; ++i) o += part[i * HD + threadIdx.x];
+                        p.att[hq * HD + threadIdx.x] = o / z;
+                    }
+                }
+                end_phase(p.flags, ++e);
+            }
+            // ---- o: h += Wo att
+            {
+                wait_phase(p.flags, e);
+                mark(p, t, 3 + 5 * l);
+                for (int i = threadIdx.x; i < D; i += THREADS) xs[i] = __ldcg(p.att + i);
+                __syncthreads();
+                if (own >= 0) {
+                    hreg += dot_rec<D>(wo + (size_t)warp * R576, xs, lane);
+                    if (lane == 0) p.h[own] = hreg;
+                }
+                end_phase(p.flags, ++e);
+            }
+            // ---- gate | up
+            {
+                float nw[PER_T], v[PER_T];
+#pragma unroll
+                for (int j = 0; j < PER_T; ++j) {
+                    const int i = threadIdx.x + j * THREADS;
+                    nw[j] = i < D ? __ldg(fn + i) : 0.0f;
+                }
+                wait_phase(p.flags, e);
+                mark(p, t, 4 + 5 * l);
+#pragma unroll
+                for (int j = 0; j < PER_T; ++j) {
+                    const int i = threadIdx.x + j * THREADS;
+                    v[j] = i < D ? __ldcg(p.h + i) : 0.0f;
+                }
+                stage_norm(xs, v, nw, red);
+                const Range r = block_items(IT_GU);
+                for (int it = warp; it < r.n; it += WARPS) {
+                    const float g = dot_rec<D>(wg + (size_t)it * 2 * R576, xs, lane);
+                    const float u = dot_rec<D>(wg + (size_t)it * 2 * R576 + R576, xs, lane);
+                    if (lane == 0) p.act[r.lo + it] = g / (1.0f + __expf(-g)) * u;
+                }
+                end_phase(p.flags, ++e);
+            }
+            // ---- down: h += Wd act
+            {
+                wait_phase(p.flags, e);
+                mark(p, t, 5 + 5 * l);
+                for (int i = threadIdx.x; i < FF / 4; i += THREADS)
+                    ((float4*)xs)[i] = __ldcg((const float4*)p.act + i);
+                __syncthreads();
+                if (own >= 0) {
+                    hreg += dot_rec<FF>(wd + (size_t)warp * R1536, xs, lane);
+                    if (lane == 0) p.h[own] = hreg;
+                }
+                end_phase(p.flags, ++e);
+            }
+        }
+        // ---- logits: the output norm, every block's rows of the tied
+        // embedding from global memory, each block's best.
+        {
+            const float* on = p.norms + (size_t)NL * 2 * D;
+            float nw[PER_T], v[PER_T];
+#pragma unroll
+            for (int j = 0; j < PER_T; ++j) {
+                const int i = threadIdx.x + j * THREADS;
+                nw[j] = i < D ? __ldg(on + i) : 0.0f;
+            }
+            wait_phase(p.flags, e);
+            mark(p, t, 1 + 5 * NL);
+#pragma unroll
+            for (int j = 0; j < PER_T; ++j) {
+                const int i = threadIdx.x + j * THREADS;
+                v[j] = i < D ? __ldcg(p.h + i) : 0.0f;
+            }
+            stage_norm(xs, v, nw, red);
+            const Range r = block_items(VOCAB);
+            u64 best = 0;
+            float* lg = p.logits + (size_t)t * VOCAB;
+            for (int it = warp; it < r.n; it += WARPS) {
+                const int row = r.lo + it;
+                const float s = dot_rec<D>(p.emb + (size_t)row * R576, xs, lane);
+                if (lane == 0) lg[row] = s;
+                best = max(best, logit_key(s, row));
+            }
+            if (lane == 0) wbest[warp] = best;
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                u64 m = 0;
+                for (int i = 0; i < WARPS; ++i) m = max(m, wbest[i]);
+                p.best[blockIdx.x] = m;
+            }
+            end_phase(p.flags, ++e);
+        }
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        p.clocks[2 + 5 * NL] = clock64();
+        p.clocks[4 + 5 * NL] = gtimer();
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
+// ---------------------------------------------------------------- host
+#ifndef __CUDACC_RTC__
+
+static u64 rng = 0x9e3779b97f4a7c15ull;
+static u32 rnd() {
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (u32)(rng >> 16);
+}
+static float rndf() { return (rnd() & 0xffffff) / 16777216.0f; }  // [0, 1)
+
+// A random record of k weights; scale d, minimum -8 d (centred).
+static void fill_rec(unsigned char* rec, int k, float d) {
+    for (int i = 0; i < k / 2; ++i) rec[i] = (unsigned char)rnd();
+    __half2* s = (__half2*)(rec + k / 2);
+    for (int b = 0; b < (k / 32 + 3) / 4 * 4; ++b) {
+        const float db = d * (0.5f + rndf());
+        s[b] = __floats2half2_rn(db, -8.0f * db);
+    }
+}
+static float rec_at(const unsigned char* rec, int k, int i) {
+    const u32 q = (((const u32*)rec)[i >> 3] >> (4 * (i & 7))) & 15u;
+    const float2 s = __half22float2(((const __half2*)(rec + k / 2))[i >> 5]);
+    return s.x * (float)q + s.y;
+}
+static void cpu_matvec(const unsigned char* recs, int rows, int k, const std::vector<float>& x, float* y) {
+    const int rb = rec_bytes(k);
+    for (int r = 0; r < rows; ++r) {
+        double s = 0.0;
+        for (int i = 0; i < k; ++i) s += (double)rec_at(recs + (size_t)r * rb, k, i) * x[i];
+        y[r] = (float)s;
+    }
+}
+static std::vector<float> cpu_norm(const std::vector<float>& h, const float* w) {
+    double ss = 0.0;
+    for (float v : h) ss += (double)v * v;
+    const float r = 1.0f / sqrtf((float)(ss / D) + EPS);
+    std::vector<float> x(D);
+    for (int i = 0; i < D; ++i) x[i] = h[i] * r * w[i];
+    return x;
+}
+
+// The CPU forward pass of one token at pos; kc/vc (host copies, f16) get
+// its K/V. Returns the logits.
+static std::vector<float> cpu_token(const std::vector<unsigned char>& w, const std::vector<unsigned char>& emb,
+                                    const std::vector<float>& norms, std::vector<__half>& kc, std::vector<__half>& vc,
+                                    u32 token, u32 pos) {
+    std::vector<float> h(D), y(2 * FF);
+    for (int i = 0; i < D; ++i) h[i] = rec_at(&emb[(size_t)token * R576], D, i);
+    for (int l = 0; l < NL; ++l) {
+        const unsigned char* L = &w[(size_t)l * LAYER_BYTES];
+        std::vector<float> x = cpu_norm(h, &norms[(size_t)l * 2 * D]);
+        std::vector<float> qkv(QKV), q(D);
+        cpu_matvec(L + OFF_QKV, QKV, D, x, qkv.data());
+        for (int row = 0; row < QKV; row += 2) {
+            float a = qkv[row], b = qkv[row + 1];
+            if (row < D + NKV * HD) {
+                const int dim = row % HD;
+                const float th = (float)pos * powf(ROPE_BASE, -(float)dim / HD);
+                const float x0 = a * cosf(th) - b * sinf(th), x1 = a * sinf(th) + b * cosf(th);
+                a = x0;
+                b = x1;
+            }
+            if (row < D) {
+                q[row] = a;
+                q[row + 1] = b;
+            } else {
+                const bool isk = row < D + NKV * HD;
+                const int rr = isk ? row - D : row - D - NKV * HD, g = rr / HD, dim = rr % HD;
+                __half* c = &(isk ? kc : vc)[(((size_t)l * NKV + g) * CTX + pos) * HD + dim];
+                c[0] = __float2half_rn(a);
+                c[1] = __float2half_rn(b);
+            }
+        }
+        std::vector<float> att(D);
+        for (int hq = 0; hq < NH; ++hq) {
+            const int g = hq / (NH / NKV);
+            std::vector<double> s(pos + 1);
+            double m = -1e300;
+            for (u32 j = 0; j <= pos; ++j) {
+                double d = 0.0;
+                for (int i = 0; i < HD; ++i)
+                    d += (double)__half2float(kc[(((size_t)l * NKV + g) * CTX + j) * HD + i]) * q[hq * HD + i];
+                s[j] = d * 0.125;
+                m = std::max(m, s[j]);
+            }
+            double z = 0.0;
+            for (auto& v : s) z += (v = exp(v - m));
+            for (int i = 0; i < HD; ++i) {
+                double o = 0.0;
+                for (u32 j = 0; j <= pos; ++j) o += s[j] * __half2float(vc[(((size_t)l * NKV + g) * CTX + j) * HD + i]);
+                att[hq * HD + i] = (float)(o / z);
+            }
+        }
+        cpu_matvec(L + OFF_O, D, D, att, y.data());
+        for (int i = 0; i < D; ++i) h[i] += y[i];
+        x = cpu_norm(h, &norms[(size_t)l * 2 * D + D]);
+        cpu_matvec(L + OFF_GU, 2 * FF, D, x, y.data());
+        std::vector<float> a(FF);
+        for (int i = 0; i < FF; ++i) {
+            const float g = y[2 * i], u = y[2 * i + 1];
+            a[i] = g / (1.0f + expf(-g)) * u;
+        }
+        cpu_matvec(L + OFF_DOWN, D, FF, a, y.data());
+        for (int i = 0; i < D; ++i) h[i] += y[i];
+    }
+    std::vector<float> x = cpu_norm(h, &norms[(size_t)NL * 2 * D]), logits(VOCAB);
+    cpu_matvec(emb.data(), VOCAB, D, x, logits.data());
+    return logits;
+}
+
+static u32 argmax(const float* v, int n) {
+    int b = 0;
+    for (int i = 1; i < n; ++i)
+        if (v[i] > v[b]) b = i;
+    return (u32)b;
+}
+
+int main(int argc, char** argv) {
+    int sms = 0;
+    CK(cudaSetDevice(0));
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    const int blocks = argc > 1 && atoi(argv[1]) > 0 ? atoi(argv[1]) : sms;
+    const u32 T = argc > 2 ? (u32)atoi(argv[2]) : 128u;
+    const u32 pos0 = argc > 3 ? (u32)atoi(argv[3]) : 0u;
+    if (blocks < 72 || blocks > THREADS || pos0 + T > CTX) {
+        printf("blocks must be in [72, %d] (one owned h row per warp; one flag a thread), pos0 + T <= %d\n", THREADS,
+               CTX);
+        return 1;
+    }
+    printf("%s, %d SMs; %d blocks of %d threads, %u tokens from position %u\n", prop.name, sms, blocks, THREADS, T,
+           pos0);
+
+    // Weights and caches (host copies for the CPU check).
+    std::vector<unsigned char> w((size_t)NL * LAYER_BYTES), emb((size_t)VOCAB * R576);
+    for (int l = 0; l < NL; ++l) {
+        unsigned char* L = &w[(size_t)l * LAYER_BYTES];
+        for (int r = 0; r < QKV; ++r) fill_rec(L + OFF_QKV + (size_t)r * R576, D, 0.004f);
+        for (int r = 0; r < D; ++r) fill_rec(L + OFF_O + (size_t)r * R576, D, 0.004f);
+        for (int r = 0; r < 2 * FF; ++r) fill_rec(L + OFF_GU + (size_t)r * R576, D, 0.004f);
+        for (int r = 0; r < D; ++r) fill_rec(L + OFF_DOWN + (size_t)r * R1536, FF, 0.004f);
+    }
+    for (int r = 0; r < VOCAB; ++r) fill_rec(&emb[(size_t)r * R576], D, 0.02f);
+    std::vector<float> norms((size_t)(2 * NL + 1) * D);
+    for (auto& v : norms) v = 0.5f + rndf();
+    const size_t cache = (size_t)NL * NKV * CTX * HD;
+    std::vector<__half> kc(cache), vc(cache);
+    for (size_t i = 0; i < cache; ++i) {
+        kc[i] = __float2half_rn(rndf() * 2.0f - 1.0f);
+        vc[i] = __float2half_rn(rndf() * 2.0f - 1.0f);
+    }
+
+    Params p = {};
+    unsigned char *dw, *demb;
+    float* dnorms;
+    CK(cudaMalloc(&dw, w.size()));
+    CK(cudaMalloc(&demb, emb.size()));
+    CK(cudaMalloc(&dnorms, norms.size() * 4));
+    CK(cudaMemcpy(dw, w.data(), w.size(), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(demb, emb.data(), emb.size(), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dnorms, norms.data(), norms.size() * 4, cudaMemcpyHostToDevice));
+    __half *dkc, *dvc;
+    CK(cudaMalloc(&dkc, cache * 2));
+    CK(cudaMalloc(&dvc, cache * 2));
+    float *dh, *dq, *datt, *dact, *dlog;
+    CK(cudaMalloc(&dh, D * 4));
+    CK(cudaMalloc(&dq, D * 4));
+    CK(cudaMalloc(&datt, D * 4));
+    CK(cudaMalloc(&dact, FF * 4));
+    CK(cudaMalloc(&dlog, (size_t)T * VOCAB * 4));
+    u64* dbest;
+    u32 *dtok, *dflags;
+    long long* dclk;
+    CK(cudaMalloc(&dbest, blocks * 8));
+    CK(cudaMalloc(&dtok, T * 4));
+    CK(cudaMalloc(&dflags, THREADS * 4));
+    CK(cudaMalloc(&dclk, (6 + 5 * NL) * 8));
+    p = {dw, demb, dnorms, dkc, dvc, dh, dq, datt, dact, dlog, dbest, dtok, dflags, dclk, 7u, pos0, T};
+
+    const size_t smem = 2 * layer_smem(blocks) + (size_t)(FF + CTX + WARPS + (PARTS + 1) * HD) * 4;
+    CK(cudaFuncSetAttribute(k_mega, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    int per_sm = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_mega, THREADS, smem));
+    if (per_sm * sms < blocks) {
+        printf("only %d blocks fit (%zu bytes of shared memory each)\n", per_sm * sms, smem);
+        return 1;
+    }
+    printf("shared memory %zu bytes a block (two layers' rows: %zu each)\n", smem, layer_smem(blocks));
+    cudaStream_t st;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    void* args[] = {&p};
+    std::vector<float> us;
+    for (int r = 0; r < 6; ++r) {
+        // Every launch starts from the same cache, so runs agree.
+        CK(cudaMemcpyAsync(dkc, kc.data(), cache * 2, cudaMemcpyHostToDevice, st));
+        CK(cudaMemcpyAsync(dvc, vc.data(), cache * 2, cudaMemcpyHostToDevice, st));
+        CK(cudaMemsetAsync(dflags, 0, THREADS * 4, st));
+        CK(cudaEventRecord(e0, st));
+        CK(cudaLaunchCooperativeKernel((void*)k_mega, blocks, THREADS, args, smem, st));
+        CK(cudaEventRecord(e1, st));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (r > 0) us.push_back(ms * 1000.0f / T);  // the first is a warm-up
+    }
+    std::sort(us.begin(), us.end());
+    printf("mega: %.2f us a token, %.1f tok/s (runs %.2f .. %.2f us)\n", us[us.size() / 2], 1e6 / us[us.size() / 2],
+           us.front(), us.back());
+
+    // Where a token goes: block 0's phase starts in the last token.
+    std::vector<long long> clk(6 + 5 * NL);
+    CK(cudaMemcpy(clk.data(), dclk, clk.size() * 8, cudaMemcpyDeviceToHost));
+    const char* names[5] = {"qkv", "attn", "o", "gu", "down"};
+    // Cycles per microsecond: block 0's clock64 against the global timer
+    // over the whole launch.
+    double ph[5] = {};
+    const double khz = (double)(clk[2 + 5 * NL] - clk[3 + 5 * NL]) / (double)(clk[4 + 5 * NL] - clk[5 + 5 * NL]) * 1e6;
+    for (int l = 0; l < NL; ++l)
+        for (int k = 0; k < 5; ++k) ph[k] += (double)(clk[2 + 5 * l + k] - clk[1 + 5 * l + k]);
+    const double tok = (double)(clk[2 + 5 * NL] - clk[0]);
+    printf("SM clock %.0f MHz; last token, block 0, cycles (%.2f us): argmax %lld", khz / 1000.0, tok / khz * 1000.0,
+           clk[1] - clk[0]);
+    for (int k = 0; k < 5; ++k) printf(", %s %.0f (%.1f a layer)", names[k], ph[k], ph[k] / NL);
+    printf(", logits %lld\n", clk[2 + 5 * NL] - clk[1 + 5 * NL]);
+
+    // The check: the CPU's first tokens against the kernel's (the last run).
+    std::vector<u32> tok(T);
+    CK(cudaMemcpy(tok.data(), dtok, T * 4, cudaMemcpyDeviceToHost));
+    const u32 steps = std::min<u32>(T, 3);
+    std::vector<float> lg((size_t)steps * VOCAB);
+    CK(cudaMemcpy(lg.data(), dlog, lg.size() * 4, cudaMemcpyDeviceToHost));
+    bool ok = true;
+    for (u32 t = 0; t < steps; ++t) {
+        const std::vector<float> ref = cpu_token(w, emb, norms, kc, vc, tok[t], pos0 + t);
+        double num = 0.0, den = 0.0;
+        for (int i = 0; i < VOCAB; ++i) {
+            const double d = (double)lg[(size_t)t * VOCAB + i] - ref[i];
+            num += d * d;
+            den += (double)ref[i] * ref[i];
+        }
+        const double rel = sqrt(num / den);
+        const u32 next_cpu = argmax(ref.data(), VOCAB), next_gpu = argmax(&lg[(size_t)t * VOCAB], VOCAB);
+        const bool same = t + 1 >= T || tok[t + 1] == next_gpu;
+        printf("check token %u (id %u at %u): logits rel-L2 %.2e, argmax cpu %u gpu %u, chain took %u\n", t, tok[t],
+               pos0 + t, rel, next_cpu, next_gpu, t + 1 < T ? tok[t + 1] : next_gpu);
+        ok = ok && rel < 1e-3 && same && next_cpu == next_gpu;
+    }
+    printf("check: %s\n", ok ? "PASS" : "FAIL");
+    return ok ? 0 : 2;
+}
+#endif
