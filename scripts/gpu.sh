@@ -657,32 +657,36 @@ probe() {
 
 # The persistent decode kernel of the SmolLM2 shape (bench/cuda/mega_probe.cu,
 # built here with nvcc; no .gpu needed). MEGA_RUNS: space-separated runs,
-# each WARPS:BLOCKS:TOKENS:POS ("-" or nothing for a default: 8 warps, every
-# SM (0), 128 tokens, position 0).
+# each WARPS:BLOCKS:TOKENS:POS:DEFINES ("-" or nothing for a default: 8
+# warps, every SM (0), 128 tokens, position 0, no defines; DEFINES are
+# comma-separated, such as POLL_WARP=1).
 mega() {
     echo "== persistent decode probe (nvcc)"
-    local r w b t p bin built=" "
-    for r in ${MEGA_RUNS:--:-:-:-}; do
-        IFS=: read -r w b t p <<<"$r"
-        # "-" or nothing: the default.
+    local r w b t p d bin tag built=" "
+    for r in ${MEGA_RUNS:--}; do
+        IFS=: read -r w b t p d <<<"$r"
         [ "${w:--}" = "-" ] && w=8
         [ "${b:--}" = "-" ] && b=0
         [ "${t:--}" = "-" ] && t=128
         [ "${p:--}" = "-" ] && p=0
-        bin=$STORE/mega-probe-w$w
+        [ "${d:--}" = "-" ] && d=""
+        tag=w$w${d:+-${d//[^A-Za-z0-9_]/_}}
+        bin=$STORE/mega-probe-$tag
         # Built once a call (a warm machine keeps an older source's binary).
-        if [ "${built#* $w }" = "$built" ]; then
-            built="$built$w "
+        if [ "${built#* $tag }" = "$built" ]; then
+            built="$built$tag "
             rm -f "$bin"
-            nvcc -O3 -std=c++17 -arch=sm_90 -DWARPS="$w" -o "$bin" bench/cuda/mega_probe.cu 2>&1 |
+            local defs=(-DWARPS="$w") x
+            for x in ${d//,/ }; do defs+=("-D$x"); done
+            nvcc -O3 -std=c++17 -arch=sm_90 "${defs[@]}" -o "$bin" bench/cuda/mega_probe.cu 2>&1 |
                 grep -iE "error|warning" || true
         fi
-        echo "-- warps $w, blocks $b (0: every SM), tokens $t, position $p"
+        echo "-- warps $w, blocks $b (0: every SM), tokens $t, position $p, defines ${d:-none}"
         if [ ! -x "$bin" ]; then
-            echo "mega probe build failed (warps $w)"
+            echo "mega probe build failed ($tag)"
             continue
         fi
-        "$bin" "$b" "$t" "$p" 2>&1 | tee "$OUTDIR/mega-w$w-b$b-t$t-p$p.log" || true
+        "$bin" "$b" "$t" "$p" 2>&1 | tee "$OUTDIR/mega-$tag-b$b-t$t-p$p.log" || true
     done
 }
 

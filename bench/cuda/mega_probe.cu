@@ -56,7 +56,6 @@ typedef unsigned long long u64;
 #define WARPS 8
 #endif
 constexpr int THREADS = WARPS * 32;
-constexpr int PARTS = THREADS / 64;  // attention: threads per value column
 constexpr int D = 576, NH = 9, NKV = 3, HD = 64, FF = 1536, NL = 30, VOCAB = 49152;
 constexpr int QKV = D + 2 * NKV * HD;  // 960 rows
 constexpr int CTX = 2048;
@@ -75,16 +74,21 @@ constexpr size_t OFF_QKV = 0, OFF_O = OFF_QKV + (size_t)QKV * R576, OFF_GU = OFF
 // Work items per phase: a pair of records for qkv (RoPE pairs) and gu.
 constexpr int IT_QKV = QKV / 2, IT_O = D, IT_GU = FF, IT_DOWN = D;
 
+// The values one phase hands to the next, as tagged words: the value's bits
+// in the low half, the number of the phase that wrote it in the high half,
+// so that a reader knows a value is the one it waits for. Two sets, by the
+// parity of the layer (counted over tokens), so that a layer's writers never
+// overwrite what a reader of the layer before may still need.
+constexpr int X_H = 0, X_Q = X_H + D, X_K = X_Q + D, X_V = X_K + NKV * HD, X_ATT = X_V + NKV * HD, X_ACT = X_ATT + D,
+              XW = X_ACT + FF;
+
 struct Params {
     const unsigned char* w;    // NL layers of LAYER_BYTES
     const unsigned char* emb;  // VOCAB records of 576 (the logits too)
     const float* norms;        // NL x (attn, ffn) x D, then the output norm
     __half* kc;                // NL x NKV x CTX x HD
     __half* vc;
-    float* h;                  // D: the residual stream, written by owner warps
-    float* q;                  // D: rotated queries
-    float* att;                // D: attention output
-    float* act;                // FF: silu(g) u
+    u64* x;                    // 2 x XW tagged words (value | phase << 32): h, q, k, v, att, act
     float* logits;             // T x VOCAB
     u64* best;                 // blocks: each block's best logit key
     u32* tokens;               // T: the chain's tokens
@@ -105,8 +109,34 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
     return v;
 }
 
-// Waits until every block has finished phase e.
+__device__ __forceinline__ u32 ld_relaxed(const u32* p) {
+    u32 v;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Waits until every block has finished phase e: threads < blocks poll a
+// flag each and the block votes (POLL_WARP=1: warp 0 polls every flag,
+// several a lane, and one barrier follows).
+#ifndef POLL_WARP
+#define POLL_WARP 0
+#endif
 __device__ __forceinline__ void wait_phase(const u32* flags, u32 e) {
+    if (POLL_WARP) {
+        if (threadIdx.x < 32) {
+            bool ok;
+            do {
+                // Relaxed loads, all in flight (acquire loads would wait on
+                // each other), then one fence for the acquire.
+                u32 m = 0xffffffffu;
+                for (int i = threadIdx.x; i < (int)gridDim.x; i += 32) m = min(m, ld_relaxed(flags + i));
+                ok = m >= e;
+            } while (!__all_sync(0xffffffffu, ok));
+            asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        }
+        __syncthreads();
+        return;
+    }
     bool ok;
     do {
         ok = threadIdx.x >= gridDim.x || ld_acquire(flags + threadIdx.x) >= e;
@@ -231,6 +261,53 @@ __device__ __forceinline__ void mark(const Params& p, u32 t, int ph) {
     if (blockIdx.x == 0 && threadIdx.x == 0 && t + 1 == p.T) p.clocks[ph] = clock64();
 }
 
+// LL=1: phases wait on the tagged values themselves (no flags, no fences)
+// but for the logits, whose flags also publish the token's K/V rows; LL=0:
+// every phase ends with the flags, the tags then match at the first load.
+#ifndef LL
+#define LL 0
+#endif
+
+__device__ __forceinline__ void st_tag(u64* a, float v, u32 tag) {
+    const u64 w = ((u64)tag << 32) | __float_as_uint(v);
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(a), "l"(w) : "memory");
+}
+__device__ __forceinline__ u64 ld_word(const u64* a) {
+    u64 w;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(a) : "memory");
+    return w;
+}
+// v[j] = the value at src[threadIdx.x + j THREADS] (< n) once it carries
+// `tag`; every word is requested before the first is checked.
+template <int PER>
+__device__ __forceinline__ void load_tagged(float (&v)[PER], const u64* src, int n, u32 tag) {
+    u64 w[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int i = threadIdx.x + j * THREADS;
+        w[j] = i < n ? ld_word(src + i) : (u64)tag << 32;
+    }
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int i = threadIdx.x + j * THREADS;
+        while ((u32)(w[j] >> 32) != tag) w[j] = ld_word(src + i);
+        v[j] = __uint_as_float((u32)w[j]);
+    }
+}
+// dst[0..N) (shared) = the tagged values at src; ends synchronised.
+template <int N>
+__device__ __forceinline__ void stage_tagged(float* dst, const u64* src, u32 tag) {
+    constexpr int PER = (N + THREADS - 1) / THREADS;
+    float v[PER];
+    load_tagged<PER>(v, src, N, tag);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int i = threadIdx.x + j * THREADS;
+        if (i < N) dst[i] = v[j];
+    }
+    __syncthreads();
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
     extern __shared__ __align__(16) unsigned char smem[];
     const size_t lb = layer_smem(gridDim.x);
@@ -238,27 +315,39 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
     float* xs = (float*)(smem + 2 * lb);  // FF floats
     float* sc = xs + FF;                  // CTX scores
     float* red = sc + CTX;                // WARPS floats
-    float* part = red + WARPS;            // PARTS x HD attention partials, then q
+    float* part = red + WARPS;            // WARPS x HD attention partials, then q, k, v of the head
     __shared__ u64 wbest[WARPS];
     __shared__ u32 s_token;
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const Range ro = block_items(IT_O), rd = block_items(IT_DOWN);
+    const Range ro = block_items(IT_O);
     // The h rows this warp owns (o and down have the same items): at most
     // one a warp at every grid this probe runs (576 rows, >= 72 blocks).
     const int own = warp < ro.n ? ro.lo + warp : -1;
     float hreg = 0.0f;
-    u32 e = 0;  // phases finished
+    long long o_stage = 0, o_dot = 0, o_end = 0;  // block 0, the last token's o phases
+    u32 e = 0;  // phases finished (every block counts the same)
     u32 token = p.tok0;
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         p.clocks[3 + 5 * NL] = clock64();
         p.clocks[5 + 5 * NL] = gtimer();
     }
+    // A phase's end: LL=0 publishes the flag; LL=1 only keeps the block
+    // together (shared memory is reused by the next phase).
+    auto phase_end = [&]() {
+        ++e;
+        if (LL) __syncthreads();
+        else end_phase(p.flags, e);
+    };
+    auto phase_wait = [&]() {
+        if (!LL) wait_phase(p.flags, e);
+    };
     prefetch_layer(wbuf[0], p.w, 0);
     for (u32 t = 0; t < p.T; ++t) {
         const u32 pos = p.pos0 + t;
         if (t > 0) {
-            // The argmax over the blocks' bests of the last token.
+            // The argmax over the blocks' bests of the last token (always
+            // behind the flags: they also publish the token's K/V rows).
             wait_phase(p.flags, e);
             mark(p, t, 0);
             u64 b = 0;
@@ -295,90 +384,109 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
             const unsigned char* wd = wg + (size_t)pbg * 2 * R576;
             const float* an = p.norms + (size_t)l * 2 * D;
             const float* fn = an + D;
+            const u32 gl = t * NL + l;
+            u64* X = p.x + (size_t)(gl & 1) * XW;       // this layer's values
+            u64* Xp = p.x + (size_t)((gl + 1) & 1) * XW;  // the layer before's (its h)
 
             // ---- qkv
             {
+                const Range r = block_items(IT_QKV);
                 float nw[PER_T], v[PER_T];
 #pragma unroll
                 for (int j = 0; j < PER_T; ++j) {
                     const int i = threadIdx.x + j * THREADS;
                     nw[j] = i < D ? __ldg(an + i) : 0.0f;
                 }
-                if (l > 0) wait_phase(p.flags, e);
+                if (l > 0) phase_wait();
                 mark(p, t, 1 + 5 * l);
+                if (r.n > 0) {
+                    if (l == 0) {
 #pragma unroll
-                for (int j = 0; j < PER_T; ++j) {
-                    const int i = threadIdx.x + j * THREADS;
-                    v[j] = i < D ? (l == 0 ? emb_at(erec, i) : __ldcg(p.h + i)) : 0.0f;
+                        for (int j = 0; j < PER_T; ++j) {
+                            const int i = threadIdx.x + j * THREADS;
+                            v[j] = i < D ? emb_at(erec, i) : 0.0f;
+                        }
+                    } else {
+                        load_tagged<PER_T>(v, Xp + X_H, D, e);
+                    }
+                    stage_norm(xs, v, nw, red);
                 }
-                stage_norm(xs, v, nw, red);
-                const Range r = block_items(IT_QKV);
                 for (int it = warp; it < r.n; it += WARPS) {
                     const float a = dot_rec<D>(wq + (size_t)it * 2 * R576, xs, lane);
                     const float b = dot_rec<D>(wq + (size_t)it * 2 * R576 + R576, xs, lane);
                     if (lane == 0) {
                         const int row = 2 * (r.lo + it);
+                        float x0 = a, x1 = b;
                         if (row < D + NKV * HD) {
                             const int dim = row % HD;
                             const float th = (float)pos * powf(ROPE_BASE, -(float)dim / HD);
                             float sn, cs;
                             sincosf(th, &sn, &cs);
-                            const float x0 = a * cs - b * sn, x1 = a * sn + b * cs;
-                            if (row < D) {
-                                p.q[row] = x0;
-                                p.q[row + 1] = x1;
-                            } else {
-                                const int g = (row - D) / HD;
-                                __half* k = p.kc + (((size_t)l * NKV + g) * CTX + pos) * HD + dim;
-                                *(__half2*)k = __floats2half2_rn(x0, x1);
-                            }
-                        } else {
-                            const int g = (row - D - NKV * HD) / HD, dim = row % HD;
-                            __half* v2 = p.vc + (((size_t)l * NKV + g) * CTX + pos) * HD + dim;
-                            *(__half2*)v2 = __floats2half2_rn(a, b);
+                            x0 = a * cs - b * sn;
+                            x1 = a * sn + b * cs;
+                        }
+                        // X_Q, X_K and X_V follow each other as the rows do.
+                        st_tag(X + X_Q + row, x0, e + 1);
+                        st_tag(X + X_Q + row + 1, x1, e + 1);
+                        if (row >= D) {
+                            const bool isk = row < D + NKV * HD;
+                            const int rr = isk ? row - D : row - D - NKV * HD, g = rr / HD, dim = rr % HD;
+                            __half* c = (isk ? p.kc : p.vc) + (((size_t)l * NKV + g) * CTX + pos) * HD + dim;
+                            *(__half2*)c = __floats2half2_rn(x0, x1);
                         }
                     }
                 }
-                end_phase(p.flags, ++e);
+                phase_end();
             }
             // ---- attention: block j < NH takes query head j
             {
-                wait_phase(p.flags, e);
+                phase_wait();
                 mark(p, t, 2 + 5 * l);
                 if ((int)blockIdx.x < NH) {
                     const int hq = blockIdx.x, g = hq / (NH / NKV);
-                    const int n = pos + 1;
-                    float* qs = part + PARTS * HD;
-                    if (threadIdx.x < HD) qs[threadIdx.x] = __ldcg(p.q + hq * HD + threadIdx.x);
+                    // q, then the new position's k and v (rounded as the
+                    // cache holds them); older positions come from the cache.
+                    float* qs = part + WARPS * HD;
+                    float* kn = qs + HD;
+                    float* vn = kn + HD;
+                    if (threadIdx.x < 3 * HD) {
+                        const int which = threadIdx.x / HD, d = threadIdx.x % HD;
+                        const int src = which == 0 ? X_Q + hq * HD + d : (which == 1 ? X_K : X_V) + g * HD + d;
+                        u64 w = ld_word(X + src);
+                        while ((u32)(w >> 32) != e) w = ld_word(X + src);
+                        float f = __uint_as_float((u32)w);
+                        if (which > 0) f = __half2float(__float2half_rn(f));
+                        qs[threadIdx.x] = f;
+                    }
                     __syncthreads();
                     const __half* K = p.kc + ((size_t)l * NKV + g) * CTX * HD;
                     const __half* V = p.vc + ((size_t)l * NKV + g) * CTX * HD;
                     float m = __int_as_float(0xff800000);  // -inf
-                    for (int j = threadIdx.x; j < n; j += THREADS) {
-                        const uint4* kr = (const uint4*)(K + (size_t)j * HD);
-                        uint4 kv[8];
-#pragma unroll
-                        for (int u = 0; u < 8; ++u) kv[u] = __ldcg(kr + u);
+                    for (int j = threadIdx.x; j <= (int)pos; j += THREADS) {
                         float s = 0.0f;
+                        if (j < (int)pos) {
+                            const uint4* kr = (const uint4*)(K + (size_t)j * HD);
+                            uint4 kv[8];
 #pragma unroll
-                        for (int u = 0; u < 8; ++u) {
-                            const __half2* h2 = (const __half2*)&kv[u];
+                            for (int u = 0; u < 8; ++u) kv[u] = __ldcg(kr + u);
 #pragma unroll
-                            for (int c = 0; c < 4; ++c) {
-                                const float2 f = __half22float2(h2[c]);
-                                s += f.x * qs[8 * u + 2 * c] + f.y * qs[8 * u + 2 * c + 1];
+                            for (int u = 0; u < 8; ++u) {
+                                const __half2* h2 = (const __half2*)&kv[u];
+#pragma unroll
+                                for (int c = 0; c < 4; ++c) {
+                                    const float2 f = __half22float2(h2[c]);
+                                    s += f.x * qs[8 * u + 2 * c] + f.y * qs[8 * u + 2 * c + 1];
+                                }
                             }
+                        } else {
+                            for (int d = 0; d < HD; d += 2) s += kn[d] * qs[d] + kn[d + 1] * qs[d + 1];
                         }
                         s *= 0.125f;  // 1 / sqrt(HD)
                         sc[j] = s;
                         m = fmaxf(m, s);
                     }
-                    // Block max (as a sum of one nonzero per warp would not do).
-                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
-                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
-                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+#pragma unroll
+                    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
                     if (lane == 0) red[warp] = m;
                     __syncthreads();
                     m = red[0];
@@ -386,78 +494,126 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                     for (int i = 1; i < WARPS; ++i) m = fmaxf(m, red[i]);
                     __syncthreads();
                     float z = 0.0f;
-                    for (int j = threadIdx.x; j < n; j += THREADS) {
+                    for (int j = threadIdx.x; j <= (int)pos; j += THREADS) {
                         const float x = __expf(sc[j] - m);
                         sc[j] = x;
                         z += x;
                     }
                     z = mp_block_sum(z, red);  // its barriers publish sc
-                    const int d = threadIdx.x % HD, q4 = threadIdx.x / HD, nq = PARTS;
-                    float acc = 0.0f;
-                    for (int j = q4; j < n; j += nq) acc += sc[j] * __half2float(__ldcg(V + (size_t)j * HD + d));
-                    part[q4 * HD + d] = acc;
+                    // Values of the cached positions: thread t takes dims
+                    // 8 (t % 8) .. + 8 (one 16-byte load a row) of every
+                    // S-th position from t / 8, four rows requested at a
+                    // time; the stripes add up by shuffles in the warp and
+                    // through shared memory across warps.
+                    constexpr int S = THREADS / 8;
+                    const int c = threadIdx.x & 7, n = pos;
+                    const uint4* Vr = (const uint4*)V;
+                    float acc[8] = {};
+                    int j = threadIdx.x >> 3;
+                    for (; j + 3 * S < n; j += 4 * S) {
+                        uint4 v[4];
+#pragma unroll
+                        for (int u = 0; u < 4; ++u) v[u] = __ldcg(Vr + (size_t)(j + u * S) * 8 + c);
+#pragma unroll
+                        for (int u = 0; u < 4; ++u) {
+                            const float wgt = sc[j + u * S];
+                            const __half2* h2 = (const __half2*)&v[u];
+#pragma unroll
+                            for (int k = 0; k < 4; ++k) {
+                                const float2 f = __half22float2(h2[k]);
+                                acc[2 * k] += wgt * f.x;
+                                acc[2 * k + 1] += wgt * f.y;
+                            }
+                        }
+                    }
+                    for (; j < n; j += S) {
+                        const uint4 v = __ldcg(Vr + (size_t)j * 8 + c);
+                        const float wgt = sc[j];
+                        const __half2* h2 = (const __half2*)&v;
+#pragma unroll
+                        for (int k = 0; k < 4; ++k) {
+                            const float2 f = __half22float2(h2[k]);
+                            acc[2 * k] += wgt * f.x;
+                            acc[2 * k + 1] += wgt * f.y;
+                        }
+                    }
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) {
+                        acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], 8);
+                        acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], 16);
+                    }
+                    if (lane < 8) {
+#pragma unroll
+                        for (int k = 0; k < 8; ++k) part[warp * HD + 8 * lane + k] = acc[k];
+                    }
                     __syncthreads();
                     if (threadIdx.x < HD) {
-                        float o = 0.0f;
-                        for (int i = 0; i < nq; ++i) o += part[i * HD + threadIdx.x];
-                        p.att[hq * HD + threadIdx.x] = o / z;
+                        float o = sc[pos] * vn[threadIdx.x];
+#pragma unroll
+                        for (int i = 0; i < WARPS; ++i) o += part[i * HD + threadIdx.x];
+                        st_tag(X + X_ATT + hq * HD + threadIdx.x, o / z, e + 1);
                     }
                 }
-                end_phase(p.flags, ++e);
+                phase_end();
             }
             // ---- o: h += Wo att
             {
-                wait_phase(p.flags, e);
+                phase_wait();
                 mark(p, t, 3 + 5 * l);
-                for (int i = threadIdx.x; i < D; i += THREADS) xs[i] = __ldcg(p.att + i);
-                __syncthreads();
+                if (ro.n > 0) stage_tagged<D>(xs, X + X_ATT, e);
+                const long long c0 = clock64();
                 if (own >= 0) {
                     hreg += dot_rec<D>(wo + (size_t)warp * R576, xs, lane);
-                    if (lane == 0) p.h[own] = hreg;
+                    if (lane == 0) st_tag(X + X_H + own, hreg, e + 1);
                 }
-                end_phase(p.flags, ++e);
+                __syncthreads();
+                const long long c1 = clock64();
+                phase_end();
+                if (blockIdx.x == 0 && threadIdx.x == 0 && t + 1 == p.T) {
+                    o_stage += c0 - p.clocks[3 + 5 * l];
+                    o_dot += c1 - c0;
+                    o_end += clock64() - c1;
+                }
             }
             // ---- gate | up
             {
+                const Range r = block_items(IT_GU);
                 float nw[PER_T], v[PER_T];
 #pragma unroll
                 for (int j = 0; j < PER_T; ++j) {
                     const int i = threadIdx.x + j * THREADS;
                     nw[j] = i < D ? __ldg(fn + i) : 0.0f;
                 }
-                wait_phase(p.flags, e);
+                phase_wait();
                 mark(p, t, 4 + 5 * l);
-#pragma unroll
-                for (int j = 0; j < PER_T; ++j) {
-                    const int i = threadIdx.x + j * THREADS;
-                    v[j] = i < D ? __ldcg(p.h + i) : 0.0f;
+                if (r.n > 0) {
+                    load_tagged<PER_T>(v, X + X_H, D, e);
+                    stage_norm(xs, v, nw, red);
                 }
-                stage_norm(xs, v, nw, red);
-                const Range r = block_items(IT_GU);
                 for (int it = warp; it < r.n; it += WARPS) {
                     const float g = dot_rec<D>(wg + (size_t)it * 2 * R576, xs, lane);
                     const float u = dot_rec<D>(wg + (size_t)it * 2 * R576 + R576, xs, lane);
-                    if (lane == 0) p.act[r.lo + it] = g / (1.0f + __expf(-g)) * u;
+                    if (lane == 0) st_tag(X + X_ACT + r.lo + it, g / (1.0f + __expf(-g)) * u, e + 1);
                 }
-                end_phase(p.flags, ++e);
+                phase_end();
             }
             // ---- down: h += Wd act
             {
-                wait_phase(p.flags, e);
+                phase_wait();
                 mark(p, t, 5 + 5 * l);
-                for (int i = threadIdx.x; i < FF / 4; i += THREADS)
-                    ((float4*)xs)[i] = __ldcg((const float4*)p.act + i);
-                __syncthreads();
+                if (ro.n > 0) stage_tagged<FF>(xs, X + X_ACT, e);
                 if (own >= 0) {
                     hreg += dot_rec<FF>(wd + (size_t)warp * R1536, xs, lane);
-                    if (lane == 0) p.h[own] = hreg;
+                    if (lane == 0) st_tag(X + X_H + own, hreg, e + 1);
                 }
-                end_phase(p.flags, ++e);
+                phase_end();
             }
         }
         // ---- logits: the output norm, every block's rows of the tied
-        // embedding from global memory, each block's best.
+        // embedding from global memory, each block's best; behind the flags
+        // in both forms.
         {
+            const u64* Xl = p.x + (size_t)((t * NL + NL - 1) & 1) * XW;
             const float* on = p.norms + (size_t)NL * 2 * D;
             float nw[PER_T], v[PER_T];
 #pragma unroll
@@ -465,13 +621,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                 const int i = threadIdx.x + j * THREADS;
                 nw[j] = i < D ? __ldg(on + i) : 0.0f;
             }
-            wait_phase(p.flags, e);
+            phase_wait();
             mark(p, t, 1 + 5 * NL);
-#pragma unroll
-            for (int j = 0; j < PER_T; ++j) {
-                const int i = threadIdx.x + j * THREADS;
-                v[j] = i < D ? __ldcg(p.h + i) : 0.0f;
-            }
+            load_tagged<PER_T>(v, Xl + X_H, D, e);
             stage_norm(xs, v, nw, red);
             const Range r = block_items(VOCAB);
             u64 best = 0;
@@ -495,6 +647,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         p.clocks[2 + 5 * NL] = clock64();
         p.clocks[4 + 5 * NL] = gtimer();
+        p.clocks[6 + 5 * NL] = o_stage;
+        p.clocks[7 + 5 * NL] = o_dot;
+        p.clocks[8 + 5 * NL] = o_end;
     }
     asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
@@ -666,11 +821,9 @@ int main(int argc, char** argv) {
     __half *dkc, *dvc;
     CK(cudaMalloc(&dkc, cache * 2));
     CK(cudaMalloc(&dvc, cache * 2));
-    float *dh, *dq, *datt, *dact, *dlog;
-    CK(cudaMalloc(&dh, D * 4));
-    CK(cudaMalloc(&dq, D * 4));
-    CK(cudaMalloc(&datt, D * 4));
-    CK(cudaMalloc(&dact, FF * 4));
+    u64* dx;
+    float* dlog;
+    CK(cudaMalloc(&dx, 2 * XW * 8));
     CK(cudaMalloc(&dlog, (size_t)T * VOCAB * 4));
     u64* dbest;
     u32 *dtok, *dflags;
@@ -678,10 +831,10 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&dbest, blocks * 8));
     CK(cudaMalloc(&dtok, T * 4));
     CK(cudaMalloc(&dflags, THREADS * 4));
-    CK(cudaMalloc(&dclk, (6 + 5 * NL) * 8));
-    p = {dw, demb, dnorms, dkc, dvc, dh, dq, datt, dact, dlog, dbest, dtok, dflags, dclk, 7u, pos0, T};
+    CK(cudaMalloc(&dclk, (9 + 5 * NL) * 8));
+    p = {dw, demb, dnorms, dkc, dvc, dx, dlog, dbest, dtok, dflags, dclk, 7u, pos0, T};
 
-    const size_t smem = 2 * layer_smem(blocks) + (size_t)(FF + CTX + WARPS + (PARTS + 1) * HD) * 4;
+    const size_t smem = 2 * layer_smem(blocks) + (size_t)(FF + CTX + WARPS + (WARPS + 3) * HD) * 4;
     CK(cudaFuncSetAttribute(k_mega, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     int per_sm = 0;
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_mega, THREADS, smem));
@@ -702,6 +855,7 @@ int main(int argc, char** argv) {
         CK(cudaMemcpyAsync(dkc, kc.data(), cache * 2, cudaMemcpyHostToDevice, st));
         CK(cudaMemcpyAsync(dvc, vc.data(), cache * 2, cudaMemcpyHostToDevice, st));
         CK(cudaMemsetAsync(dflags, 0, THREADS * 4, st));
+        CK(cudaMemsetAsync(dx, 0, 2 * XW * 8, st));  // tags 0: no phase wrote them
         CK(cudaEventRecord(e0, st));
         CK(cudaLaunchCooperativeKernel((void*)k_mega, blocks, THREADS, args, smem, st));
         CK(cudaEventRecord(e1, st));
@@ -715,7 +869,7 @@ int main(int argc, char** argv) {
            us.front(), us.back());
 
     // Where a token goes: block 0's phase starts in the last token.
-    std::vector<long long> clk(6 + 5 * NL);
+    std::vector<long long> clk(9 + 5 * NL);
     CK(cudaMemcpy(clk.data(), dclk, clk.size() * 8, cudaMemcpyDeviceToHost));
     const char* names[5] = {"qkv", "attn", "o", "gu", "down"};
     // Cycles per microsecond: block 0's clock64 against the global timer
@@ -724,11 +878,13 @@ int main(int argc, char** argv) {
     const double khz = (double)(clk[2 + 5 * NL] - clk[3 + 5 * NL]) / (double)(clk[4 + 5 * NL] - clk[5 + 5 * NL]) * 1e6;
     for (int l = 0; l < NL; ++l)
         for (int k = 0; k < 5; ++k) ph[k] += (double)(clk[2 + 5 * l + k] - clk[1 + 5 * l + k]);
-    const double tok = (double)(clk[2 + 5 * NL] - clk[0]);
-    printf("SM clock %.0f MHz; last token, block 0, cycles (%.2f us): argmax %lld", khz / 1000.0, tok / khz * 1000.0,
+    const double tok_cycles = (double)(clk[2 + 5 * NL] - clk[0]);
+    printf("SM clock %.0f MHz; last token, block 0, cycles (%.2f us): argmax %lld", khz / 1000.0, tok_cycles / khz * 1000.0,
            clk[1] - clk[0]);
     for (int k = 0; k < 5; ++k) printf(", %s %.0f (%.1f a layer)", names[k], ph[k], ph[k] / NL);
     printf(", logits %lld\n", clk[2 + 5 * NL] - clk[1 + 5 * NL]);
+    printf("o phase, a layer: wait to staged %.0f, dot products %.0f, release %.0f cycles\n",
+           (double)clk[6 + 5 * NL] / NL, (double)clk[7 + 5 * NL] / NL, (double)clk[8 + 5 * NL] / NL);
 
     // The check: the CPU's first tokens against the kernel's (the last run).
     std::vector<u32> tok(T);
