@@ -261,6 +261,25 @@ __device__ __forceinline__ void mark(const Params& p, u32 t, int ph) {
     if (blockIdx.x == 0 && threadIdx.x == 0 && t + 1 == p.T) p.clocks[ph] = clock64();
 }
 
+// LOGITS_SMEM=1: every block keeps its rows of the logits (the tied
+// embedding) in shared memory for the whole launch, copied once at the
+// start, so that the logits phase reads no weights from DRAM.
+#ifndef LOGITS_SMEM
+#define LOGITS_SMEM 0
+#endif
+__host__ __device__ inline size_t logits_smem(int blocks) {
+    return LOGITS_SMEM ? (size_t)((VOCAB + blocks - 1) / blocks) * R576 : 0;
+}
+
+// ATT_L1=1: an attention block asks L1 for the cached K/V rows before it
+// waits for q, and reads them through L1 (rows below the position were
+// written in earlier tokens, behind the logits flags, and never read
+// before: no stale line can be there).
+#ifndef ATT_L1
+#define ATT_L1 0
+#endif
+__device__ __forceinline__ uint4 ld_kv(const uint4* a) { return ATT_L1 ? __ldg(a) : __ldcg(a); }
+
 // LL=1: phases wait on the tagged values themselves (no flags, no fences)
 // but for the logits, whose flags also publish the token's K/V rows; LL=0:
 // every phase ends with the flags, the tags then match at the first load.
@@ -312,12 +331,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
     extern __shared__ __align__(16) unsigned char smem[];
     const size_t lb = layer_smem(gridDim.x);
     unsigned char* wbuf[2] = {smem, smem + lb};
-    float* xs = (float*)(smem + 2 * lb);  // FF floats
+    unsigned char* lbuf = smem + 2 * lb;  // LOGITS_SMEM: this block's logits rows
+    float* xs = (float*)(lbuf + logits_smem(gridDim.x));  // FF floats
     float* sc = xs + FF;                  // CTX scores
     float* red = sc + CTX;                // WARPS floats
     float* part = red + WARPS;            // WARPS x HD attention partials, then q, k, v of the head
     __shared__ u64 wbest[WARPS];
     __shared__ u32 s_token;
+    __shared__ float2 rope[HD / 2];  // this token's (cos, sin) of each pair
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const Range ro = block_items(IT_O);
@@ -342,6 +363,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
     auto phase_wait = [&]() {
         if (!LL) wait_phase(p.flags, e);
     };
+    if (LOGITS_SMEM) {
+        const Range r = block_items(VOCAB);
+        const unsigned char* src = p.emb + (size_t)r.lo * R576;
+        for (int i = threadIdx.x * 16; i < r.n * R576; i += THREADS * 16) cp16(lbuf + i, src + i);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
     prefetch_layer(wbuf[0], p.w, 0);
     for (u32 t = 0; t < p.T; ++t) {
         const u32 pos = p.pos0 + t;
@@ -369,6 +396,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
         }
         const unsigned char* erec = p.emb + (size_t)token * R576;
         if (own >= 0) hreg = emb_at(erec, own);
+        if (threadIdx.x < HD / 2) {
+            // Published by the qkv staging's barriers before any use.
+            const float th = (float)pos * powf(ROPE_BASE, -(float)(2 * threadIdx.x) / HD);
+            float sn, cs;
+            sincosf(th, &sn, &cs);
+            rope[threadIdx.x] = make_float2(cs, sn);
+        }
         for (int l = 0; l < NL; ++l) {
             // This layer's rows arrived (they were requested a layer ago);
             // request the next layer's (the next token's first at the last).
@@ -418,12 +452,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                         const int row = 2 * (r.lo + it);
                         float x0 = a, x1 = b;
                         if (row < D + NKV * HD) {
-                            const int dim = row % HD;
-                            const float th = (float)pos * powf(ROPE_BASE, -(float)dim / HD);
-                            float sn, cs;
-                            sincosf(th, &sn, &cs);
-                            x0 = a * cs - b * sn;
-                            x1 = a * sn + b * cs;
+                            const float2 cs = rope[(row % HD) / 2];
+                            x0 = a * cs.x - b * cs.y;
+                            x1 = a * cs.y + b * cs.x;
                         }
                         // X_Q, X_K and X_V follow each other as the rows do.
                         st_tag(X + X_Q + row, x0, e + 1);
@@ -449,6 +480,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                     float* qs = part + WARPS * HD;
                     float* kn = qs + HD;
                     float* vn = kn + HD;
+                    const __half* K = p.kc + ((size_t)l * NKV + g) * CTX * HD;
+                    const __half* V = p.vc + ((size_t)l * NKV + g) * CTX * HD;
+                    if (ATT_L1) {
+                        for (int j = threadIdx.x; j < (int)pos; j += THREADS) {
+                            asm volatile("prefetch.global.L1 [%0];" ::"l"(K + (size_t)j * HD));
+                            asm volatile("prefetch.global.L1 [%0];" ::"l"(V + (size_t)j * HD));
+                        }
+                    }
                     if (threadIdx.x < 3 * HD) {
                         const int which = threadIdx.x / HD, d = threadIdx.x % HD;
                         const int src = which == 0 ? X_Q + hq * HD + d : (which == 1 ? X_K : X_V) + g * HD + d;
@@ -459,8 +498,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                         qs[threadIdx.x] = f;
                     }
                     __syncthreads();
-                    const __half* K = p.kc + ((size_t)l * NKV + g) * CTX * HD;
-                    const __half* V = p.vc + ((size_t)l * NKV + g) * CTX * HD;
                     float m = __int_as_float(0xff800000);  // -inf
                     for (int j = threadIdx.x; j <= (int)pos; j += THREADS) {
                         float s = 0.0f;
@@ -468,7 +505,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                             const uint4* kr = (const uint4*)(K + (size_t)j * HD);
                             uint4 kv[8];
 #pragma unroll
-                            for (int u = 0; u < 8; ++u) kv[u] = __ldcg(kr + u);
+                            for (int u = 0; u < 8; ++u) kv[u] = ld_kv(kr + u);
 #pragma unroll
                             for (int u = 0; u < 8; ++u) {
                                 const __half2* h2 = (const __half2*)&kv[u];
@@ -513,7 +550,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                     for (; j + 3 * S < n; j += 4 * S) {
                         uint4 v[4];
 #pragma unroll
-                        for (int u = 0; u < 4; ++u) v[u] = __ldcg(Vr + (size_t)(j + u * S) * 8 + c);
+                        for (int u = 0; u < 4; ++u) v[u] = ld_kv(Vr + (size_t)(j + u * S) * 8 + c);
 #pragma unroll
                         for (int u = 0; u < 4; ++u) {
                             const float wgt = sc[j + u * S];
@@ -527,7 +564,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                         }
                     }
                     for (; j < n; j += S) {
-                        const uint4 v = __ldcg(Vr + (size_t)j * 8 + c);
+                        const uint4 v = ld_kv(Vr + (size_t)j * 8 + c);
                         const float wgt = sc[j];
                         const __half2* h2 = (const __half2*)&v;
 #pragma unroll
@@ -630,7 +667,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
             float* lg = p.logits + (size_t)t * VOCAB;
             for (int it = warp; it < r.n; it += WARPS) {
                 const int row = r.lo + it;
-                const float s = dot_rec<D>(p.emb + (size_t)row * R576, xs, lane);
+                const float s = dot_rec<D>(LOGITS_SMEM ? lbuf + (size_t)it * R576 : p.emb + (size_t)row * R576, xs, lane);
                 if (lane == 0) lg[row] = s;
                 best = max(best, logit_key(s, row));
             }
@@ -834,7 +871,12 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&dclk, (9 + 5 * NL) * 8));
     p = {dw, demb, dnorms, dkc, dvc, dx, dlog, dbest, dtok, dflags, dclk, 7u, pos0, T};
 
-    const size_t smem = 2 * layer_smem(blocks) + (size_t)(FF + CTX + WARPS + (WARPS + 3) * HD) * 4;
+    const size_t smem = 2 * layer_smem(blocks) + logits_smem(blocks) + (size_t)(FF + CTX + WARPS + (WARPS + 3) * HD) * 4;
+    if (smem > prop.sharedMemPerBlockOptin) {
+        printf("%zu bytes of shared memory a block needed, %zu the most (fewer rows a block: more blocks)\n", smem,
+               prop.sharedMemPerBlockOptin);
+        return 1;
+    }
     CK(cudaFuncSetAttribute(k_mega, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     int per_sm = 0;
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_mega, THREADS, smem));
