@@ -65,6 +65,15 @@ constexpr float EPS = 1e-5f, ROPE_BASE = 10000.0f;
 // 8w..8w+7, weight 8w+n at bits 4n), then ceil4(k/32) half2 (scale, min).
 __host__ __device__ constexpr int rec_bytes(int k) { return k / 2 + 4 * ((k / 32 + 3) / 4 * 4); }
 constexpr int R576 = rec_bytes(D), R1536 = rec_bytes(FF);
+// EMB_Q8=1: the embedding (and so the logits) in an 8-bit format of the
+// Q8_0 size, as the default model file has it: a record of k int8 weights,
+// then ceil16(k/32) half scales (34 bytes of 32 weights, padded).
+#ifndef EMB_Q8
+#define EMB_Q8 0
+#endif
+__host__ __device__ constexpr int rec8_bytes(int k) { return k + 2 * ((k / 32 + 7) / 8 * 8); }
+constexpr int REMB = EMB_Q8 ? rec8_bytes(D) : R576;
+static_assert(REMB % 16 == 0, "records are copied in 16-byte pieces");
 static_assert(R576 % 16 == 0 && R1536 % 16 == 0, "records are copied in 16-byte pieces");
 
 // Per layer: qkv (960 records of 576), o (576 of 576), gu (3072 of 576:
@@ -74,12 +83,20 @@ constexpr size_t OFF_QKV = 0, OFF_O = OFF_QKV + (size_t)QKV * R576, OFF_GU = OFF
 // Work items per phase: a pair of records for qkv (RoPE pairs) and gu.
 constexpr int IT_QKV = QKV / 2, IT_O = D, IT_GU = FF, IT_DOWN = D;
 
+// ATT_SPLIT=n: each head's positions are split over n blocks (9 n blocks
+// run attention), each writing a partial (unnormalised values, max, sum)
+// that the o phase's blocks merge as they stage its input.
+#ifndef ATT_SPLIT
+#define ATT_SPLIT 1
+#endif
+
 // The values one phase hands to the next, as tagged words: the value's bits
 // in the low half, the number of the phase that wrote it in the high half,
 // so that a reader knows a value is the one it waits for. Two sets, by the
 // parity of the layer (counted over tokens), so that a layer's writers never
 // overwrite what a reader of the layer before may still need.
-constexpr int X_H = 0, X_Q = X_H + D, X_K = X_Q + D, X_V = X_K + NKV * HD, X_ATT = X_V + NKV * HD, X_ACT = X_ATT + D,
+constexpr int X_H = 0, X_Q = X_H + D, X_K = X_Q + D, X_V = X_K + NKV * HD, X_ATT = X_V + NKV * HD,
+              X_ACT = X_ATT + NH * ATT_SPLIT * (HD + 2),
               XW = X_ACT + FF;
 
 struct Params {
@@ -179,8 +196,36 @@ __device__ __forceinline__ float dot_rec(const unsigned char* rec, const float* 
     return mp_warp_sum(acc);
 }
 
+// Dot product of an 8-bit record of K weights with xs, the sum in every lane.
+template <int K>
+__device__ __forceinline__ float dot_rec8(const unsigned char* rec, const float* xs, int lane) {
+    constexpr int W = K / 8;
+    const uint2* qw = (const uint2*)rec;
+    const __half* sc = (const __half*)(rec + K);
+    float acc = 0.0f;
+#pragma unroll
+    for (int w0 = 0; w0 < W; w0 += 32) {
+        const int w = w0 + lane;
+        if (w < W) {
+            const uint2 q = qw[w];
+            const float d = __half2float(sc[w >> 2]);
+            const float4 a = *(const float4*)(xs + 8 * w), b = *(const float4*)(xs + 8 * w + 4);
+            const float qs = (float)(signed char)(q.x & 255) * a.x + (float)(signed char)((q.x >> 8) & 255) * a.y +
+                             (float)(signed char)((q.x >> 16) & 255) * a.z + (float)(signed char)(q.x >> 24) * a.w +
+                             (float)(signed char)(q.y & 255) * b.x + (float)(signed char)((q.y >> 8) & 255) * b.y +
+                             (float)(signed char)((q.y >> 16) & 255) * b.z + (float)(signed char)(q.y >> 24) * b.w;
+            acc += d * qs;
+        }
+    }
+    return mp_warp_sum(acc);
+}
+__device__ __forceinline__ float dot_emb(const unsigned char* rec, const float* xs, int lane) {
+    return EMB_Q8 ? dot_rec8<D>(rec, xs, lane) : dot_rec<D>(rec, xs, lane);
+}
+
 // One weight of an embedding record.
 __device__ __forceinline__ float emb_at(const unsigned char* rec, int i) {
+    if (EMB_Q8) return __half2float(((const __half*)(rec + D))[i >> 5]) * (float)((const signed char*)rec)[i];
     const u32 q = (((const u32*)rec)[i >> 3] >> (4 * (i & 7))) & 15u;
     const float2 s = __half22float2(((const __half2*)(rec + D / 2))[i >> 5]);
     return s.x * (float)q + s.y;
@@ -268,7 +313,7 @@ __device__ __forceinline__ void mark(const Params& p, u32 t, int ph) {
 #define LOGITS_SMEM 0
 #endif
 __host__ __device__ inline size_t logits_smem(int blocks) {
-    return LOGITS_SMEM ? (size_t)((VOCAB + blocks - 1) / blocks) * R576 : 0;
+    return LOGITS_SMEM ? (size_t)((VOCAB + blocks - 1) / blocks) * REMB : 0;
 }
 
 // ATT_L1=1: an attention block asks L1 for the cached K/V rows before it
@@ -327,6 +372,53 @@ __device__ __forceinline__ void stage_tagged(float* dst, const u64* src, u32 tag
     __syncthreads();
 }
 
+// xs[0..D) (shared) = the attention output, merged from the heads'
+// ATT_SPLIT partials at att (tagged); mz (shared, 2 NH ATT_SPLIT floats)
+// takes their maxima and sums. Every word is requested before the first
+// is checked. Ends synchronised.
+__device__ __forceinline__ void stage_att(float* xs, const u64* att, u32 tag, float* mz) {
+    constexpr int NP = NH * ATT_SPLIT, PER = (D + THREADS - 1) / THREADS;
+    const int t = threadIdx.x;
+    const u64* mzp = att + (t >> 1) * (HD + 2) + HD + (t & 1);
+    u64 mzw = t < 2 * NP ? ld_word(mzp) : (u64)tag << 32;
+    u64 a[PER][ATT_SPLIT];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int i = t + j * THREADS, hq = i / HD, d = i % HD;
+#pragma unroll
+        for (int c = 0; c < ATT_SPLIT; ++c)
+            a[j][c] = i < D ? ld_word(att + (c * NH + hq) * (HD + 2) + d) : (u64)tag << 32;
+    }
+    while ((u32)(mzw >> 32) != tag) mzw = ld_word(mzp);
+    if (t < 2 * NP) mz[t] = __uint_as_float((u32)mzw);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int i = t + j * THREADS, hq = i / HD, d = i % HD;
+#pragma unroll
+        for (int c = 0; c < ATT_SPLIT; ++c)
+            while ((u32)(a[j][c] >> 32) != tag) a[j][c] = ld_word(att + (c * NH + hq) * (HD + 2) + d);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int i = t + j * THREADS, hq = i / HD;
+        if (i < D) {
+            float M = mz[2 * hq];
+#pragma unroll
+            for (int c = 1; c < ATT_SPLIT; ++c) M = fmaxf(M, mz[2 * (c * NH + hq)]);
+            float num = 0.0f, den = 0.0f;
+#pragma unroll
+            for (int c = 0; c < ATT_SPLIT; ++c) {
+                const float wgt = __expf(mz[2 * (c * NH + hq)] - M);
+                num += wgt * __uint_as_float((u32)a[j][c]);
+                den += wgt * mz[2 * (c * NH + hq) + 1];
+            }
+            xs[i] = num / den;
+        }
+    }
+    __syncthreads();
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
     extern __shared__ __align__(16) unsigned char smem[];
     const size_t lb = layer_smem(gridDim.x);
@@ -365,8 +457,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
     };
     if (LOGITS_SMEM) {
         const Range r = block_items(VOCAB);
-        const unsigned char* src = p.emb + (size_t)r.lo * R576;
-        for (int i = threadIdx.x * 16; i < r.n * R576; i += THREADS * 16) cp16(lbuf + i, src + i);
+        const unsigned char* src = p.emb + (size_t)r.lo * REMB;
+        for (int i = threadIdx.x * 16; i < r.n * REMB; i += THREADS * 16) cp16(lbuf + i, src + i);
         asm volatile("cp.async.commit_group;" ::: "memory");
     }
     prefetch_layer(wbuf[0], p.w, 0);
@@ -394,7 +486,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
         } else if (blockIdx.x == 0 && threadIdx.x == 0) {
             p.tokens[0] = token;
         }
-        const unsigned char* erec = p.emb + (size_t)token * R576;
+        const unsigned char* erec = p.emb + (size_t)token * REMB;
         if (own >= 0) hreg = emb_at(erec, own);
         if (threadIdx.x < HD / 2) {
             // Published by the qkv staging's barriers before any use.
@@ -473,8 +565,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
             {
                 phase_wait();
                 mark(p, t, 2 + 5 * l);
-                if ((int)blockIdx.x < NH) {
-                    const int hq = blockIdx.x, g = hq / (NH / NKV);
+                if ((int)blockIdx.x < NH * ATT_SPLIT) {
+                    // Head hq, positions [lo, hi) of 0..pos (an empty range
+                    // writes m = -inf, z = 0: it weighs nothing in the merge).
+                    const int hq = blockIdx.x % NH, cq = blockIdx.x / NH, g = hq / (NH / NKV);
+                    const int span = ((int)pos + ATT_SPLIT) / ATT_SPLIT;
+                    const int lo = min((int)pos + 1, cq * span), hi = min((int)pos + 1, lo + span);
                     // q, then the new position's k and v (rounded as the
                     // cache holds them); older positions come from the cache.
                     float* qs = part + WARPS * HD;
@@ -483,7 +579,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                     const __half* K = p.kc + ((size_t)l * NKV + g) * CTX * HD;
                     const __half* V = p.vc + ((size_t)l * NKV + g) * CTX * HD;
                     if (ATT_L1) {
-                        for (int j = threadIdx.x; j < (int)pos; j += THREADS) {
+                        for (int j = lo + threadIdx.x; j < min(hi, (int)pos); j += THREADS) {
                             asm volatile("prefetch.global.L1 [%0];" ::"l"(K + (size_t)j * HD));
                             asm volatile("prefetch.global.L1 [%0];" ::"l"(V + (size_t)j * HD));
                         }
@@ -499,7 +595,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                     }
                     __syncthreads();
                     float m = __int_as_float(0xff800000);  // -inf
-                    for (int j = threadIdx.x; j <= (int)pos; j += THREADS) {
+                    for (int j = lo + threadIdx.x; j < hi; j += THREADS) {
                         float s = 0.0f;
                         if (j < (int)pos) {
                             const uint4* kr = (const uint4*)(K + (size_t)j * HD);
@@ -519,7 +615,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                             for (int d = 0; d < HD; d += 2) s += kn[d] * qs[d] + kn[d + 1] * qs[d + 1];
                         }
                         s *= 0.125f;  // 1 / sqrt(HD)
-                        sc[j] = s;
+                        sc[j - lo] = s;
                         m = fmaxf(m, s);
                     }
 #pragma unroll
@@ -531,29 +627,29 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                     for (int i = 1; i < WARPS; ++i) m = fmaxf(m, red[i]);
                     __syncthreads();
                     float z = 0.0f;
-                    for (int j = threadIdx.x; j <= (int)pos; j += THREADS) {
-                        const float x = __expf(sc[j] - m);
-                        sc[j] = x;
+                    for (int j = lo + threadIdx.x; j < hi; j += THREADS) {
+                        const float x = __expf(sc[j - lo] - m);
+                        sc[j - lo] = x;
                         z += x;
                     }
                     z = mp_block_sum(z, red);  // its barriers publish sc
                     // Values of the cached positions: thread t takes dims
                     // 8 (t % 8) .. + 8 (one 16-byte load a row) of every
-                    // S-th position from t / 8, four rows requested at a
+                    // S-th position from lo + t / 8, four rows requested at a
                     // time; the stripes add up by shuffles in the warp and
                     // through shared memory across warps.
                     constexpr int S = THREADS / 8;
-                    const int c = threadIdx.x & 7, n = pos;
+                    const int c = threadIdx.x & 7, n = min(hi, (int)pos);
                     const uint4* Vr = (const uint4*)V;
                     float acc[8] = {};
-                    int j = threadIdx.x >> 3;
+                    int j = lo + (threadIdx.x >> 3);
                     for (; j + 3 * S < n; j += 4 * S) {
                         uint4 v[4];
 #pragma unroll
                         for (int u = 0; u < 4; ++u) v[u] = ld_kv(Vr + (size_t)(j + u * S) * 8 + c);
 #pragma unroll
                         for (int u = 0; u < 4; ++u) {
-                            const float wgt = sc[j + u * S];
+                            const float wgt = sc[j + u * S - lo];
                             const __half2* h2 = (const __half2*)&v[u];
 #pragma unroll
                             for (int k = 0; k < 4; ++k) {
@@ -565,7 +661,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                     }
                     for (; j < n; j += S) {
                         const uint4 v = ld_kv(Vr + (size_t)j * 8 + c);
-                        const float wgt = sc[j];
+                        const float wgt = sc[j - lo];
                         const __half2* h2 = (const __half2*)&v;
 #pragma unroll
                         for (int k = 0; k < 4; ++k) {
@@ -584,11 +680,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                         for (int k = 0; k < 8; ++k) part[warp * HD + 8 * lane + k] = acc[k];
                     }
                     __syncthreads();
+                    // The partial: unnormalised values, then m and z.
+                    u64* out = X + X_ATT + (size_t)(cq * NH + hq) * (HD + 2);
                     if (threadIdx.x < HD) {
-                        float o = sc[pos] * vn[threadIdx.x];
+                        float o = lo <= (int)pos && hi > (int)pos ? sc[pos - lo] * vn[threadIdx.x] : 0.0f;
 #pragma unroll
                         for (int i = 0; i < WARPS; ++i) o += part[i * HD + threadIdx.x];
-                        st_tag(X + X_ATT + hq * HD + threadIdx.x, o / z, e + 1);
+                        st_tag(out + threadIdx.x, o, e + 1);
+                    } else if (threadIdx.x < HD + 2) {
+                        st_tag(out + threadIdx.x, threadIdx.x == HD ? m : z, e + 1);
                     }
                 }
                 phase_end();
@@ -597,7 +697,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
             {
                 phase_wait();
                 mark(p, t, 3 + 5 * l);
-                if (ro.n > 0) stage_tagged<D>(xs, X + X_ATT, e);
+                if (ro.n > 0) stage_att(xs, X + X_ATT, e, red);
                 const long long c0 = clock64();
                 if (own >= 0) {
                     hreg += dot_rec<D>(wo + (size_t)warp * R576, xs, lane);
@@ -667,7 +767,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
             float* lg = p.logits + (size_t)t * VOCAB;
             for (int it = warp; it < r.n; it += WARPS) {
                 const int row = r.lo + it;
-                const float s = dot_rec<D>(LOGITS_SMEM ? lbuf + (size_t)it * R576 : p.emb + (size_t)row * R576, xs, lane);
+                const float s = dot_emb(LOGITS_SMEM ? lbuf + (size_t)it * REMB : p.emb + (size_t)row * REMB, xs, lane);
                 if (lane == 0) lg[row] = s;
                 best = max(best, logit_key(s, row));
             }
@@ -717,6 +817,16 @@ static float rec_at(const unsigned char* rec, int k, int i) {
     const float2 s = __half22float2(((const __half2*)(rec + k / 2))[i >> 5]);
     return s.x * (float)q + s.y;
 }
+// A random 8-bit record; scale d.
+static void fill_rec8(unsigned char* rec, int k, float d) {
+    for (int i = 0; i < k; ++i) rec[i] = (unsigned char)rnd();
+    __half* s = (__half*)(rec + k);
+    for (int b = 0; b < (k / 32 + 7) / 8 * 8; ++b) s[b] = __float2half_rn(d * (0.5f + rndf()));
+}
+static float emb_w(const unsigned char* rec, int i) {
+    if (EMB_Q8) return __half2float(((const __half*)(rec + D))[i >> 5]) * (float)((const signed char*)rec)[i];
+    return rec_at(rec, D, i);
+}
 static void cpu_matvec(const unsigned char* recs, int rows, int k, const std::vector<float>& x, float* y) {
     const int rb = rec_bytes(k);
     for (int r = 0; r < rows; ++r) {
@@ -740,7 +850,7 @@ static std::vector<float> cpu_token(const std::vector<unsigned char>& w, const s
                                     const std::vector<float>& norms, std::vector<__half>& kc, std::vector<__half>& vc,
                                     u32 token, u32 pos) {
     std::vector<float> h(D), y(2 * FF);
-    for (int i = 0; i < D; ++i) h[i] = rec_at(&emb[(size_t)token * R576], D, i);
+    for (int i = 0; i < D; ++i) h[i] = emb_w(&emb[(size_t)token * REMB], i);
     for (int l = 0; l < NL; ++l) {
         const unsigned char* L = &w[(size_t)l * LAYER_BYTES];
         std::vector<float> x = cpu_norm(h, &norms[(size_t)l * 2 * D]);
@@ -799,7 +909,11 @@ static std::vector<float> cpu_token(const std::vector<unsigned char>& w, const s
         for (int i = 0; i < D; ++i) h[i] += y[i];
     }
     std::vector<float> x = cpu_norm(h, &norms[(size_t)NL * 2 * D]), logits(VOCAB);
-    cpu_matvec(emb.data(), VOCAB, D, x, logits.data());
+    for (int r = 0; r < VOCAB; ++r) {
+        double acc = 0.0;
+        for (int i = 0; i < D; ++i) acc += (double)emb_w(&emb[(size_t)r * REMB], i) * x[i];
+        logits[r] = (float)acc;
+    }
     return logits;
 }
 
@@ -828,7 +942,7 @@ int main(int argc, char** argv) {
            pos0);
 
     // Weights and caches (host copies for the CPU check).
-    std::vector<unsigned char> w((size_t)NL * LAYER_BYTES), emb((size_t)VOCAB * R576);
+    std::vector<unsigned char> w((size_t)NL * LAYER_BYTES), emb((size_t)VOCAB * REMB);
     for (int l = 0; l < NL; ++l) {
         unsigned char* L = &w[(size_t)l * LAYER_BYTES];
         for (int r = 0; r < QKV; ++r) fill_rec(L + OFF_QKV + (size_t)r * R576, D, 0.004f);
@@ -836,7 +950,10 @@ int main(int argc, char** argv) {
         for (int r = 0; r < 2 * FF; ++r) fill_rec(L + OFF_GU + (size_t)r * R576, D, 0.004f);
         for (int r = 0; r < D; ++r) fill_rec(L + OFF_DOWN + (size_t)r * R1536, FF, 0.004f);
     }
-    for (int r = 0; r < VOCAB; ++r) fill_rec(&emb[(size_t)r * R576], D, 0.02f);
+    for (int r = 0; r < VOCAB; ++r) {
+        if (EMB_Q8) fill_rec8(&emb[(size_t)r * REMB], D, 0.0025f);
+        else fill_rec(&emb[(size_t)r * REMB], D, 0.02f);
+    }
     std::vector<float> norms((size_t)(2 * NL + 1) * D);
     for (auto& v : norms) v = 0.5f + rndf();
     const size_t cache = (size_t)NL * NKV * CTX * HD;
