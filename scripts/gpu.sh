@@ -657,20 +657,23 @@ probe() {
 
 # The persistent decode kernel of the SmolLM2 shape (bench/cuda/mega_probe.cu,
 # built here with nvcc; no .gpu needed). MEGA_RUNS: space-separated runs,
-# each WARPS:BLOCKS:TOKENS:POS:DEFINES ("-" or nothing for a default: 8
-# warps, every SM (0), 128 tokens, position 0, no defines; DEFINES are
-# comma-separated, such as POLL_WARP=1).
+# each WARPS:BLOCKS:TOKENS:POS:DEFINES:SOURCE ("-" or nothing for a default:
+# 8 warps, every SM (0), 128 tokens, position 0, no defines, the probe's
+# source; DEFINES are comma-separated, such as LL=1,ATT_L1=1; SOURCE is
+# another version of the file, for A/B runs in one call).
 mega() {
     echo "== persistent decode probe (nvcc)"
-    local r w b t p d bin tag built=" "
+    local r w b t p d src bin tag built=" "
     for r in ${MEGA_RUNS:--}; do
-        IFS=: read -r w b t p d <<<"$r"
+        IFS=: read -r w b t p d src <<<"$r"
         [ "${w:--}" = "-" ] && w=8
         [ "${b:--}" = "-" ] && b=0
         [ "${t:--}" = "-" ] && t=128
         [ "${p:--}" = "-" ] && p=0
         [ "${d:--}" = "-" ] && d=""
+        [ "${src:--}" = "-" ] && src=bench/cuda/mega_probe.cu
         tag=w$w${d:+-${d//[^A-Za-z0-9_]/_}}
+        [ "$src" = bench/cuda/mega_probe.cu ] || tag=$tag-${src//[^A-Za-z0-9_]/_}
         bin=$STORE/mega-probe-$tag
         # Built once a call (a warm machine keeps an older source's binary).
         if [ "${built#* $tag }" = "$built" ]; then
@@ -678,10 +681,10 @@ mega() {
             rm -f "$bin"
             local defs=(-DWARPS="$w") x
             for x in ${d//,/ }; do defs+=("-D$x"); done
-            nvcc -O3 -std=c++17 -arch=sm_90 "${defs[@]}" -o "$bin" bench/cuda/mega_probe.cu 2>&1 |
+            nvcc -O3 -std=c++17 -arch=sm_90 "${defs[@]}" -o "$bin" "$src" 2>&1 |
                 grep -iE "error|warning" || true
         fi
-        echo "-- warps $w, blocks $b (0: every SM), tokens $t, position $p, defines ${d:-none}"
+        echo "-- warps $w, blocks $b (0: every SM), tokens $t, position $p, defines ${d:-none}, $src"
         if [ ! -x "$bin" ]; then
             echo "mega probe build failed ($tag)"
             continue

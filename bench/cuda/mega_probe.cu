@@ -96,7 +96,7 @@ constexpr int IT_QKV = QKV / 2, IT_O = D, IT_GU = FF, IT_DOWN = D;
 // parity of the layer (counted over tokens), so that a layer's writers never
 // overwrite what a reader of the layer before may still need.
 constexpr int X_H = 0, X_Q = X_H + D, X_K = X_Q + D, X_V = X_K + NKV * HD, X_ATT = X_V + NKV * HD,
-              X_ACT = X_ATT + NH * ATT_SPLIT * (HD + 2),
+              X_ACT = X_ATT + (ATT_SPLIT > 1 ? NH * ATT_SPLIT * (HD + 2) : D),
               XW = X_ACT + FF;
 
 struct Params {
@@ -680,14 +680,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                         for (int k = 0; k < 8; ++k) part[warp * HD + 8 * lane + k] = acc[k];
                     }
                     __syncthreads();
-                    // The partial: unnormalised values, then m and z.
-                    u64* out = X + X_ATT + (size_t)(cq * NH + hq) * (HD + 2);
+                    // Unsplit, the head's output; else the partial:
+                    // unnormalised values, then m and z.
+                    u64* out = X + X_ATT + (size_t)(cq * NH + hq) * (ATT_SPLIT > 1 ? HD + 2 : HD);
                     if (threadIdx.x < HD) {
                         float o = lo <= (int)pos && hi > (int)pos ? sc[pos - lo] * vn[threadIdx.x] : 0.0f;
 #pragma unroll
                         for (int i = 0; i < WARPS; ++i) o += part[i * HD + threadIdx.x];
-                        st_tag(out + threadIdx.x, o, e + 1);
-                    } else if (threadIdx.x < HD + 2) {
+                        st_tag(out + threadIdx.x, ATT_SPLIT > 1 ? o : o / z, e + 1);
+                    } else if (ATT_SPLIT > 1 && threadIdx.x < HD + 2) {
                         st_tag(out + threadIdx.x, threadIdx.x == HD ? m : z, e + 1);
                     }
                 }
@@ -697,7 +698,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
             {
                 phase_wait();
                 mark(p, t, 3 + 5 * l);
-                if (ro.n > 0) stage_att(xs, X + X_ATT, e, red);
+                if (ro.n > 0) {
+                    if (ATT_SPLIT > 1) stage_att(xs, X + X_ATT, e, red);
+                    else stage_tagged<D>(xs, X + X_ATT, e);
+                }
                 const long long c0 = clock64();
                 if (own >= 0) {
                     hreg += dot_rec<D>(wo + (size_t)warp * R576, xs, lane);
