@@ -1,39 +1,48 @@
-// A persistent decode kernel for the SmolLM2-135M shape, with per-block
-// phase flags in place of kernel boundaries (issue 5: the 3,000 tok/s
-// target, which session 14's boundary probe put out of reach of one kernel
-// per product). Build and run on the GPU machine:
-//   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/mp bench/cuda/mega_probe.cu && /tmp/mp
+// A persistent decode kernel for the SmolLM2-135M shape, reading the CUDA
+// backend's own buffers (issue 5: the 3,000 tok/s target, which session
+// 14's boundary probe put out of reach of one kernel per product). Build
+// and run on the GPU machine (scripts/gpu.sh run mega):
+//   nvcc -O3 -std=c++17 -arch=sm_90 -DWARPS=16 -DLL=1 -DATT_L1=1 \
+//       -o /tmp/mp bench/cuda/mega_probe.cu && /tmp/mp
 // Optional arguments: blocks (0 or none: the SM count), tokens per launch
 // (128), start position (0; the KV cache below it is filled at random).
 //
 // The model: 30 layers, d 576, 9 query heads and 3 KV heads of 64, FFN
 // 1536 (SiLU-gated), vocabulary 49,152 with the embedding tied to the
-// logits, every matrix in a 4-bit format of the Q4_1 size (32 weights a
-// block, a half scale and a half minimum: 20 bytes of 32 weights, stored as
-// row records of nibbles then scales). Random weights; a CPU forward pass
-// over the same dequantized values checks the tokens and logits.
+// logits: the default model file's shape and types (Q4_1 matrices, a Q8_0
+// embedding, F32 norms). Everything is laid out as the CUDA backend holds
+// it, so that the kernel could read the engine's buffers as they are:
+//   - each matrix repacked as repack.rs does: every row's quants (16 bytes
+//     a Q4_1 block, 32 a Q8_0 one, GGUF order: byte j of a Q4_1 block holds
+//     weight j in its low nibble and j + 16 in its high one), then every
+//     row's scales (Q4_1: half d, half m; Q8_0: half d);
+//   - the KV cache in f32, [layer][kv head][capacity][head dim];
+//   - RoPE on adjacent pairs with the angle in f64 and the roundings of
+//     model.cu's rope_cs / rope_rotate; RMS norm finished in f64.
+// Random weights; a CPU forward pass over the same dequantized values checks
+// the first tokens and logits.
 //
 // The kernel runs T tokens in one cooperative launch, as chain decode does:
 // every token's argmax picks the next token's embedding on the device.
-// Each layer is five phases, each followed by a flag store per block:
-//   qkv   norm, the q|k|v rows, RoPE on (2i, 2i+1) pairs, K/V into the cache;
+// Each layer is five phases:
+//   qkv   norm, the q|k|v rows, RoPE, K/V into the cache;
 //   attn  one block per query head (scores, softmax, values);
 //   o     h += Wo attn (each h row lives in its owner warp's register);
 //   gu    norm, gate and up rows, silu(g) u;
-//   down  h += Wd a.
+//   down  h += Wd a;
 // then the logits (each block keeps its best) and, at the next token's
-// start, the argmax over the blocks' bests. A phase starts when every
-// block's flag shows the phase before it (one acquire load per flag by
-// threads < blocks, then __syncthreads_and); it ends with a barrier and a
-// release of the block's flag by thread 0. No atomics, no kernel boundary.
-// Weights never wait on a flag: each block copies its rows of layer l + 1
-// into shared memory (cp.async) while it runs layer l, so a phase's
-// critical path is its flag wait, its input's L2 round trip, the dot
-// products and the stores.
+// start, the argmax over the blocks' bests. Phases hand their outputs over
+// as tagged words (LL=1, below) or behind per-block flags (LL=0). Weights
+// never wait on a phase: each block copies its rows of layer l + 1 into
+// shared memory (cp.async) while it runs layer l, so a phase's critical
+// path is its wait, its input's L2 round trip, the dot products and the
+// stores.
 //
 // Printed: tok/s and us per token (median of 5 launches), the phases'
 // share of a token (clock64 of block 0 between its phase starts), and the
-// check against the CPU.
+// check against the CPU. Earlier versions (bench/RESULTS.md, session 18)
+// also had a 4-bit embedding kept in shared memory (LOGITS_SMEM), heads
+// split over blocks (ATT_SPLIT), one polling warp (POLL_WARP) and f16 K/V.
 #ifndef __CUDACC_RTC__  // (the kernel alone also compiles with NVRTC)
 #include <algorithm>
 #include <cmath>
@@ -53,59 +62,60 @@ typedef unsigned long long u64;
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e_)); exit(1); } } while (0)
 
 #ifndef WARPS
-#define WARPS 8
+#define WARPS 16
+#endif
+// LL=1: phases wait on the tagged values themselves (no flags, no fences)
+// but for the logits, whose flags also publish the token's K/V rows; LL=0:
+// every phase ends with the flags, and the tags then match at the first load.
+#ifndef LL
+#define LL 1
+#endif
+// ATT_L1=1: an attention block asks L1 for the cached K/V rows before it
+// waits for q, and reads them through L1 (rows below the position were
+// written in earlier tokens, behind the logits flags, and never read
+// before: no stale line can be there).
+#ifndef ATT_L1
+#define ATT_L1 1
 #endif
 constexpr int THREADS = WARPS * 32;
 constexpr int D = 576, NH = 9, NKV = 3, HD = 64, FF = 1536, NL = 30, VOCAB = 49152;
 constexpr int QKV = D + 2 * NKV * HD;  // 960 rows
 constexpr int CTX = 2048;
-constexpr float EPS = 1e-5f, ROPE_BASE = 10000.0f;
+constexpr float EPS = 1e-5f, ROPE_BASE = 100000.0f;
 
-// A row record of k weights: k/2 bytes of nibbles (word w holds weights
-// 8w..8w+7, weight 8w+n at bits 4n), then ceil4(k/32) half2 (scale, min).
+// A repacked Q4_1 matrix of R rows of K: quants, then scales.
+__host__ __device__ constexpr size_t q41_bytes(int rows, int k) { return (size_t)rows * (k / 2 + k / 32 * 4); }
+__host__ __device__ constexpr size_t up256(size_t n) { return (n + 255) / 256 * 256; }
+// One layer's matrices, each at a 256-byte boundary as its own buffer.
+constexpr size_t M_Q = 0, M_K = M_Q + up256(q41_bytes(D, D)), M_V = M_K + up256(q41_bytes(NKV * HD, D)),
+                 M_O = M_V + up256(q41_bytes(NKV * HD, D)), M_G = M_O + up256(q41_bytes(D, D)),
+                 M_U = M_G + up256(q41_bytes(FF, D)), M_D = M_U + up256(q41_bytes(FF, D)),
+                 LAYER_BYTES = M_D + up256(q41_bytes(D, FF));
+
+// In shared memory a block's rows are records: a row's quants, then its
+// scales padded to 16 bytes.
 __host__ __device__ constexpr int rec_bytes(int k) { return k / 2 + 4 * ((k / 32 + 3) / 4 * 4); }
 constexpr int R576 = rec_bytes(D), R1536 = rec_bytes(FF);
-// EMB_Q8=1: the embedding (and so the logits) in an 8-bit format of the
-// Q8_0 size, as the default model file has it: a record of k int8 weights,
-// then ceil16(k/32) half scales (34 bytes of 32 weights, padded).
-#ifndef EMB_Q8
-#define EMB_Q8 0
-#endif
-__host__ __device__ constexpr int rec8_bytes(int k) { return k + 2 * ((k / 32 + 7) / 8 * 8); }
-constexpr int REMB = EMB_Q8 ? rec8_bytes(D) : R576;
-static_assert(REMB % 16 == 0, "records are copied in 16-byte pieces");
-static_assert(R576 % 16 == 0 && R1536 % 16 == 0, "records are copied in 16-byte pieces");
+static_assert(R576 % 16 == 0 && R1536 % 16 == 0, "records hold 16-byte pieces");
 
-// Per layer: qkv (960 records of 576), o (576 of 576), gu (3072 of 576:
-// gate i and up i are records 2i and 2i + 1), down (576 of 1536).
-constexpr size_t OFF_QKV = 0, OFF_O = OFF_QKV + (size_t)QKV * R576, OFF_GU = OFF_O + (size_t)D * R576,
-                 OFF_DOWN = OFF_GU + (size_t)2 * FF * R576, LAYER_BYTES = OFF_DOWN + (size_t)D * R1536;
-// Work items per phase: a pair of records for qkv (RoPE pairs) and gu.
+// Work items per phase: a pair of rows for qkv (RoPE pairs) and gu.
 constexpr int IT_QKV = QKV / 2, IT_O = D, IT_GU = FF, IT_DOWN = D;
-
-// ATT_SPLIT=n: each head's positions are split over n blocks (9 n blocks
-// run attention), each writing a partial (unnormalised values, max, sum)
-// that the o phase's blocks merge as they stage its input.
-#ifndef ATT_SPLIT
-#define ATT_SPLIT 1
-#endif
 
 // The values one phase hands to the next, as tagged words: the value's bits
 // in the low half, the number of the phase that wrote it in the high half,
 // so that a reader knows a value is the one it waits for. Two sets, by the
 // parity of the layer (counted over tokens), so that a layer's writers never
 // overwrite what a reader of the layer before may still need.
-constexpr int X_H = 0, X_Q = X_H + D, X_K = X_Q + D, X_V = X_K + NKV * HD, X_ATT = X_V + NKV * HD,
-              X_ACT = X_ATT + (ATT_SPLIT > 1 ? NH * ATT_SPLIT * (HD + 2) : D),
+constexpr int X_H = 0, X_Q = X_H + D, X_K = X_Q + D, X_V = X_K + NKV * HD, X_ATT = X_V + NKV * HD, X_ACT = X_ATT + D,
               XW = X_ACT + FF;
 
 struct Params {
     const unsigned char* w;    // NL layers of LAYER_BYTES
-    const unsigned char* emb;  // VOCAB records of 576 (the logits too)
+    const unsigned char* emb;  // the embedding (the logits too)
     const float* norms;        // NL x (attn, ffn) x D, then the output norm
-    __half* kc;                // NL x NKV x CTX x HD
-    __half* vc;
-    u64* x;                    // 2 x XW tagged words (value | phase << 32): h, q, k, v, att, act
+    float* kc;                 // NL x NKV x CTX x HD
+    float* vc;
+    u64* x;                    // 2 x XW tagged words: h, q, k, v, att, act
     float* logits;             // T x VOCAB
     u64* best;                 // blocks: each block's best logit key
     u32* tokens;               // T: the chain's tokens
@@ -126,34 +136,9 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
     return v;
 }
 
-__device__ __forceinline__ u32 ld_relaxed(const u32* p) {
-    u32 v;
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
 // Waits until every block has finished phase e: threads < blocks poll a
-// flag each and the block votes (POLL_WARP=1: warp 0 polls every flag,
-// several a lane, and one barrier follows).
-#ifndef POLL_WARP
-#define POLL_WARP 0
-#endif
+// flag each and the block votes.
 __device__ __forceinline__ void wait_phase(const u32* flags, u32 e) {
-    if (POLL_WARP) {
-        if (threadIdx.x < 32) {
-            bool ok;
-            do {
-                // Relaxed loads, all in flight (acquire loads would wait on
-                // each other), then one fence for the acquire.
-                u32 m = 0xffffffffu;
-                for (int i = threadIdx.x; i < (int)gridDim.x; i += 32) m = min(m, ld_relaxed(flags + i));
-                ok = m >= e;
-            } while (!__all_sync(0xffffffffu, ok));
-            asm volatile("fence.acq_rel.gpu;" ::: "memory");
-        }
-        __syncthreads();
-        return;
-    }
     bool ok;
     do {
         ok = threadIdx.x >= gridDim.x || ld_acquire(flags + threadIdx.x) >= e;
@@ -171,9 +156,15 @@ __device__ __forceinline__ void cp16(void* s, const void* g) {
     const u32 sa = (u32)__cvta_generic_to_shared(s);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(g) : "memory");
 }
+__device__ __forceinline__ void cp8(void* s, const void* g) {
+    const u32 sa = (u32)__cvta_generic_to_shared(s);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(sa), "l"(g) : "memory");
+}
 
-// Dot product of a record of K weights with xs (shared memory), the sum in
-// every lane.
+// Dot product of a Q4_1 record of K weights with xs (shared memory), the
+// sum in every lane. Lane w takes 4-byte word w of the quants: bytes 4i..
+// 4i + 3 of block w / 4 (i = w % 4), that is weights 4i.. (low nibbles) and
+// 16 + 4i.. (high nibbles).
 template <int K>
 __device__ __forceinline__ float dot_rec(const unsigned char* rec, const float* xs, int lane) {
     constexpr int W = K / 8;
@@ -186,22 +177,22 @@ __device__ __forceinline__ float dot_rec(const unsigned char* rec, const float* 
         if (w < W) {
             const u32 q = qw[w];
             const float2 s = __half22float2(sc[w >> 2]);
-            const float4 a = *(const float4*)(xs + 8 * w), b = *(const float4*)(xs + 8 * w + 4);
-            const float qs = (float)(q & 15) * a.x + (float)((q >> 4) & 15) * a.y + (float)((q >> 8) & 15) * a.z +
-                             (float)((q >> 12) & 15) * a.w + (float)((q >> 16) & 15) * b.x +
-                             (float)((q >> 20) & 15) * b.y + (float)((q >> 24) & 15) * b.z + (float)(q >> 28) * b.w;
+            const float* xb = xs + 32 * (w >> 2) + 4 * (w & 3);
+            const float4 a = *(const float4*)xb, b = *(const float4*)(xb + 16);
+            const float qs = (float)(q & 15) * a.x + (float)((q >> 8) & 15) * a.y + (float)((q >> 16) & 15) * a.z +
+                             (float)((q >> 24) & 15) * a.w + (float)((q >> 4) & 15) * b.x +
+                             (float)((q >> 12) & 15) * b.y + (float)((q >> 20) & 15) * b.z + (float)(q >> 28) * b.w;
             acc += s.x * qs + s.y * ((a.x + a.y) + (a.z + a.w) + ((b.x + b.y) + (b.z + b.w)));
         }
     }
     return mp_warp_sum(acc);
 }
 
-// Dot product of an 8-bit record of K weights with xs, the sum in every lane.
-template <int K>
-__device__ __forceinline__ float dot_rec8(const unsigned char* rec, const float* xs, int lane) {
-    constexpr int W = K / 8;
-    const uint2* qw = (const uint2*)rec;
-    const __half* sc = (const __half*)(rec + K);
+// Dot product of embedding row r (repacked Q8_0, in global memory) with xs.
+__device__ __forceinline__ float dot_emb(const unsigned char* emb, int r, const float* xs, int lane) {
+    constexpr int W = D / 8;
+    const uint2* qw = (const uint2*)(emb + (size_t)r * D);
+    const __half* sc = (const __half*)(emb + (size_t)VOCAB * D) + (size_t)r * (D / 32);
     float acc = 0.0f;
 #pragma unroll
     for (int w0 = 0; w0 < W; w0 += 32) {
@@ -219,16 +210,11 @@ __device__ __forceinline__ float dot_rec8(const unsigned char* rec, const float*
     }
     return mp_warp_sum(acc);
 }
-__device__ __forceinline__ float dot_emb(const unsigned char* rec, const float* xs, int lane) {
-    return EMB_Q8 ? dot_rec8<D>(rec, xs, lane) : dot_rec<D>(rec, xs, lane);
-}
 
-// One weight of an embedding record.
-__device__ __forceinline__ float emb_at(const unsigned char* rec, int i) {
-    if (EMB_Q8) return __half2float(((const __half*)(rec + D))[i >> 5]) * (float)((const signed char*)rec)[i];
-    const u32 q = (((const u32*)rec)[i >> 3] >> (4 * (i & 7))) & 15u;
-    const float2 s = __half22float2(((const __half2*)(rec + D / 2))[i >> 5]);
-    return s.x * (float)q + s.y;
+// Weight i of embedding row r.
+__device__ __forceinline__ float emb_at(const unsigned char* emb, int r, int i) {
+    const __half* sc = (const __half*)(emb + (size_t)VOCAB * D) + (size_t)r * (D / 32);
+    return __half2float(sc[i >> 5]) * (float)((const signed char*)emb)[(size_t)r * D + i];
 }
 
 struct Range {
@@ -239,27 +225,67 @@ __device__ __forceinline__ Range block_items(int items) {
     const int lo = min(items, (int)blockIdx.x * per);
     return {lo, min(items, lo + per) - lo};
 }
+__host__ __device__ inline int per_block(int items, int blocks) { return (items + blocks - 1) / blocks; }
 
 // Shared-memory bytes of one layer's rows for this grid.
 __host__ __device__ inline size_t layer_smem(int blocks) {
-    auto per = [&](int items) { return (size_t)((items + blocks - 1) / blocks); };
-    return per(IT_QKV) * 2 * R576 + per(IT_O) * R576 + per(IT_GU) * 2 * R576 + per(IT_DOWN) * R1536;
+    return (size_t)per_block(IT_QKV, blocks) * 2 * R576 + (size_t)per_block(IT_O, blocks) * R576 +
+           (size_t)per_block(IT_GU, blocks) * 2 * R576 + (size_t)per_block(IT_DOWN, blocks) * R1536;
+}
+
+// Rows [r0, r1) of the repacked Q4_1 matrix at m (rows x K) into records
+// dst, dst + stride, ... (cp.async; quants in 16-byte pieces, scales in
+// 8-byte ones, as a row's 4-byte scales start 8-byte aligned).
+template <int K>
+__device__ __forceinline__ void copy_rows(unsigned char* dst, int stride, const unsigned char* m, int rows, int r0,
+                                          int r1) {
+    constexpr int QB = K / 2, SB = K / 32 * 4, RB = rec_bytes(K);
+    static_assert(QB % 16 == 0 && SB % 8 == 0, "pieces");
+    (void)RB;
+    const unsigned char* q = m + (size_t)r0 * QB;
+    const unsigned char* s = m + (size_t)rows * QB + (size_t)r0 * SB;
+    const int n = r1 - r0;
+    for (int c = threadIdx.x; c < n * (QB / 16); c += THREADS)
+        cp16(dst + (size_t)(c / (QB / 16)) * stride + (c % (QB / 16)) * 16, q + (size_t)c * 16);
+    for (int c = threadIdx.x; c < n * (SB / 8); c += THREADS)
+        cp8(dst + (size_t)(c / (SB / 8)) * stride + QB + (c % (SB / 8)) * 8, s + (size_t)c * 8);
+}
+
+// The block's record areas in a layer buffer.
+struct LayerSmem {
+    unsigned char *q, *o, *g, *d;
+};
+__device__ __forceinline__ LayerSmem layer_areas(unsigned char* buf) {
+    const int b = gridDim.x;
+    LayerSmem a;
+    a.q = buf;
+    a.o = a.q + (size_t)per_block(IT_QKV, b) * 2 * R576;
+    a.g = a.o + (size_t)per_block(IT_O, b) * R576;
+    a.d = a.g + (size_t)per_block(IT_GU, b) * 2 * R576;
+    return a;
 }
 
 // Copies this block's rows of layer l into buf (cp.async, one group).
 __device__ void prefetch_layer(unsigned char* buf, const unsigned char* w, int l) {
     const unsigned char* L = w + (size_t)l * LAYER_BYTES;
-    const Range rq = block_items(IT_QKV), ro = block_items(IT_O), rg = block_items(IT_GU), rd = block_items(IT_DOWN);
-    const unsigned char* src[4] = {L + OFF_QKV + (size_t)rq.lo * 2 * R576, L + OFF_O + (size_t)ro.lo * R576,
-                                   L + OFF_GU + (size_t)rg.lo * 2 * R576, L + OFF_DOWN + (size_t)rd.lo * R1536};
-    const int bytes[4] = {rq.n * 2 * R576, ro.n * R576, rg.n * 2 * R576, rd.n * R1536};
-    const int pbq = (IT_QKV + gridDim.x - 1) / gridDim.x, pbo = (IT_O + gridDim.x - 1) / gridDim.x,
-              pbg = (IT_GU + gridDim.x - 1) / gridDim.x;
-    const size_t dst[4] = {0, (size_t)pbq * 2 * R576, (size_t)pbq * 2 * R576 + (size_t)pbo * R576,
-                           (size_t)pbq * 2 * R576 + (size_t)pbo * R576 + (size_t)pbg * 2 * R576};
+    const LayerSmem a = layer_areas(buf);
+    // q|k|v pairs: rows [2 lo, 2 hi) of the three matrices one after another.
+    const Range rq = block_items(IT_QKV);
+    const int c0 = 2 * rq.lo, c1 = 2 * (rq.lo + rq.n);
+    const int seg[4] = {0, D, D + NKV * HD, QKV};
+    const size_t moff[3] = {M_Q, M_K, M_V};
 #pragma unroll
-    for (int m = 0; m < 4; ++m)
-        for (int i = threadIdx.x * 16; i < bytes[m]; i += THREADS * 16) cp16(buf + dst[m] + i, src[m] + i);
+    for (int m = 0; m < 3; ++m) {
+        const int r0 = max(c0, seg[m]), r1 = min(c1, seg[m + 1]);
+        if (r0 < r1)
+            copy_rows<D>(a.q + (size_t)(r0 - c0) * R576, R576, L + moff[m], seg[m + 1] - seg[m], r0 - seg[m],
+                         r1 - seg[m]);
+    }
+    const Range ro = block_items(IT_O), rg = block_items(IT_GU), rd = block_items(IT_DOWN);
+    copy_rows<D>(a.o, R576, L + M_O, D, ro.lo, ro.lo + ro.n);
+    copy_rows<D>(a.g, 2 * R576, L + M_G, FF, rg.lo, rg.lo + rg.n);        // gate i: record 2i
+    copy_rows<D>(a.g + R576, 2 * R576, L + M_U, FF, rg.lo, rg.lo + rg.n);  // up i: record 2i + 1
+    copy_rows<FF>(a.d, R1536, L + M_D, D, rd.lo, rd.lo + rd.n);
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
@@ -275,13 +301,14 @@ __device__ __forceinline__ float mp_block_sum(float v, float* red) {
     return s;
 }
 
-// xs = rmsnorm(v) * nw for a row of D held as (up to) 3 values a thread.
+// xs = rmsnorm(v) * nw for a row of D held as (up to) PER_T values a
+// thread; the scale finished in f64 as model.cu's rms_inv.
 constexpr int PER_T = (D + THREADS - 1) / THREADS;
 __device__ __forceinline__ void stage_norm(float* xs, const float (&v)[PER_T], const float (&nw)[PER_T], float* red) {
     float ss = 0.0f;
 #pragma unroll
     for (int j = 0; j < PER_T; ++j) ss += v[j] * v[j];
-    const float r = rsqrtf(mp_block_sum(ss, red) / D + EPS);
+    const float r = (float)(1.0 / sqrt((double)mp_block_sum(ss, red) / (double)D + (double)EPS));
 #pragma unroll
     for (int j = 0; j < PER_T; ++j) {
         const int i = threadIdx.x + j * THREADS;
@@ -306,31 +333,7 @@ __device__ __forceinline__ void mark(const Params& p, u32 t, int ph) {
     if (blockIdx.x == 0 && threadIdx.x == 0 && t + 1 == p.T) p.clocks[ph] = clock64();
 }
 
-// LOGITS_SMEM=1: every block keeps its rows of the logits (the tied
-// embedding) in shared memory for the whole launch, copied once at the
-// start, so that the logits phase reads no weights from DRAM.
-#ifndef LOGITS_SMEM
-#define LOGITS_SMEM 0
-#endif
-__host__ __device__ inline size_t logits_smem(int blocks) {
-    return LOGITS_SMEM ? (size_t)((VOCAB + blocks - 1) / blocks) * REMB : 0;
-}
-
-// ATT_L1=1: an attention block asks L1 for the cached K/V rows before it
-// waits for q, and reads them through L1 (rows below the position were
-// written in earlier tokens, behind the logits flags, and never read
-// before: no stale line can be there).
-#ifndef ATT_L1
-#define ATT_L1 0
-#endif
-__device__ __forceinline__ uint4 ld_kv(const uint4* a) { return ATT_L1 ? __ldg(a) : __ldcg(a); }
-
-// LL=1: phases wait on the tagged values themselves (no flags, no fences)
-// but for the logits, whose flags also publish the token's K/V rows; LL=0:
-// every phase ends with the flags, the tags then match at the first load.
-#ifndef LL
-#define LL 0
-#endif
+__device__ __forceinline__ float4 ld_kv(const float4* a) { return ATT_L1 ? __ldg(a) : __ldcg(a); }
 
 __device__ __forceinline__ void st_tag(u64* a, float v, u32 tag) {
     const u64 w = ((u64)tag << 32) | __float_as_uint(v);
@@ -372,59 +375,11 @@ __device__ __forceinline__ void stage_tagged(float* dst, const u64* src, u32 tag
     __syncthreads();
 }
 
-// xs[0..D) (shared) = the attention output, merged from the heads'
-// ATT_SPLIT partials at att (tagged); mz (shared, 2 NH ATT_SPLIT floats)
-// takes their maxima and sums. Every word is requested before the first
-// is checked. Ends synchronised.
-__device__ __forceinline__ void stage_att(float* xs, const u64* att, u32 tag, float* mz) {
-    constexpr int NP = NH * ATT_SPLIT, PER = (D + THREADS - 1) / THREADS;
-    const int t = threadIdx.x;
-    const u64* mzp = att + (t >> 1) * (HD + 2) + HD + (t & 1);
-    u64 mzw = t < 2 * NP ? ld_word(mzp) : (u64)tag << 32;
-    u64 a[PER][ATT_SPLIT];
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-        const int i = t + j * THREADS, hq = i / HD, d = i % HD;
-#pragma unroll
-        for (int c = 0; c < ATT_SPLIT; ++c)
-            a[j][c] = i < D ? ld_word(att + (c * NH + hq) * (HD + 2) + d) : (u64)tag << 32;
-    }
-    while ((u32)(mzw >> 32) != tag) mzw = ld_word(mzp);
-    if (t < 2 * NP) mz[t] = __uint_as_float((u32)mzw);
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-        const int i = t + j * THREADS, hq = i / HD, d = i % HD;
-#pragma unroll
-        for (int c = 0; c < ATT_SPLIT; ++c)
-            while ((u32)(a[j][c] >> 32) != tag) a[j][c] = ld_word(att + (c * NH + hq) * (HD + 2) + d);
-    }
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-        const int i = t + j * THREADS, hq = i / HD;
-        if (i < D) {
-            float M = mz[2 * hq];
-#pragma unroll
-            for (int c = 1; c < ATT_SPLIT; ++c) M = fmaxf(M, mz[2 * (c * NH + hq)]);
-            float num = 0.0f, den = 0.0f;
-#pragma unroll
-            for (int c = 0; c < ATT_SPLIT; ++c) {
-                const float wgt = __expf(mz[2 * (c * NH + hq)] - M);
-                num += wgt * __uint_as_float((u32)a[j][c]);
-                den += wgt * mz[2 * (c * NH + hq) + 1];
-            }
-            xs[i] = num / den;
-        }
-    }
-    __syncthreads();
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
     extern __shared__ __align__(16) unsigned char smem[];
     const size_t lb = layer_smem(gridDim.x);
     unsigned char* wbuf[2] = {smem, smem + lb};
-    unsigned char* lbuf = smem + 2 * lb;  // LOGITS_SMEM: this block's logits rows
-    float* xs = (float*)(lbuf + logits_smem(gridDim.x));  // FF floats
+    float* xs = (float*)(smem + 2 * lb);  // FF floats
     float* sc = xs + FF;                  // CTX scores
     float* red = sc + CTX;                // WARPS floats
     float* part = red + WARPS;            // WARPS x HD attention partials, then q, k, v of the head
@@ -455,12 +410,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
     auto phase_wait = [&]() {
         if (!LL) wait_phase(p.flags, e);
     };
-    if (LOGITS_SMEM) {
-        const Range r = block_items(VOCAB);
-        const unsigned char* src = p.emb + (size_t)r.lo * REMB;
-        for (int i = threadIdx.x * 16; i < r.n * REMB; i += THREADS * 16) cp16(lbuf + i, src + i);
-        asm volatile("cp.async.commit_group;" ::: "memory");
-    }
     prefetch_layer(wbuf[0], p.w, 0);
     for (u32 t = 0; t < p.T; ++t) {
         const u32 pos = p.pos0 + t;
@@ -486,14 +435,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
         } else if (blockIdx.x == 0 && threadIdx.x == 0) {
             p.tokens[0] = token;
         }
-        const unsigned char* erec = p.emb + (size_t)token * REMB;
-        if (own >= 0) hreg = emb_at(erec, own);
+        if (own >= 0) hreg = emb_at(p.emb, token, own);
         if (threadIdx.x < HD / 2) {
-            // Published by the qkv staging's barriers before any use.
-            const float th = (float)pos * powf(ROPE_BASE, -(float)(2 * threadIdx.x) / HD);
-            float sn, cs;
-            sincosf(th, &sn, &cs);
-            rope[threadIdx.x] = make_float2(cs, sn);
+            // model.cu's rope_cs; published by the qkv staging's barriers.
+            const double inv = pow((double)ROPE_BASE, -2.0 * (double)threadIdx.x / (double)HD);
+            double sn, cs;
+            sincospi((double)pos * inv * 0.318309886183790671538, &sn, &cs);
+            rope[threadIdx.x] = make_float2((float)cs, (float)sn);
         }
         for (int l = 0; l < NL; ++l) {
             // This layer's rows arrived (they were requested a layer ago);
@@ -501,13 +449,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
             asm volatile("cp.async.wait_group 0;" ::: "memory");
             __syncthreads();
             prefetch_layer(wbuf[(l + 1) & 1], p.w, (l + 1) % NL);
-            const unsigned char* wl = wbuf[l & 1];
-            const int pbq = (IT_QKV + gridDim.x - 1) / gridDim.x, pbo = (IT_O + gridDim.x - 1) / gridDim.x,
-                      pbg = (IT_GU + gridDim.x - 1) / gridDim.x;
-            const unsigned char* wq = wl;
-            const unsigned char* wo = wq + (size_t)pbq * 2 * R576;
-            const unsigned char* wg = wo + (size_t)pbo * R576;
-            const unsigned char* wd = wg + (size_t)pbg * 2 * R576;
+            const LayerSmem ws = layer_areas(wbuf[l & 1]);
             const float* an = p.norms + (size_t)l * 2 * D;
             const float* fn = an + D;
             const u32 gl = t * NL + l;
@@ -530,7 +472,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
 #pragma unroll
                         for (int j = 0; j < PER_T; ++j) {
                             const int i = threadIdx.x + j * THREADS;
-                            v[j] = i < D ? emb_at(erec, i) : 0.0f;
+                            v[j] = i < D ? emb_at(p.emb, token, i) : 0.0f;
                         }
                     } else {
                         load_tagged<PER_T>(v, Xp + X_H, D, e);
@@ -538,24 +480,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                     stage_norm(xs, v, nw, red);
                 }
                 for (int it = warp; it < r.n; it += WARPS) {
-                    const float a = dot_rec<D>(wq + (size_t)it * 2 * R576, xs, lane);
-                    const float b = dot_rec<D>(wq + (size_t)it * 2 * R576 + R576, xs, lane);
+                    const float a = dot_rec<D>(ws.q + (size_t)it * 2 * R576, xs, lane);
+                    const float b = dot_rec<D>(ws.q + (size_t)it * 2 * R576 + R576, xs, lane);
                     if (lane == 0) {
                         const int row = 2 * (r.lo + it);
                         float x0 = a, x1 = b;
-                        if (row < D + NKV * HD) {
+                        if (row < D + NKV * HD) {  // model.cu's rope_rotate
                             const float2 cs = rope[(row % HD) / 2];
-                            x0 = a * cs.x - b * cs.y;
-                            x1 = a * cs.y + b * cs.x;
+                            x0 = __fmaf_rn(a, cs.x, -__fmul_rn(b, cs.y));
+                            x1 = __fmaf_rn(a, cs.y, __fmul_rn(b, cs.x));
                         }
                         // X_Q, X_K and X_V follow each other as the rows do.
                         st_tag(X + X_Q + row, x0, e + 1);
                         st_tag(X + X_Q + row + 1, x1, e + 1);
                         if (row >= D) {
+                            float* Kl = p.kc + (size_t)l * NKV * CTX * HD;
+                            float* Vl = p.vc + (size_t)l * NKV * CTX * HD;
                             const bool isk = row < D + NKV * HD;
                             const int rr = isk ? row - D : row - D - NKV * HD, g = rr / HD, dim = rr % HD;
-                            __half* c = (isk ? p.kc : p.vc) + (((size_t)l * NKV + g) * CTX + pos) * HD + dim;
-                            *(__half2*)c = __floats2half2_rn(x0, x1);
+                            float* c = (isk ? Kl : Vl) + ((size_t)g * CTX + pos) * HD + dim;
+                            *(float2*)c = make_float2(x0, x1);
                         }
                     }
                 }
@@ -565,23 +509,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
             {
                 phase_wait();
                 mark(p, t, 2 + 5 * l);
-                if ((int)blockIdx.x < NH * ATT_SPLIT) {
-                    // Head hq, positions [lo, hi) of 0..pos (an empty range
-                    // writes m = -inf, z = 0: it weighs nothing in the merge).
-                    const int hq = blockIdx.x % NH, cq = blockIdx.x / NH, g = hq / (NH / NKV);
-                    const int span = ((int)pos + ATT_SPLIT) / ATT_SPLIT;
-                    const int lo = min((int)pos + 1, cq * span), hi = min((int)pos + 1, lo + span);
-                    // q, then the new position's k and v (rounded as the
-                    // cache holds them); older positions come from the cache.
+                if ((int)blockIdx.x < NH) {
+                    const int hq = blockIdx.x, g = hq / (NH / NKV);
+                    // q, then the new position's k and v; older positions
+                    // come from the cache.
                     float* qs = part + WARPS * HD;
                     float* kn = qs + HD;
                     float* vn = kn + HD;
-                    const __half* K = p.kc + ((size_t)l * NKV + g) * CTX * HD;
-                    const __half* V = p.vc + ((size_t)l * NKV + g) * CTX * HD;
+                    const float* K = p.kc + ((size_t)l * NKV + g) * CTX * HD;
+                    const float* V = p.vc + ((size_t)l * NKV + g) * CTX * HD;
                     if (ATT_L1) {
-                        for (int j = lo + threadIdx.x; j < min(hi, (int)pos); j += THREADS) {
-                            asm volatile("prefetch.global.L1 [%0];" ::"l"(K + (size_t)j * HD));
-                            asm volatile("prefetch.global.L1 [%0];" ::"l"(V + (size_t)j * HD));
+                        for (int j = threadIdx.x; j < 2 * (int)pos; j += THREADS) {
+                            asm volatile("prefetch.global.L1 [%0];" ::"l"(K + (size_t)j * (HD / 2)));
+                            asm volatile("prefetch.global.L1 [%0];" ::"l"(V + (size_t)j * (HD / 2)));
                         }
                     }
                     if (threadIdx.x < 3 * HD) {
@@ -589,33 +529,30 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                         const int src = which == 0 ? X_Q + hq * HD + d : (which == 1 ? X_K : X_V) + g * HD + d;
                         u64 w = ld_word(X + src);
                         while ((u32)(w >> 32) != e) w = ld_word(X + src);
-                        float f = __uint_as_float((u32)w);
-                        if (which > 0) f = __half2float(__float2half_rn(f));
-                        qs[threadIdx.x] = f;
+                        qs[threadIdx.x] = __uint_as_float((u32)w);
                     }
                     __syncthreads();
                     float m = __int_as_float(0xff800000);  // -inf
-                    for (int j = lo + threadIdx.x; j < hi; j += THREADS) {
+                    for (int j = threadIdx.x; j <= (int)pos; j += THREADS) {
                         float s = 0.0f;
                         if (j < (int)pos) {
-                            const uint4* kr = (const uint4*)(K + (size_t)j * HD);
-                            uint4 kv[8];
+                            const float4* kr = (const float4*)(K + (size_t)j * HD);
 #pragma unroll
-                            for (int u = 0; u < 8; ++u) kv[u] = ld_kv(kr + u);
+                            for (int h = 0; h < 4; ++h) {  // four quarters of four loads in flight
+                                float4 kv[4];
 #pragma unroll
-                            for (int u = 0; u < 8; ++u) {
-                                const __half2* h2 = (const __half2*)&kv[u];
+                                for (int u = 0; u < 4; ++u) kv[u] = ld_kv(kr + 4 * h + u);
 #pragma unroll
-                                for (int c = 0; c < 4; ++c) {
-                                    const float2 f = __half22float2(h2[c]);
-                                    s += f.x * qs[8 * u + 2 * c] + f.y * qs[8 * u + 2 * c + 1];
+                                for (int u = 0; u < 4; ++u) {
+                                    const float* q4 = qs + 4 * (4 * h + u);
+                                    s += kv[u].x * q4[0] + kv[u].y * q4[1] + kv[u].z * q4[2] + kv[u].w * q4[3];
                                 }
                             }
                         } else {
-                            for (int d = 0; d < HD; d += 2) s += kn[d] * qs[d] + kn[d + 1] * qs[d + 1];
+                            for (int d = 0; d < HD; ++d) s += kn[d] * qs[d];
                         }
                         s *= 0.125f;  // 1 / sqrt(HD)
-                        sc[j - lo] = s;
+                        sc[j] = s;
                         m = fmaxf(m, s);
                     }
 #pragma unroll
@@ -627,69 +564,55 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                     for (int i = 1; i < WARPS; ++i) m = fmaxf(m, red[i]);
                     __syncthreads();
                     float z = 0.0f;
-                    for (int j = lo + threadIdx.x; j < hi; j += THREADS) {
-                        const float x = __expf(sc[j - lo] - m);
-                        sc[j - lo] = x;
+                    for (int j = threadIdx.x; j <= (int)pos; j += THREADS) {
+                        const float x = __expf(sc[j] - m);
+                        sc[j] = x;
                         z += x;
                     }
                     z = mp_block_sum(z, red);  // its barriers publish sc
                     // Values of the cached positions: thread t takes dims
-                    // 8 (t % 8) .. + 8 (one 16-byte load a row) of every
-                    // S-th position from lo + t / 8, four rows requested at a
-                    // time; the stripes add up by shuffles in the warp and
+                    // 4 (t % 16) .. + 4 (one 16-byte load a row) of every
+                    // S-th position from t / 16, four rows requested at a
+                    // time; the stripes add up by a shuffle in the warp and
                     // through shared memory across warps.
-                    constexpr int S = THREADS / 8;
-                    const int c = threadIdx.x & 7, n = min(hi, (int)pos);
-                    const uint4* Vr = (const uint4*)V;
-                    float acc[8] = {};
-                    int j = lo + (threadIdx.x >> 3);
+                    constexpr int S = THREADS / 16;
+                    const int c = threadIdx.x & 15, n = pos;
+                    const float4* Vr = (const float4*)V;
+                    float acc[4] = {};
+                    int j = threadIdx.x >> 4;
                     for (; j + 3 * S < n; j += 4 * S) {
-                        uint4 v[4];
+                        float4 v[4];
 #pragma unroll
-                        for (int u = 0; u < 4; ++u) v[u] = ld_kv(Vr + (size_t)(j + u * S) * 8 + c);
+                        for (int u = 0; u < 4; ++u) v[u] = ld_kv(Vr + (size_t)(j + u * S) * 16 + c);
 #pragma unroll
                         for (int u = 0; u < 4; ++u) {
-                            const float wgt = sc[j + u * S - lo];
-                            const __half2* h2 = (const __half2*)&v[u];
-#pragma unroll
-                            for (int k = 0; k < 4; ++k) {
-                                const float2 f = __half22float2(h2[k]);
-                                acc[2 * k] += wgt * f.x;
-                                acc[2 * k + 1] += wgt * f.y;
-                            }
+                            const float wgt = sc[j + u * S];
+                            acc[0] += wgt * v[u].x;
+                            acc[1] += wgt * v[u].y;
+                            acc[2] += wgt * v[u].z;
+                            acc[3] += wgt * v[u].w;
                         }
                     }
                     for (; j < n; j += S) {
-                        const uint4 v = ld_kv(Vr + (size_t)j * 8 + c);
-                        const float wgt = sc[j - lo];
-                        const __half2* h2 = (const __half2*)&v;
-#pragma unroll
-                        for (int k = 0; k < 4; ++k) {
-                            const float2 f = __half22float2(h2[k]);
-                            acc[2 * k] += wgt * f.x;
-                            acc[2 * k + 1] += wgt * f.y;
-                        }
+                        const float4 v = ld_kv(Vr + (size_t)j * 16 + c);
+                        const float wgt = sc[j];
+                        acc[0] += wgt * v.x;
+                        acc[1] += wgt * v.y;
+                        acc[2] += wgt * v.z;
+                        acc[3] += wgt * v.w;
                     }
 #pragma unroll
-                    for (int k = 0; k < 8; ++k) {
-                        acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], 8);
-                        acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], 16);
-                    }
-                    if (lane < 8) {
+                    for (int k = 0; k < 4; ++k) acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], 16);
+                    if (lane < 16) {
 #pragma unroll
-                        for (int k = 0; k < 8; ++k) part[warp * HD + 8 * lane + k] = acc[k];
+                        for (int k = 0; k < 4; ++k) part[warp * HD + 4 * lane + k] = acc[k];
                     }
                     __syncthreads();
-                    // Unsplit, the head's output; else the partial:
-                    // unnormalised values, then m and z.
-                    u64* out = X + X_ATT + (size_t)(cq * NH + hq) * (ATT_SPLIT > 1 ? HD + 2 : HD);
                     if (threadIdx.x < HD) {
-                        float o = lo <= (int)pos && hi > (int)pos ? sc[pos - lo] * vn[threadIdx.x] : 0.0f;
+                        float o = sc[pos] * vn[threadIdx.x];
 #pragma unroll
                         for (int i = 0; i < WARPS; ++i) o += part[i * HD + threadIdx.x];
-                        st_tag(out + threadIdx.x, ATT_SPLIT > 1 ? o : o / z, e + 1);
-                    } else if (ATT_SPLIT > 1 && threadIdx.x < HD + 2) {
-                        st_tag(out + threadIdx.x, threadIdx.x == HD ? m : z, e + 1);
+                        st_tag(X + X_ATT + hq * HD + threadIdx.x, o / z, e + 1);
                     }
                 }
                 phase_end();
@@ -698,13 +621,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
             {
                 phase_wait();
                 mark(p, t, 3 + 5 * l);
-                if (ro.n > 0) {
-                    if (ATT_SPLIT > 1) stage_att(xs, X + X_ATT, e, red);
-                    else stage_tagged<D>(xs, X + X_ATT, e);
-                }
+                if (ro.n > 0) stage_tagged<D>(xs, X + X_ATT, e);
                 const long long c0 = clock64();
                 if (own >= 0) {
-                    hreg += dot_rec<D>(wo + (size_t)warp * R576, xs, lane);
+                    hreg += dot_rec<D>(ws.o + (size_t)warp * R576, xs, lane);
                     if (lane == 0) st_tag(X + X_H + own, hreg, e + 1);
                 }
                 __syncthreads();
@@ -732,8 +652,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                     stage_norm(xs, v, nw, red);
                 }
                 for (int it = warp; it < r.n; it += WARPS) {
-                    const float g = dot_rec<D>(wg + (size_t)it * 2 * R576, xs, lane);
-                    const float u = dot_rec<D>(wg + (size_t)it * 2 * R576 + R576, xs, lane);
+                    const float g = dot_rec<D>(ws.g + (size_t)it * 2 * R576, xs, lane);
+                    const float u = dot_rec<D>(ws.g + (size_t)it * 2 * R576 + R576, xs, lane);
                     if (lane == 0) st_tag(X + X_ACT + r.lo + it, g / (1.0f + __expf(-g)) * u, e + 1);
                 }
                 phase_end();
@@ -744,7 +664,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                 mark(p, t, 5 + 5 * l);
                 if (ro.n > 0) stage_tagged<FF>(xs, X + X_ACT, e);
                 if (own >= 0) {
-                    hreg += dot_rec<FF>(wd + (size_t)warp * R1536, xs, lane);
+                    hreg += dot_rec<FF>(ws.d + (size_t)warp * R1536, xs, lane);
                     if (lane == 0) st_tag(X + X_H + own, hreg, e + 1);
                 }
                 phase_end();
@@ -771,7 +691,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
             float* lg = p.logits + (size_t)t * VOCAB;
             for (int it = warp; it < r.n; it += WARPS) {
                 const int row = r.lo + it;
-                const float s = dot_emb(LOGITS_SMEM ? lbuf + (size_t)it * REMB : p.emb + (size_t)row * REMB, xs, lane);
+                const float s = dot_emb(p.emb, row, xs, lane);
                 if (lane == 0) lg[row] = s;
                 best = max(best, logit_key(s, row));
             }
@@ -798,6 +718,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
 // ---------------------------------------------------------------- host
 #ifndef __CUDACC_RTC__
 
+// The embedding (Q8_0, repacked): VOCAB rows of D int8, then VOCAB x D/32 half.
+constexpr size_t EMB_BYTES = (size_t)VOCAB * D + (size_t)VOCAB * (D / 32) * 2;
+
 static u64 rng = 0x9e3779b97f4a7c15ull;
 static u32 rnd() {
     rng ^= rng << 13;
@@ -807,65 +730,66 @@ static u32 rnd() {
 }
 static float rndf() { return (rnd() & 0xffffff) / 16777216.0f; }  // [0, 1)
 
-// A random record of k weights; scale d, minimum -8 d (centred).
-static void fill_rec(unsigned char* rec, int k, float d) {
-    for (int i = 0; i < k / 2; ++i) rec[i] = (unsigned char)rnd();
-    __half2* s = (__half2*)(rec + k / 2);
-    for (int b = 0; b < (k / 32 + 3) / 4 * 4; ++b) {
-        const float db = d * (0.5f + rndf());
-        s[b] = __floats2half2_rn(db, -8.0f * db);
+// A random repacked Q4_1 matrix at m: scales d in [0.5, 1.5) x dbase and
+// minimum -8 d (centred).
+static void fill_q41(unsigned char* m, int rows, int k, float dbase) {
+    const size_t qb = (size_t)rows * k / 2;
+    for (size_t i = 0; i < qb; ++i) m[i] = (unsigned char)rnd();
+    __half2* s = (__half2*)(m + qb);
+    for (size_t b = 0; b < (size_t)rows * (k / 32); ++b) {
+        const float d = dbase * (0.5f + rndf());
+        s[b] = __floats2half2_rn(d, -8.0f * d);
     }
 }
-static float rec_at(const unsigned char* rec, int k, int i) {
-    const u32 q = (((const u32*)rec)[i >> 3] >> (4 * (i & 7))) & 15u;
-    const float2 s = __half22float2(((const __half2*)(rec + k / 2))[i >> 5]);
-    return s.x * (float)q + s.y;
+// Weight e of row r of a repacked Q4_1 matrix (as model.cu's load_elem).
+static float q41_at(const unsigned char* m, int rows, int k, int r, int e) {
+    const int blk = e >> 5, j = e & 31;
+    const unsigned q = m[(size_t)r * (k / 2) + 16 * blk + (j & 15)];
+    const unsigned nib = j < 16 ? (q & 15) : (q >> 4);
+    const float2 dm = __half22float2(((const __half2*)(m + (size_t)rows * k / 2))[(size_t)r * (k / 32) + blk]);
+    return dm.x * (float)nib + dm.y;
 }
-// A random 8-bit record; scale d.
-static void fill_rec8(unsigned char* rec, int k, float d) {
-    for (int i = 0; i < k; ++i) rec[i] = (unsigned char)rnd();
-    __half* s = (__half*)(rec + k);
-    for (int b = 0; b < (k / 32 + 7) / 8 * 8; ++b) s[b] = __float2half_rn(d * (0.5f + rndf()));
-}
-static float emb_w(const unsigned char* rec, int i) {
-    if (EMB_Q8) return __half2float(((const __half*)(rec + D))[i >> 5]) * (float)((const signed char*)rec)[i];
-    return rec_at(rec, D, i);
-}
-static void cpu_matvec(const unsigned char* recs, int rows, int k, const std::vector<float>& x, float* y) {
-    const int rb = rec_bytes(k);
+static void cpu_matvec(const unsigned char* m, int rows, int k, const std::vector<float>& x, float* y) {
     for (int r = 0; r < rows; ++r) {
         double s = 0.0;
-        for (int i = 0; i < k; ++i) s += (double)rec_at(recs + (size_t)r * rb, k, i) * x[i];
+        for (int i = 0; i < k; ++i) s += (double)q41_at(m, rows, k, r, i) * x[i];
         y[r] = (float)s;
     }
 }
+static float emb_w(const std::vector<unsigned char>& emb, int r, int i) {
+    const __half* sc = (const __half*)(emb.data() + (size_t)VOCAB * D);
+    return __half2float(sc[(size_t)r * (D / 32) + (i >> 5)]) * (float)(signed char)emb[(size_t)r * D + i];
+}
 static std::vector<float> cpu_norm(const std::vector<float>& h, const float* w) {
-    double ss = 0.0;
-    for (float v : h) ss += (double)v * v;
-    const float r = 1.0f / sqrtf((float)(ss / D) + EPS);
+    float ss = 0.0f;
+    for (float v : h) ss += v * v;
+    const float r = (float)(1.0 / sqrt((double)ss / D + (double)EPS));
     std::vector<float> x(D);
     for (int i = 0; i < D; ++i) x[i] = h[i] * r * w[i];
     return x;
 }
 
-// The CPU forward pass of one token at pos; kc/vc (host copies, f16) get
-// its K/V. Returns the logits.
+// The CPU forward pass of one token at pos; kc/vc (host copies) get its
+// K/V. Returns the logits.
 static std::vector<float> cpu_token(const std::vector<unsigned char>& w, const std::vector<unsigned char>& emb,
-                                    const std::vector<float>& norms, std::vector<__half>& kc, std::vector<__half>& vc,
+                                    const std::vector<float>& norms, std::vector<float>& kc, std::vector<float>& vc,
                                     u32 token, u32 pos) {
-    std::vector<float> h(D), y(2 * FF);
-    for (int i = 0; i < D; ++i) h[i] = emb_w(&emb[(size_t)token * REMB], i);
+    std::vector<float> h(D), y(FF), y2(FF);
+    for (int i = 0; i < D; ++i) h[i] = emb_w(emb, token, i);
     for (int l = 0; l < NL; ++l) {
         const unsigned char* L = &w[(size_t)l * LAYER_BYTES];
         std::vector<float> x = cpu_norm(h, &norms[(size_t)l * 2 * D]);
         std::vector<float> qkv(QKV), q(D);
-        cpu_matvec(L + OFF_QKV, QKV, D, x, qkv.data());
+        cpu_matvec(L + M_Q, D, D, x, qkv.data());
+        cpu_matvec(L + M_K, NKV * HD, D, x, qkv.data() + D);
+        cpu_matvec(L + M_V, NKV * HD, D, x, qkv.data() + D + NKV * HD);
         for (int row = 0; row < QKV; row += 2) {
             float a = qkv[row], b = qkv[row + 1];
             if (row < D + NKV * HD) {
-                const int dim = row % HD;
-                const float th = (float)pos * powf(ROPE_BASE, -(float)dim / HD);
-                const float x0 = a * cosf(th) - b * sinf(th), x1 = a * sinf(th) + b * cosf(th);
+                const int i = (row % HD) / 2;
+                const double inv = pow((double)ROPE_BASE, -2.0 * i / (double)HD), ang = (double)pos * inv;
+                const float c = (float)cos(ang), s = (float)sin(ang);
+                const float x0 = fmaf(a, c, -(b * s)), x1 = fmaf(a, s, b * c);
                 a = x0;
                 b = x1;
             }
@@ -875,9 +799,9 @@ static std::vector<float> cpu_token(const std::vector<unsigned char>& w, const s
             } else {
                 const bool isk = row < D + NKV * HD;
                 const int rr = isk ? row - D : row - D - NKV * HD, g = rr / HD, dim = rr % HD;
-                __half* c = &(isk ? kc : vc)[(((size_t)l * NKV + g) * CTX + pos) * HD + dim];
-                c[0] = __float2half_rn(a);
-                c[1] = __float2half_rn(b);
+                float* c = &(isk ? kc : vc)[(((size_t)l * NKV + g) * CTX + pos) * HD + dim];
+                c[0] = a;
+                c[1] = b;
             }
         }
         std::vector<float> att(D);
@@ -887,8 +811,7 @@ static std::vector<float> cpu_token(const std::vector<unsigned char>& w, const s
             double m = -1e300;
             for (u32 j = 0; j <= pos; ++j) {
                 double d = 0.0;
-                for (int i = 0; i < HD; ++i)
-                    d += (double)__half2float(kc[(((size_t)l * NKV + g) * CTX + j) * HD + i]) * q[hq * HD + i];
+                for (int i = 0; i < HD; ++i) d += (double)kc[(((size_t)l * NKV + g) * CTX + j) * HD + i] * q[hq * HD + i];
                 s[j] = d * 0.125;
                 m = std::max(m, s[j]);
             }
@@ -896,26 +819,24 @@ static std::vector<float> cpu_token(const std::vector<unsigned char>& w, const s
             for (auto& v : s) z += (v = exp(v - m));
             for (int i = 0; i < HD; ++i) {
                 double o = 0.0;
-                for (u32 j = 0; j <= pos; ++j) o += s[j] * __half2float(vc[(((size_t)l * NKV + g) * CTX + j) * HD + i]);
+                for (u32 j = 0; j <= pos; ++j) o += s[j] * vc[(((size_t)l * NKV + g) * CTX + j) * HD + i];
                 att[hq * HD + i] = (float)(o / z);
             }
         }
-        cpu_matvec(L + OFF_O, D, D, att, y.data());
+        cpu_matvec(L + M_O, D, D, att, y.data());
         for (int i = 0; i < D; ++i) h[i] += y[i];
         x = cpu_norm(h, &norms[(size_t)l * 2 * D + D]);
-        cpu_matvec(L + OFF_GU, 2 * FF, D, x, y.data());
+        cpu_matvec(L + M_G, FF, D, x, y.data());
+        cpu_matvec(L + M_U, FF, D, x, y2.data());
         std::vector<float> a(FF);
-        for (int i = 0; i < FF; ++i) {
-            const float g = y[2 * i], u = y[2 * i + 1];
-            a[i] = g / (1.0f + expf(-g)) * u;
-        }
-        cpu_matvec(L + OFF_DOWN, D, FF, a, y.data());
+        for (int i = 0; i < FF; ++i) a[i] = y[i] / (1.0f + expf(-y[i])) * y2[i];
+        cpu_matvec(L + M_D, D, FF, a, y.data());
         for (int i = 0; i < D; ++i) h[i] += y[i];
     }
     std::vector<float> x = cpu_norm(h, &norms[(size_t)NL * 2 * D]), logits(VOCAB);
     for (int r = 0; r < VOCAB; ++r) {
         double acc = 0.0;
-        for (int i = 0; i < D; ++i) acc += (double)emb_w(&emb[(size_t)r * REMB], i) * x[i];
+        for (int i = 0; i < D; ++i) acc += (double)emb_w(emb, r, i) * x[i];
         logits[r] = (float)acc;
     }
     return logits;
@@ -946,25 +867,29 @@ int main(int argc, char** argv) {
            pos0);
 
     // Weights and caches (host copies for the CPU check).
-    std::vector<unsigned char> w((size_t)NL * LAYER_BYTES), emb((size_t)VOCAB * REMB);
+    std::vector<unsigned char> w((size_t)NL * LAYER_BYTES), emb(EMB_BYTES);
     for (int l = 0; l < NL; ++l) {
         unsigned char* L = &w[(size_t)l * LAYER_BYTES];
-        for (int r = 0; r < QKV; ++r) fill_rec(L + OFF_QKV + (size_t)r * R576, D, 0.004f);
-        for (int r = 0; r < D; ++r) fill_rec(L + OFF_O + (size_t)r * R576, D, 0.004f);
-        for (int r = 0; r < 2 * FF; ++r) fill_rec(L + OFF_GU + (size_t)r * R576, D, 0.004f);
-        for (int r = 0; r < D; ++r) fill_rec(L + OFF_DOWN + (size_t)r * R1536, FF, 0.004f);
+        fill_q41(L + M_Q, D, D, 0.004f);
+        fill_q41(L + M_K, NKV * HD, D, 0.004f);
+        fill_q41(L + M_V, NKV * HD, D, 0.004f);
+        fill_q41(L + M_O, D, D, 0.004f);
+        fill_q41(L + M_G, FF, D, 0.004f);
+        fill_q41(L + M_U, FF, D, 0.004f);
+        fill_q41(L + M_D, D, FF, 0.004f);
     }
-    for (int r = 0; r < VOCAB; ++r) {
-        if (EMB_Q8) fill_rec8(&emb[(size_t)r * REMB], D, 0.0025f);
-        else fill_rec(&emb[(size_t)r * REMB], D, 0.02f);
+    for (size_t i = 0; i < (size_t)VOCAB * D; ++i) emb[i] = (unsigned char)rnd();
+    {
+        __half* s = (__half*)(emb.data() + (size_t)VOCAB * D);
+        for (size_t b = 0; b < (size_t)VOCAB * (D / 32); ++b) s[b] = __float2half_rn(0.0025f * (0.5f + rndf()));
     }
     std::vector<float> norms((size_t)(2 * NL + 1) * D);
     for (auto& v : norms) v = 0.5f + rndf();
     const size_t cache = (size_t)NL * NKV * CTX * HD;
-    std::vector<__half> kc(cache), vc(cache);
+    std::vector<float> kc(cache), vc(cache);
     for (size_t i = 0; i < cache; ++i) {
-        kc[i] = __float2half_rn(rndf() * 2.0f - 1.0f);
-        vc[i] = __float2half_rn(rndf() * 2.0f - 1.0f);
+        kc[i] = rndf() * 2.0f - 1.0f;
+        vc[i] = rndf() * 2.0f - 1.0f;
     }
 
     Params p = {};
@@ -976,9 +901,9 @@ int main(int argc, char** argv) {
     CK(cudaMemcpy(dw, w.data(), w.size(), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(demb, emb.data(), emb.size(), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(dnorms, norms.data(), norms.size() * 4, cudaMemcpyHostToDevice));
-    __half *dkc, *dvc;
-    CK(cudaMalloc(&dkc, cache * 2));
-    CK(cudaMalloc(&dvc, cache * 2));
+    float *dkc, *dvc;
+    CK(cudaMalloc(&dkc, cache * 4));
+    CK(cudaMalloc(&dvc, cache * 4));
     u64* dx;
     float* dlog;
     CK(cudaMalloc(&dx, 2 * XW * 8));
@@ -992,7 +917,7 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&dclk, (9 + 5 * NL) * 8));
     p = {dw, demb, dnorms, dkc, dvc, dx, dlog, dbest, dtok, dflags, dclk, 7u, pos0, T};
 
-    const size_t smem = 2 * layer_smem(blocks) + logits_smem(blocks) + (size_t)(FF + CTX + WARPS + (WARPS + 3) * HD) * 4;
+    const size_t smem = 2 * layer_smem(blocks) + (size_t)(FF + CTX + WARPS + (WARPS + 3) * HD) * 4;
     if (smem > prop.sharedMemPerBlockOptin) {
         printf("%zu bytes of shared memory a block needed, %zu the most (fewer rows a block: more blocks)\n", smem,
                prop.sharedMemPerBlockOptin);
@@ -1015,8 +940,8 @@ int main(int argc, char** argv) {
     std::vector<float> us;
     for (int r = 0; r < 6; ++r) {
         // Every launch starts from the same cache, so runs agree.
-        CK(cudaMemcpyAsync(dkc, kc.data(), cache * 2, cudaMemcpyHostToDevice, st));
-        CK(cudaMemcpyAsync(dvc, vc.data(), cache * 2, cudaMemcpyHostToDevice, st));
+        CK(cudaMemcpyAsync(dkc, kc.data(), cache * 4, cudaMemcpyHostToDevice, st));
+        CK(cudaMemcpyAsync(dvc, vc.data(), cache * 4, cudaMemcpyHostToDevice, st));
         CK(cudaMemsetAsync(dflags, 0, THREADS * 4, st));
         CK(cudaMemsetAsync(dx, 0, 2 * XW * 8, st));  // tags 0: no phase wrote them
         CK(cudaEventRecord(e0, st));
@@ -1042,8 +967,8 @@ int main(int argc, char** argv) {
     for (int l = 0; l < NL; ++l)
         for (int k = 0; k < 5; ++k) ph[k] += (double)(clk[2 + 5 * l + k] - clk[1 + 5 * l + k]);
     const double tok_cycles = (double)(clk[2 + 5 * NL] - clk[0]);
-    printf("SM clock %.0f MHz; last token, block 0, cycles (%.2f us): argmax %lld", khz / 1000.0, tok_cycles / khz * 1000.0,
-           clk[1] - clk[0]);
+    printf("SM clock %.0f MHz; last token, block 0, cycles (%.2f us): argmax %lld", khz / 1000.0,
+           tok_cycles / khz * 1000.0, clk[1] - clk[0]);
     for (int k = 0; k < 5; ++k) printf(", %s %.0f (%.1f a layer)", names[k], ph[k], ph[k] / NL);
     printf(", logits %lld\n", clk[2 + 5 * NL] - clk[1 + 5 * NL]);
     printf("o phase, a layer: wait to staged %.0f, dot products %.0f, release %.0f cycles\n",
