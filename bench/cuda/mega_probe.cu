@@ -106,8 +106,17 @@ constexpr int IT_QKV = QKV / 2, IT_O = D, IT_GU = FF, IT_DOWN = D;
 // so that a reader knows a value is the one it waits for. Two sets, by the
 // parity of the layer (counted over tokens), so that a layer's writers never
 // overwrite what a reader of the layer before may still need.
+// ATT_SPAN: positions a split of a head's attention takes (a token at
+// position p runs min(ATT_SPLITS, p / ATT_SPAN + 1) splits a head); the
+// partials of a split head go to X_PART and its first split merges them.
+#ifndef ATT_SPAN
+#define ATT_SPAN 128
+#endif
+#ifndef ATT_SPLITS
+#define ATT_SPLITS 8
+#endif
 constexpr int X_H = 0, X_Q = X_H + D, X_K = X_Q + D, X_V = X_K + NKV * HD, X_ATT = X_V + NKV * HD, X_ACT = X_ATT + D,
-              XW = X_ACT + FF;
+              X_PART = X_ACT + FF, XW = X_PART + NH * ATT_SPLITS * (HD + 2);
 
 struct Params {
     const unsigned char* w;    // NL layers of LAYER_BYTES
@@ -509,8 +518,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
             {
                 phase_wait();
                 mark(p, t, 2 + 5 * l);
-                if ((int)blockIdx.x < NH) {
-                    const int hq = blockIdx.x, g = hq / (NH / NKV);
+                const int nsplit = min(ATT_SPLITS, (int)pos / ATT_SPAN + 1);
+                if ((int)blockIdx.x < NH * nsplit) {
+                    // Head hq, positions [lo, hi) of 0..pos.
+                    const int hq = blockIdx.x % NH, cq = blockIdx.x / NH, g = hq / (NH / NKV);
+                    const int span = ((int)pos + nsplit) / nsplit;
+                    const int lo = min((int)pos + 1, cq * span), hi = min((int)pos + 1, lo + span);
                     // q, then the new position's k and v; older positions
                     // come from the cache.
                     float* qs = part + WARPS * HD;
@@ -519,7 +532,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                     const float* K = p.kc + ((size_t)l * NKV + g) * CTX * HD;
                     const float* V = p.vc + ((size_t)l * NKV + g) * CTX * HD;
                     if (ATT_L1) {
-                        for (int j = threadIdx.x; j < 2 * (int)pos; j += THREADS) {
+                        for (int j = 2 * lo + threadIdx.x; j < 2 * min(hi, (int)pos); j += THREADS) {
                             asm volatile("prefetch.global.L1 [%0];" ::"l"(K + (size_t)j * (HD / 2)));
                             asm volatile("prefetch.global.L1 [%0];" ::"l"(V + (size_t)j * (HD / 2)));
                         }
@@ -533,7 +546,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                     }
                     __syncthreads();
                     float m = __int_as_float(0xff800000);  // -inf
-                    for (int j = threadIdx.x; j <= (int)pos; j += THREADS) {
+                    for (int j = lo + threadIdx.x; j < hi; j += THREADS) {
                         float s = 0.0f;
                         if (j < (int)pos) {
                             const float4* kr = (const float4*)(K + (size_t)j * HD);
@@ -552,7 +565,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                             for (int d = 0; d < HD; ++d) s += kn[d] * qs[d];
                         }
                         s *= 0.125f;  // 1 / sqrt(HD)
-                        sc[j] = s;
+                        sc[j - lo] = s;
                         m = fmaxf(m, s);
                     }
 #pragma unroll
@@ -564,9 +577,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                     for (int i = 1; i < WARPS; ++i) m = fmaxf(m, red[i]);
                     __syncthreads();
                     float z = 0.0f;
-                    for (int j = threadIdx.x; j <= (int)pos; j += THREADS) {
-                        const float x = __expf(sc[j] - m);
-                        sc[j] = x;
+                    for (int j = lo + threadIdx.x; j < hi; j += THREADS) {
+                        const float x = __expf(sc[j - lo] - m);
+                        sc[j - lo] = x;
                         z += x;
                     }
                     z = mp_block_sum(z, red);  // its barriers publish sc
@@ -576,17 +589,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                     // time; the stripes add up by a shuffle in the warp and
                     // through shared memory across warps.
                     constexpr int S = THREADS / 16;
-                    const int c = threadIdx.x & 15, n = pos;
+                    const int c = threadIdx.x & 15, n = min(hi, (int)pos);
                     const float4* Vr = (const float4*)V;
                     float acc[4] = {};
-                    int j = threadIdx.x >> 4;
+                    int j = lo + (threadIdx.x >> 4);
                     for (; j + 3 * S < n; j += 4 * S) {
                         float4 v[4];
 #pragma unroll
                         for (int u = 0; u < 4; ++u) v[u] = ld_kv(Vr + (size_t)(j + u * S) * 16 + c);
 #pragma unroll
                         for (int u = 0; u < 4; ++u) {
-                            const float wgt = sc[j + u * S];
+                            const float wgt = sc[j + u * S - lo];
                             acc[0] += wgt * v[u].x;
                             acc[1] += wgt * v[u].y;
                             acc[2] += wgt * v[u].z;
@@ -595,7 +608,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                     }
                     for (; j < n; j += S) {
                         const float4 v = ld_kv(Vr + (size_t)j * 16 + c);
-                        const float wgt = sc[j];
+                        const float wgt = sc[j - lo];
                         acc[0] += wgt * v.x;
                         acc[1] += wgt * v.y;
                         acc[2] += wgt * v.z;
@@ -608,11 +621,64 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                         for (int k = 0; k < 4; ++k) part[warp * HD + 4 * lane + k] = acc[k];
                     }
                     __syncthreads();
+                    float o = 0.0f;
                     if (threadIdx.x < HD) {
-                        float o = sc[pos] * vn[threadIdx.x];
+                        o = lo <= (int)pos && hi > (int)pos ? sc[pos - lo] * vn[threadIdx.x] : 0.0f;
 #pragma unroll
                         for (int i = 0; i < WARPS; ++i) o += part[i * HD + threadIdx.x];
-                        st_tag(X + X_ATT + hq * HD + threadIdx.x, o / z, e + 1);
+                    }
+                    if (nsplit == 1) {
+                        if (threadIdx.x < HD) st_tag(X + X_ATT + hq * HD + threadIdx.x, o / z, e + 1);
+                    } else {
+                        // A partial (unnormalised values, m, z; an empty
+                        // range has m = -inf, z = 0). The head's first split
+                        // waits for the others' and writes the head's output.
+                        u64* mine = X + X_PART + (size_t)(cq * NH + hq) * (HD + 2);
+                        if (cq > 0) {
+                            if (threadIdx.x < HD) st_tag(mine + threadIdx.x, o, e + 1);
+                            else if (threadIdx.x < HD + 2) st_tag(mine + threadIdx.x, threadIdx.x == HD ? m : z, e + 1);
+                        } else {
+                            // The other splits' m and z (into sc, whose
+                            // scores are read) and values, all requested
+                            // before the first is checked.
+                            __syncthreads();
+                            const int t = threadIdx.x;
+                            u64 ov[ATT_SPLITS];
+#pragma unroll
+                            for (int c2 = 1; c2 < ATT_SPLITS; ++c2)
+                                ov[c2] = t < HD && c2 < nsplit
+                                             ? ld_word(X + X_PART + (size_t)(c2 * NH + hq) * (HD + 2) + t)
+                                             : (u64)(e + 1) << 32;
+                            if (t >= HD && t < HD + 2 * (nsplit - 1)) {
+                                const int c2 = 1 + (t - HD) / 2;
+                                const u64* src = X + X_PART + (size_t)(c2 * NH + hq) * (HD + 2) + HD + (t - HD) % 2;
+                                u64 w = ld_word(src);
+                                while ((u32)(w >> 32) != e + 1) w = ld_word(src);
+                                sc[2 * c2 + (t - HD) % 2] = __uint_as_float((u32)w);
+                            }
+#pragma unroll
+                            for (int c2 = 1; c2 < ATT_SPLITS; ++c2)
+                                while ((u32)(ov[c2] >> 32) != e + 1)
+                                    ov[c2] = ld_word(X + X_PART + (size_t)(c2 * NH + hq) * (HD + 2) + t);
+                            __syncthreads();
+                            if (t < HD) {
+                                float M = m;
+#pragma unroll
+                                for (int c2 = 1; c2 < ATT_SPLITS; ++c2)
+                                    if (c2 < nsplit) M = fmaxf(M, sc[2 * c2]);
+                                const float w0 = __expf(m - M);
+                                float num = w0 * o, den = w0 * z;
+#pragma unroll
+                                for (int c2 = 1; c2 < ATT_SPLITS; ++c2) {
+                                    if (c2 < nsplit) {
+                                        const float wc = __expf(sc[2 * c2] - M);
+                                        num += wc * __uint_as_float((u32)ov[c2]);
+                                        den += wc * sc[2 * c2 + 1];
+                                    }
+                                }
+                                st_tag(X + X_ATT + hq * HD + t, num / den, e + 1);
+                            }
+                        }
                     }
                 }
                 phase_end();
