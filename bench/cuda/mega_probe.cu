@@ -638,43 +638,28 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_mega(Params p) {
                             if (threadIdx.x < HD) st_tag(mine + threadIdx.x, o, e + 1);
                             else if (threadIdx.x < HD + 2) st_tag(mine + threadIdx.x, threadIdx.x == HD ? m : z, e + 1);
                         } else {
-                            // The other splits' m and z (into sc, whose
-                            // scores are read) and values, all requested
-                            // before the first is checked.
+                            // The other splits' partials, a word a thread
+                            // (into sc, whose scores are read by now).
                             __syncthreads();
-                            const int t = threadIdx.x;
-                            u64 ov[ATT_SPLITS];
-#pragma unroll
-                            for (int c2 = 1; c2 < ATT_SPLITS; ++c2)
-                                ov[c2] = t < HD && c2 < nsplit
-                                             ? ld_word(X + X_PART + (size_t)(c2 * NH + hq) * (HD + 2) + t)
-                                             : (u64)(e + 1) << 32;
-                            if (t >= HD && t < HD + 2 * (nsplit - 1)) {
-                                const int c2 = 1 + (t - HD) / 2;
-                                const u64* src = X + X_PART + (size_t)(c2 * NH + hq) * (HD + 2) + HD + (t - HD) % 2;
+                            const int t = threadIdx.x, PW = HD + 2;
+                            if (t < (nsplit - 1) * PW) {
+                                const u64* src = X + X_PART + (size_t)((1 + t / PW) * NH + hq) * PW + t % PW;
                                 u64 w = ld_word(src);
                                 while ((u32)(w >> 32) != e + 1) w = ld_word(src);
-                                sc[2 * c2 + (t - HD) % 2] = __uint_as_float((u32)w);
+                                sc[t] = __uint_as_float((u32)w);
                             }
-#pragma unroll
-                            for (int c2 = 1; c2 < ATT_SPLITS; ++c2)
-                                while ((u32)(ov[c2] >> 32) != e + 1)
-                                    ov[c2] = ld_word(X + X_PART + (size_t)(c2 * NH + hq) * (HD + 2) + t);
                             __syncthreads();
                             if (t < HD) {
+                                // Split c2 (>= 1): values sc[(c2 - 1) PW ..], m and z after them.
                                 float M = m;
-#pragma unroll
-                                for (int c2 = 1; c2 < ATT_SPLITS; ++c2)
-                                    if (c2 < nsplit) M = fmaxf(M, sc[2 * c2]);
+                                for (int c2 = 1; c2 < nsplit; ++c2) M = fmaxf(M, sc[(c2 - 1) * PW + HD]);
                                 const float w0 = __expf(m - M);
                                 float num = w0 * o, den = w0 * z;
-#pragma unroll
-                                for (int c2 = 1; c2 < ATT_SPLITS; ++c2) {
-                                    if (c2 < nsplit) {
-                                        const float wc = __expf(sc[2 * c2] - M);
-                                        num += wc * __uint_as_float((u32)ov[c2]);
-                                        den += wc * sc[2 * c2 + 1];
-                                    }
+                                for (int c2 = 1; c2 < nsplit; ++c2) {
+                                    const float* q2 = sc + (c2 - 1) * PW;
+                                    const float wc = __expf(q2[HD] - M);
+                                    num += wc * q2[t];
+                                    den += wc * q2[HD + 1];
                                 }
                                 st_tag(X + X_ATT + hq * HD + t, num / den, e + 1);
                             }
