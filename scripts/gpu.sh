@@ -14,6 +14,7 @@
 #                                 root, with .gpu carried) runs, in order,
 #                                 each WHAT of: tests, engine-tests (once,
 #                                 no reruns), sampled, sampled-ab (SMB_AB),
+#                                 persist,
 #                                 sanitize, sanitize-sampled, bench, bench-ab,
 #                                 ab (AB_VAR, AB_VALUES, AB_ROUNDS), tcg-ab,
 #                                 profile, profile-big, trace, features,
@@ -155,6 +156,28 @@ engine_tests() {
 sampled() {
     echo "== greedy and sampled decode (synthetic smollm2-135m q4_1)"
     sampled_runs _
+}
+
+# The persistent greedy decode (persist.rs): its GPU test, then greedy
+# decode with it off and on (AKUNU_CUDA_PERSIST), two rounds, on the
+# synthetic SmolLM2 file (Q4_1 throughout) and on the same file with a Q8_0
+# embedding (the default model's types), from position 0 and after a
+# 256-token prompt.
+persist() {
+    echo "== persistent greedy decode: test, then tg128 off / on"
+    "$BIN/gpu-tests" --ignored --test-threads=1 --nocapture persistent_chain 2>&1 |
+        tee "$OUTDIR/persist-test.log" | grep -E "^test |test result|panicked|tokens equal|near-tie|cancelled|keeps the graph" || true
+    local f=$STORE/smollm2-135m-q4_1.gguf r v p
+    synth_file smollm2-135m q4_1 "$f"
+    for p in 0 256; do
+        for r in 1 2; do
+            for v in 0 1; do
+                AKUNU_CUDA_PERSIST=$v "$BIN/akunu" bench -m "$f" --device cuda -p "$p" -n 128 -r 5 \
+                    --no-bandwidth 2>&1 | grep -E "tg[0-9]|error|keeps the graph" |
+                    sed "s/^/persist=$v p=$p /" | sed 's/| akunu synthetic.*prefill//' || true
+            done
+        done
+    done
 }
 
 # One define set of SMB_AB as AKUNU_CUDA_DEFINES takes it: `_` is none,
@@ -795,6 +818,7 @@ run)
         engine-tests) engine_tests ;;
         sampled) sampled ;;
         sampled-ab) sampled_ab ;;
+        persist) persist ;;
         profile) profile ;;
         profile-big) profile_big ;;
         trace) trace ;;

@@ -370,12 +370,17 @@ fn calibrate(be: &CudaBackend, origin: Instant) -> Result<(i64, u64), BackendErr
     Ok(best)
 }
 
+/// A greedy chain: chunk graphs of the table, or with `persist` the
+/// persistent kernel (`persist.rs`), one launch for the whole chain. Both
+/// publish tokens through the control block and the mapped slots, which
+/// this function polls and hands to the sink.
 pub fn decode_chain(
     be: &mut CudaBackend,
     table: &DispatchTable,
     first: StepInfo,
     req: &ChainRequest<'_>,
     sink: TokenSink<'_>,
+    persist: Option<crate::persist::Plan>,
 ) -> Result<ChainReport, BackendError> {
     if req.steps == 0 {
         return Ok(ChainReport::default());
@@ -398,7 +403,11 @@ pub fn decode_chain(
         )));
     }
     check_kv_room(table, first.pos, req.steps, "a chain of that many steps")?;
-    let chunk = req.chunk.clamp(1, req.steps);
+    let chunk = if persist.is_some() {
+        req.steps
+    } else {
+        req.chunk.clamp(1, req.steps)
+    };
     be.chain.ensure_mapped(slots as usize)?;
     be.sync()?;
     if be.chain.clock.is_none() {
@@ -438,7 +447,8 @@ pub fn decode_chain(
     // The chain's submissions: full chunks, then the remainder as a sum of
     // powers of two, so that any chain length reuses at most
     // log2(chunk) + 1 captured graphs per table (a capture costs a few
-    // milliseconds per step; a launch costs microseconds).
+    // milliseconds per step; a launch costs microseconds). The persistent
+    // kernel is one submission of every step.
     let mut sizes: Vec<u32> = vec![chunk; (req.steps / chunk) as usize];
     let rem = req.steps % chunk;
     for bit in (0..32).rev() {
@@ -446,22 +456,26 @@ pub fn decode_chain(
             sizes.push(1 << bit);
         }
     }
-    // Capture every size up front, so that the launcher thread below does
-    // nothing but launch.
-    let mut distinct = sizes.clone();
-    distinct.dedup();
-    let missing = distinct
-        .iter()
-        .filter(|&&n| !be.chain.graphs.contains_key(&(hash, n)))
-        .count();
-    if be.chain.graphs.len() + missing > MAX_GRAPHS {
-        // Make room first: `graph_for` must not evict graphs this chain holds.
-        be.chain.clear_graphs();
-    }
     let mut execs: Vec<SendPtr<sys::CUgraphExec>> = Vec::with_capacity(sizes.len());
-    for &n in &sizes {
-        execs.push(SendPtr(graph_for(be, table, (hash, n))?));
+    if persist.is_none() {
+        // Capture every size up front, so that the launcher thread below
+        // does nothing but launch.
+        let mut distinct = sizes.clone();
+        distinct.dedup();
+        let missing = distinct
+            .iter()
+            .filter(|&&n| !be.chain.graphs.contains_key(&(hash, n)))
+            .count();
+        if be.chain.graphs.len() + missing > MAX_GRAPHS {
+            // Make room first: `graph_for` must not evict graphs this chain
+            // holds.
+            be.chain.clear_graphs();
+        }
+        for &n in &sizes {
+            execs.push(SendPtr(graph_for(be, table, (hash, n))?));
+        }
     }
+    let conveyor_ptr = be.dptr(req.conveyor).map_err(BackendError::Device)?.0;
     // AKUNU_CUDA_TRACE=1: GPU time of every chunk, from events around each
     // graph launch, printed when the chain ends.
     let trace = std::env::var_os("AKUNU_CUDA_TRACE").is_some();
@@ -484,7 +498,9 @@ pub fn decode_chain(
     // A short chain (speculative decode's plain runs between drafts: at
     // most two small graphs) is launched inline: a thread would cost more
     // than it hides.
-    let inline = sizes.len() <= 2 && req.steps <= 8;
+    let inline = persist.is_some() || (sizes.len() <= 2 && req.steps <= 8);
+    let persist_fn = SendPtr(be.k.persist);
+    let ctl_ptr = be.chain.ctl;
     let (launch_result, marks) = std::thread::scope(|sc| {
         let launch_all = || -> (Result<(), BackendError>, Vec<(Event, u32)>) {
             let mut marks = Vec::new();
@@ -503,14 +519,26 @@ pub fn decode_chain(
                         std::thread::yield_now();
                         continue;
                     }
-                    let (n, exec) = (sizes[next], execs[next].get());
+                    let n = sizes[next];
+                    if let Some(plan) = persist.as_ref() {
+                        crate::persist::launch(
+                            persist_fn.get(),
+                            plan,
+                            ctl_ptr,
+                            conveyor_ptr,
+                            stream.get(),
+                        )?;
+                    } else {
+                        let exec = execs[next].get();
+                        // SAFETY: a live, instantiated graph on our stream;
+                        // the owner joins this thread before touching either
+                        // again.
+                        check(
+                            unsafe { sys::cuGraphLaunch(exec, stream.get()) },
+                            "launching a chunk graph",
+                        )?;
+                    }
                     next += 1;
-                    // SAFETY: a live, instantiated graph on our stream; the
-                    // owner joins this thread before touching either again.
-                    check(
-                        unsafe { sys::cuGraphLaunch(exec, stream.get()) },
-                        "launching a chunk graph",
-                    )?;
                     launched += n;
                     launched_at.store(launched, Ordering::Release);
                     if trace {
@@ -613,10 +641,26 @@ pub fn decode_chain(
         // SAFETY: a 4-byte store into our control block; a racing read by a
         // kernel sees either value, and both are valid.
         unsafe {
-            check(
-                sys::cuMemsetD32Async(be.chain.ctl + DONE_OFFSET, 1, 1, be.side),
-                "stopping the chain",
-            )?;
+            if persist.is_some() {
+                // The persistent kernel holds every SM, so a memset kernel
+                // would wait for it: a copy-engine write instead, which its
+                // block 0 reads once a token.
+                static ONE: u32 = 1;
+                check(
+                    sys::cuMemcpyHtoDAsync_v2(
+                        be.chain.ctl + DONE_OFFSET,
+                        &ONE as *const u32 as *const _,
+                        4,
+                        be.side,
+                    ),
+                    "stopping the chain",
+                )?;
+            } else {
+                check(
+                    sys::cuMemsetD32Async(be.chain.ctl + DONE_OFFSET, 1, 1, be.side),
+                    "stopping the chain",
+                )?;
+            }
         }
     }
     be.sync()?;

@@ -11,11 +11,12 @@ use std::ffi::{CStr, CString};
 use std::path::PathBuf;
 
 /// The kernel sources, in the order they are concatenated.
-pub const SOURCES: [(&str, &str); 4] = [
+pub const SOURCES: [(&str, &str); 5] = [
     ("common.cuh", include_str!("../kernels/common.cuh")),
     ("model.cu", include_str!("../kernels/model.cu")),
     ("gemv_tc.cu", include_str!("../kernels/gemv_tc.cu")),
     ("sampling.cu", include_str!("../kernels/sampling.cu")),
+    ("persist.cu", include_str!("../kernels/persist.cu")),
 ];
 
 /// One translation unit: the sources with `#line` markers, so compiler

@@ -24,6 +24,7 @@ mod device;
 mod fusion;
 mod knob;
 mod launch;
+mod persist;
 mod repack;
 
 use akunu_core::backend::{
@@ -31,6 +32,7 @@ use akunu_core::backend::{
 };
 use akunu_core::dtype::DType;
 use akunu_core::gguf::{GgufFile, TensorInfo};
+use akunu_core::ops::KernelId;
 use akunu_core::table::{BufferId, DispatchTable, StepInfo};
 use cudarc::driver::sys;
 use device::{Dptr, Event, check};
@@ -127,6 +129,8 @@ pub(crate) struct Kernels {
     pub grammar_bitmask: sys::CUfunction,
     pub chain_advance: sys::CUfunction,
     pub clock_probe: sys::CUfunction,
+    /// The persistent greedy decode kernel (persist.cu, `persist.rs`).
+    pub persist: sys::CUfunction,
 }
 
 pub struct CudaBackend {
@@ -167,6 +171,14 @@ pub struct CudaBackend {
     blas_scratch: Option<blas::Scratch>,
     /// Commands run on cuBLAS so far (tests check the path was taken).
     blas_commands: Arc<AtomicU64>,
+    /// Whether greedy chains may run as one persistent kernel
+    /// (`AKUNU_CUDA_PERSIST=1`, `set_persistent`), the plans (or why a
+    /// table has none) per table, the device memory the plans hold, and
+    /// the chains that ran persistent so far (tests check the path).
+    persist_on: bool,
+    persist_plans: HashMap<u64, Result<persist::Plan, String>>,
+    persist_owned: Vec<Dptr>,
+    persist_chains: Arc<AtomicU64>,
 }
 
 // SAFETY: the raw handles (streams, module, functions, device pointers,
@@ -246,6 +258,10 @@ impl CudaBackend {
             blas_on,
             blas_scratch: None,
             blas_commands: Arc::new(AtomicU64::new(0)),
+            persist_on: std::env::var("AKUNU_CUDA_PERSIST").is_ok_and(|v| v == "1"),
+            persist_plans: HashMap::new(),
+            persist_owned: Vec::new(),
+            persist_chains: Arc::new(AtomicU64::new(0)),
         })
     }
 
@@ -411,6 +427,61 @@ impl CudaBackend {
             let _ = self.sync();
             self.blas_on = on;
         }
+    }
+
+    /// Whether greedy chains of a model the persistent kernel takes (plain
+    /// llama layers, Q4_1 matrices, heads of 64: `persist.rs`) run as one
+    /// kernel per chain while their positions stay under
+    /// `persist::MAX_POS`. Off by default (`AKUNU_CUDA_PERSIST=1` starts
+    /// with it on): its tokens can differ from the graph's where two
+    /// logits nearly tie, and speculative decoding's same-tokens guarantee
+    /// holds for the graph.
+    pub fn set_persistent(&mut self, on: bool) {
+        self.persist_on = on;
+    }
+
+    /// Greedy chains that ran on the persistent kernel so far (a counter
+    /// that outlives moving the backend into an engine: tests check the
+    /// path was taken).
+    pub fn persistent_chains(&self) -> Arc<AtomicU64> {
+        self.persist_chains.clone()
+    }
+
+    /// The persistent plan for a chain of `steps` one-row steps from
+    /// `first`, when it is on and the table and positions allow it. A table
+    /// it cannot run is reported once (`AKUNU_CUDA_PERSIST` users want to
+    /// know why their model keeps the graph).
+    fn persist_plan(
+        &mut self,
+        table: &DispatchTable,
+        first: StepInfo,
+        steps: u32,
+    ) -> Result<Option<persist::Plan>, BackendError> {
+        if !self.persist_on || first.rows != 1 || self.profile.is_some() {
+            return Ok(None);
+        }
+        let hash = table_hash(table);
+        if !self.persist_plans.contains_key(&hash) {
+            let mut owned = Vec::new();
+            let plan = persist::plan(self, table, &mut owned);
+            self.persist_owned.extend(owned);
+            let plan = plan?;
+            if let Err(why) = &plan {
+                // The sampled and grammar tables are not greedy: say nothing.
+                if !table
+                    .commands
+                    .iter()
+                    .any(|c| matches!(c.kernel, KernelId::GumbelSample | KernelId::GrammarBitmask))
+                {
+                    eprintln!("akunu: greedy decode keeps the graph path: {why}");
+                }
+            }
+            self.persist_plans.insert(hash, plan);
+        }
+        Ok(match &self.persist_plans[&hash] {
+            Ok(p) if first.pos as u64 + steps as u64 <= p.max_pos as u64 => Some(*p),
+            _ => None,
+        })
     }
 
     /// cuBLAS's version where it is loaded, or why it is not.
@@ -585,6 +656,7 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
         grammar_bitmask: get("k_grammar_bitmask")?,
         chain_advance: get("k_chain_advance")?,
         clock_probe: get("k_clock_probe")?,
+        persist: get("k_persist_decode")?,
     };
     // Kernels that take more dynamic shared memory than the default 48 KB
     // must say so per function.
@@ -623,6 +695,11 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
             "tensor-core gemv",
         )?;
     }
+    allow_smem(
+        k.persist,
+        smem_optin - persist::STATIC_SMEM as i32,
+        "persistent decode",
+    )?;
     // The flash prefill attention kernels take their tiles as dynamic
     // shared memory: allowed where the device has that much per block.
     for (slot, width) in k.attn_flash.iter_mut().zip(launch::FLASH_WIDTHS) {
@@ -831,7 +908,11 @@ impl Backend for CudaBackend {
         sink: TokenSink<'_>,
     ) -> Result<ChainReport, BackendError> {
         self.prepare(table)?;
-        chain::decode_chain(self, table, first, req, sink)
+        let persist = self.persist_plan(table, first, req.steps)?;
+        if persist.is_some() {
+            self.persist_chains.fetch_add(1, Ordering::Relaxed);
+        }
+        chain::decode_chain(self, table, first, req, sink, persist)
     }
 
     fn verify_step(&mut self, table: &DispatchTable, first: StepInfo) -> Result<(), BackendError> {
@@ -1002,6 +1083,9 @@ impl Drop for CudaBackend {
             }
             if let Some(s) = self.blas_scratch {
                 sys::cuMemFree_v2(s.ptr);
+            }
+            for &p in &self.persist_owned {
+                sys::cuMemFree_v2(p);
             }
             // The handle goes before its stream.
             self.blas = Err(String::new());

@@ -473,6 +473,134 @@ fn chain_equals_single_steps() {
     }
 }
 
+/// A CUDA backend with the persistent greedy decode on, and its counter of
+/// persistent chains.
+fn cuda_persistent() -> (Box<dyn Backend>, Arc<std::sync::atomic::AtomicU64>) {
+    let mut be = akunu_cuda::CudaBackend::new(0, &mut |m| eprintln!("{m}")).expect("CUDA backend");
+    be.set_persistent(true);
+    let n = be.persistent_chains();
+    (Box::new(be), n)
+}
+
+/// The persistent kernel's greedy tokens against the CPU's (equal but after
+/// a near-tie), on the SmolLM2 shape with a Q4_1 and with a Q8_0 embedding
+/// (the default file's types); then a stop token and a cancellation by the
+/// sink, both inside one persistent chain.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
+fn persistent_chain_matches_cpu() {
+    use std::sync::atomic::Ordering;
+    let q41 = synth(Shape::SmolLm2_135M, DType::Q4_1);
+    let q80 = synth(Shape::SmolLm2_135M, DType::Q8_0);
+    let emb8 = mixed(&q41, &q80, &["token_embd.weight"], "q4_1-emb-q8_0");
+    assert_eq!(
+        emb8.file.tensor("token_embd.weight").unwrap().dtype,
+        DType::Q8_0
+    );
+    let opts = GenerateOptions {
+        max_tokens: 64,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    for (m, what) in [
+        (&q41, "smollm2 q4_1"),
+        (&emb8, "smollm2 q4_1, q8_0 embedding"),
+    ] {
+        let p = prompt(20, m.config.n_vocab);
+        let mut c = engine(m, cpu(), 16, 64);
+        let (tc, lcs) = run(&mut c, &p, &opts);
+        let (be, chains) = cuda_persistent();
+        let mut g = engine(m, be, 64, 64);
+        let mut tg = Vec::new();
+        g.generate(&p, &opts, &mut |id, _| {
+            tg.push(id);
+            true
+        })
+        .unwrap();
+        assert!(
+            chains.load(Ordering::Relaxed) > 0,
+            "{what}: no chain ran persistent"
+        );
+        assert_eq!(tg.len(), tc.len(), "{what}: tokens generated");
+        let mut same = tg.len();
+        for (s, (a, b)) in tg.iter().zip(&tc).enumerate() {
+            if a != b {
+                let gap = top2_gap(&lcs[s]);
+                assert!(
+                    gap < 1e-3 * lcs[s].iter().fold(1f32, |m, v| m.max(v.abs())),
+                    "{what}: step {s}: persistent chose {a}, CPU {b}, top-2 gap {gap}"
+                );
+                eprintln!("{what}: near-tie at step {s} (gap {gap}); stopping the comparison");
+                same = s;
+                break;
+            }
+        }
+        eprintln!("{what}: {same} of {} tokens equal to the CPU's", tg.len());
+        assert!(same >= 8, "{what}: only {same} tokens compared");
+
+        // A stop token inside the chain: the chain ends on the device.
+        let mut g = engine(m, cuda_persistent().0, 64, 64);
+        let stop = tg[20.min(same - 1)];
+        let first = tg.iter().position(|&t| t == stop).unwrap();
+        let mut got = Vec::new();
+        let st = g
+            .generate(
+                &p,
+                &GenerateOptions {
+                    stop_tokens: vec![stop],
+                    ..opts.clone()
+                },
+                &mut |id, _| {
+                    got.push(id);
+                    true
+                },
+            )
+            .unwrap();
+        assert_eq!(got, tg[..first], "{what}: tokens before the stop token");
+        assert_eq!(st.stop_reason, akunu_core::decode::StopReason::Eos);
+        assert_eq!(
+            st.computed_after_end,
+            Some(0),
+            "{what}: work after the stop"
+        );
+        // The sink ends the chain after 10 tokens: the kernel reads the
+        // raised `done` within a token or so and stops.
+        g.reset();
+        let mut got = Vec::new();
+        let st = g
+            .generate(&p, &opts, &mut |id, _| {
+                got.push(id);
+                got.len() < 10
+            })
+            .unwrap();
+        assert_eq!(got, tg[..10], "{what}: tokens before the cancellation");
+        eprintln!(
+            "{what}: cancelled after 10 tokens, computed after the end {:?}",
+            st.computed_after_end
+        );
+        assert!(
+            st.computed_after_end.is_some_and(|n| n < 40),
+            "{what}: the kernel ran on after the cancellation: {:?}",
+            st.computed_after_end
+        );
+        // The engine goes on from where the cancelled chain left it.
+        let mut more = Vec::new();
+        g.generate(
+            &[],
+            &GenerateOptions {
+                max_tokens: 5,
+                ..opts.clone()
+            },
+            &mut |id, _| {
+                more.push(id);
+                true
+            },
+        )
+        .unwrap();
+        assert_eq!(more.len(), 5, "{what}: a generation after the cancellation");
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
 fn sampled_tokens_match_cpu() {

@@ -1,0 +1,570 @@
+// ---------------------------------------------------------------------------
+// Persistent greedy decode (persist.rs): a whole chain of greedy tokens of a
+// llama model in one cooperative launch, one block per SM.
+// ---------------------------------------------------------------------------
+//
+// The graph of one kernel per command pays a dependent launch boundary
+// (about 1.3 us on an H200) five times a layer; on small models that, not
+// bytes, sets the token time. Here each layer is five phases of one kernel:
+//   qkv   RMS norm of h, the q | k | v rows, RoPE, K and V into the cache;
+//   attn  one block per query head: scores, softmax, values;
+//   o     h += Wo att (every h row lives in a register of the warp owning
+//         it in both o and down);
+//   gu    RMS norm of h, gate and up rows, silu(g) u;
+//   down  h += Wd act;
+// then the logits (each block keeps its best) and, behind per-block flags,
+// the argmax over the blocks' bests, which every block computes, so that all
+// of them agree on the next token, on a stop token and on the limit.
+//
+// Phases hand their values over as 64-bit words: the float in the low half,
+// the number of the phase that wrote it in the high half. A consumer reloads
+// a word until it carries the phase it waits for, so the wait and the load
+// of its input are one L2 round trip, with no flag, fence or grid barrier
+// (bench/RESULTS.md, session 18: 2,711 tok/s against 2,036 with flags on the
+// default model's shape). Two sets of words, by the parity of the layer
+// counted over the chain, keep a fast writer from overwriting a value that a
+// reader of the layer before still needs: every writer of a set for layer
+// l + 2 has waited, through the values it read, on every reader of layer l.
+// The logits phase ends with the flags (release by each block, acquire by
+// every block): they also publish the K/V rows of the token to later ones.
+//
+// Weights never wait on a phase: each block copies its rows of layer l + 1
+// into shared memory (cp.async) while it runs layer l, from the backend's
+// repacked Q4_1 buffers (repack.rs: every row's quants, then every row's
+// scales) into records of a row's quants then its scales.
+//
+// The chain's control block is the graph path's (Ctl): block 0 publishes each
+// token as k_argmax does (publish_token), and reads `done`, which the host
+// raises to cancel, once a token; the blocks learn of it with the bests.
+
+#define PD_WARPS 12
+#define PD_THREADS (PD_WARPS * 32)
+#define PD_HD 64
+// Values of a row of d a thread holds in registers: d <= PD_MAXPER threads.
+#define PD_MAXPER 4
+
+// One layer's buffers: Q4_1 matrices q, k, v, o, gate, up, down (repacked),
+// norm weights, and the layer's K and V caches ([kv head][capacity][64]).
+struct PdLayer {
+    const u8* w[7];
+    const float* attn_norm;
+    const float* ffn_norm;
+    float* k;
+    float* v;
+};
+
+struct PdArgs {
+    const PdLayer* layers;
+    const u8* emb;         // token embedding (Q4_1 or Q8_0, repacked)
+    const u8* out;         // logits weight (the embedding when tied)
+    const float* out_norm;
+    u32* conveyor;         // token ids: input at ctl->tok0, outputs after it
+    Ctl* ctl;
+    u64* x;                // 2 sets of tagged words (persist.rs x_words)
+    u64* best;             // blocks + 1: each block's best key, then cancel
+    u32* flags;            // blocks: the last phase each block finished
+    u32 nl, d, qd, kvd, nh, nkv, ff, vocab, capacity;
+    u32 emb_q8, out_q8;    // 1: Q8_0, 0: Q4_1
+    u32 max_pos;           // scores a block holds (shared memory)
+    float eps, theta, freq_scale, scale;
+};
+
+__device__ __forceinline__ float pd_warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ void pd_st_tag(u64* a, float v, u32 tag) {
+    const u64 w = ((u64)tag << 32) | __float_as_uint(v);
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(a), "l"(w) : "memory");
+}
+__device__ __forceinline__ u64 pd_ld_word(const u64* a) {
+    u64 w;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(a) : "memory");
+    return w;
+}
+
+// Waits until every block has finished phase e (flags; logits only).
+__device__ __forceinline__ void pd_wait_flags(const u32* flags, u32 e) {
+    bool ok;
+    do {
+        u32 v = e;
+        if (threadIdx.x < gridDim.x)
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(flags + threadIdx.x) : "memory");
+        ok = v >= e;
+    } while (!__syncthreads_and(ok));
+}
+// This block has finished phase e: barrier, then thread 0's release.
+__device__ __forceinline__ void pd_end_flags(u32* flags, u32 e) {
+    __syncthreads();
+    if (threadIdx.x == 0) asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flags + blockIdx.x), "r"(e) : "memory");
+}
+
+__device__ __forceinline__ void pd_cp16(void* s, const void* g) {
+    const u32 sa = (u32)__cvta_generic_to_shared(s);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(g) : "memory");
+}
+__device__ __forceinline__ void pd_cp8(void* s, const void* g) {
+    const u32 sa = (u32)__cvta_generic_to_shared(s);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(sa), "l"(g) : "memory");
+}
+
+// A row of k in shared memory: its quants, then its scales padded to 16.
+__device__ __forceinline__ u32 pd_rec(u32 k) { return k / 2 + 4 * ((k / 32 + 3) / 4 * 4); }
+
+// Dot product of a Q4_1 row (quants q, (d, m) f16 pairs s) with xs (shared),
+// the sum in every lane. Lane w takes 4-byte word w of the quants: bytes
+// 4i..4i+3 of block w / 4 (i = w % 4), weights 4i.. in their low nibbles
+// and 16 + 4i.. in their high ones.
+__device__ __forceinline__ float pd_dot_q41(const u8* q, const u8* s, u32 k, const float* xs, int lane) {
+    const u32* qw = (const u32*)q;
+    const u32* sw = (const u32*)s;
+    float acc = 0.0f;
+    for (u32 w = lane; w < k / 8; w += 32) {
+        const u32 v = qw[w], dm = sw[w >> 2];
+        const float d = f16_to_f32((u16)dm), m = f16_to_f32((u16)(dm >> 16));
+        const float* xb = xs + 32 * (w >> 2) + 4 * (w & 3);
+        const float4 a = *(const float4*)xb, b = *(const float4*)(xb + 16);
+        const float qs = (float)(v & 15) * a.x + (float)((v >> 8) & 15) * a.y + (float)((v >> 16) & 15) * a.z +
+                         (float)((v >> 24) & 15) * a.w + (float)((v >> 4) & 15) * b.x + (float)((v >> 12) & 15) * b.y +
+                         (float)((v >> 20) & 15) * b.z + (float)(v >> 28) * b.w;
+        acc += d * qs + m * ((a.x + a.y) + (a.z + a.w) + ((b.x + b.y) + (b.z + b.w)));
+    }
+    return pd_warp_sum(acc);
+}
+// The same for a Q8_0 row (int8 quants q, f16 scales s).
+__device__ __forceinline__ float pd_dot_q80(const u8* q, const u8* s, u32 k, const float* xs, int lane) {
+    const uint2* qw = (const uint2*)q;
+    const u16* sc = (const u16*)s;
+    float acc = 0.0f;
+    for (u32 w = lane; w < k / 8; w += 32) {
+        const uint2 v = qw[w];
+        const float d = f16_to_f32(sc[w >> 2]);
+        const float4 a = *(const float4*)(xs + 8 * w), b = *(const float4*)(xs + 8 * w + 4);
+        const float qs = (float)(i8)(v.x & 255) * a.x + (float)(i8)((v.x >> 8) & 255) * a.y +
+                         (float)(i8)((v.x >> 16) & 255) * a.z + (float)(i8)(v.x >> 24) * a.w +
+                         (float)(i8)(v.y & 255) * b.x + (float)(i8)((v.y >> 8) & 255) * b.y +
+                         (float)(i8)((v.y >> 16) & 255) * b.z + (float)(i8)(v.y >> 24) * b.w;
+        acc += d * qs;
+    }
+    return pd_warp_sum(acc);
+}
+// Row r of a repacked matrix of `rows` rows of k (Q8_0 or Q4_1) with xs.
+__device__ __forceinline__ float pd_dot_row(const u8* m, u32 q8, u32 rows, u32 k, u32 r, const float* xs, int lane) {
+    if (q8) return pd_dot_q80(m + (u64)r * k, m + (u64)rows * k + (u64)r * (k / 32) * 2, k, xs, lane);
+    return pd_dot_q41(m + (u64)r * (k / 2), m + (u64)rows * (k / 2) + (u64)r * (k / 32) * 4, k, xs, lane);
+}
+// Weight i of row r (as model.cu's load_elem).
+__device__ __forceinline__ float pd_elem(const u8* m, u32 q8, u32 rows, u32 k, u32 r, u32 i) {
+    const u32 blk = i >> 5, j = i & 31;
+    if (q8) return f16_to_f32(ld_u16(m + (u64)rows * k + ((u64)r * (k / 32) + blk) * 2)) * (float)(i8)m[(u64)r * k + i];
+    const u32 q = m[(u64)r * (k / 2) + 16 * blk + (j & 15)];
+    const u32 nib = j < 16 ? (q & 15) : (q >> 4);
+    const u8* dm = m + (u64)rows * (k / 2) + ((u64)r * (k / 32) + blk) * 4;
+    return f16_to_f32(ld_u16(dm)) * (float)nib + f16_to_f32(ld_u16(dm + 2));
+}
+
+struct PdRange {
+    u32 lo, n;
+};
+__device__ __forceinline__ PdRange pd_items(u32 items) {
+    const u32 per = (items + gridDim.x - 1) / gridDim.x;
+    const u32 lo = min(items, blockIdx.x * per);
+    return {lo, min(items, lo + per) - lo};
+}
+__device__ __forceinline__ u32 pd_per(u32 items) { return (items + gridDim.x - 1) / gridDim.x; }
+
+// The block's record areas of one layer (persist.rs layer_smem).
+struct PdAreas {
+    u8 *q, *o, *g, *d;
+};
+__device__ __forceinline__ PdAreas pd_areas(u8* buf, const PdArgs& a) {
+    PdAreas r;
+    r.q = buf;
+    r.o = r.q + (u64)pd_per((a.qd + 2 * a.kvd) / 2) * 2 * pd_rec(a.d);
+    r.g = r.o + (u64)pd_per(a.d) * pd_rec(a.qd);
+    r.d = r.g + (u64)pd_per(a.ff) * 2 * pd_rec(a.d);
+    return r;
+}
+
+// Rows [r0, r1) of the repacked Q4_1 matrix m (rows x k) into the records
+// at dst, dst + stride, ... (quants in 16-byte pieces, scales in 8-byte
+// ones: a row's k / 8 bytes of scales start 8-byte aligned).
+__device__ __forceinline__ void pd_copy_rows(u8* dst, u32 stride, const u8* m, u32 rows, u32 k, u32 r0, u32 r1) {
+    const u32 qb = k / 2, sb = k / 8, nq = qb / 16, ns = sb / 8;
+    const u8* q = m + (u64)r0 * qb;
+    const u8* s = m + (u64)rows * qb + (u64)r0 * sb;
+    for (u32 c = threadIdx.x; c < (r1 - r0) * nq; c += PD_THREADS)
+        pd_cp16(dst + (u64)(c / nq) * stride + (c % nq) * 16, q + (u64)c * 16);
+    for (u32 c = threadIdx.x; c < (r1 - r0) * ns; c += PD_THREADS)
+        pd_cp8(dst + (u64)(c / ns) * stride + qb + (c % ns) * 8, s + (u64)c * 8);
+}
+
+// Copies this block's rows of layer L into buf (one cp.async group).
+__device__ void pd_prefetch(u8* buf, const PdArgs& a, const PdLayer& L) {
+    const PdAreas ar = pd_areas(buf, a);
+    const u32 rd = pd_rec(a.d);
+    const PdRange rq = pd_items((a.qd + 2 * a.kvd) / 2);
+    const u32 c0 = 2 * rq.lo, c1 = 2 * (rq.lo + rq.n);
+    const u32 seg[4] = {0, a.qd, a.qd + a.kvd, a.qd + 2 * a.kvd};
+#pragma unroll
+    for (int m = 0; m < 3; ++m) {
+        const u32 r0 = max(c0, seg[m]), r1 = min(c1, seg[m + 1]);
+        if (r0 < r1) pd_copy_rows(ar.q + (u64)(r0 - c0) * rd, rd, L.w[m], seg[m + 1] - seg[m], a.d, r0 - seg[m], r1 - seg[m]);
+    }
+    const PdRange ro = pd_items(a.d), rg = pd_items(a.ff);
+    pd_copy_rows(ar.o, pd_rec(a.qd), L.w[3], a.d, a.qd, ro.lo, ro.lo + ro.n);
+    pd_copy_rows(ar.g, 2 * rd, L.w[4], a.ff, a.d, rg.lo, rg.lo + rg.n);       // gate i: record 2i
+    pd_copy_rows(ar.g + rd, 2 * rd, L.w[5], a.ff, a.d, rg.lo, rg.lo + rg.n);  // up i: record 2i + 1
+    pd_copy_rows(ar.d, pd_rec(a.ff), L.w[6], a.d, a.ff, ro.lo, ro.lo + ro.n);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// Block sum; red holds PD_WARPS floats. Ends synchronised.
+__device__ __forceinline__ float pd_block_sum(float v, float* red) {
+    v = pd_warp_sum(v);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < PD_WARPS; ++i) s += red[i];
+    __syncthreads();
+    return s;
+}
+
+// v[j] = the value at src[threadIdx.x + j PD_THREADS] (< n) once it carries
+// `tag`; every word is requested before the first is checked.
+__device__ __forceinline__ void pd_load_tagged(float (&v)[PD_MAXPER], const u64* src, u32 n, u32 tag) {
+    u64 w[PD_MAXPER];
+#pragma unroll
+    for (int j = 0; j < PD_MAXPER; ++j) {
+        const u32 i = threadIdx.x + j * PD_THREADS;
+        w[j] = i < n ? pd_ld_word(src + i) : (u64)tag << 32;
+    }
+#pragma unroll
+    for (int j = 0; j < PD_MAXPER; ++j) {
+        const u32 i = threadIdx.x + j * PD_THREADS;
+        while ((u32)(w[j] >> 32) != tag) w[j] = pd_ld_word(src + i);
+        v[j] = __uint_as_float((u32)w[j]);
+    }
+}
+// dst[0..n) (shared) = the tagged values at src, PD_MAXPER a thread at a
+// time; ends synchronised.
+__device__ __forceinline__ void pd_stage_tagged(float* dst, const u64* src, u32 n, u32 tag) {
+    for (u32 base = 0; base < n; base += PD_MAXPER * PD_THREADS) {
+        float v[PD_MAXPER];
+        pd_load_tagged(v, src + base, n - base, tag);
+#pragma unroll
+        for (int j = 0; j < PD_MAXPER; ++j) {
+            const u32 i = base + threadIdx.x + j * PD_THREADS;
+            if (i < n) dst[i] = v[j];
+        }
+    }
+    __syncthreads();
+}
+
+// xs = rmsnorm(v) * w (model.cu's rms_inv); ends synchronised.
+__device__ __forceinline__ void pd_norm(float* xs, const float (&v)[PD_MAXPER], const float* w, const PdArgs& a, float* red) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PD_MAXPER; ++j) ss += v[j] * v[j];
+    const float r = rms_inv(pd_block_sum(ss, red), a.d, a.eps);
+#pragma unroll
+    for (int j = 0; j < PD_MAXPER; ++j) {
+        const u32 i = threadIdx.x + j * PD_THREADS;
+        if (i < a.d) xs[i] = v[j] * r * __ldg(w + i);
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ u64 pd_key(float v, u32 idx) {
+    u32 b = __float_as_uint(v);
+    b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((u64)b << 32) | (u64)(0xffffffffu - idx);  // ties: the lower index
+}
+
+extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdArgs a) {
+    extern __shared__ __align__(16) u8 smem[];
+    const u32 rd = pd_rec(a.d);
+    const u64 lb = (u64)pd_per((a.qd + 2 * a.kvd) / 2) * 2 * rd + (u64)pd_per(a.d) * pd_rec(a.qd) +
+                   (u64)pd_per(a.ff) * 2 * rd + (u64)pd_per(a.d) * pd_rec(a.ff);
+    u8* wbuf[2] = {smem, smem + lb};
+    float* xs = (float*)(smem + 2 * lb);      // max(d, qd, ff) floats
+    float* sc = xs + max(max(a.d, a.qd), a.ff);  // max_pos scores
+    float* red = sc + a.max_pos;              // PD_WARPS floats
+    float* part = red + PD_WARPS;             // PD_WARPS x 64 partials, then q, k, v of the head
+    __shared__ u64 wbest[PD_WARPS];
+    __shared__ u32 s_token, s_cancel;
+    __shared__ float2 rope[PD_HD / 2];
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const PdRange ro = pd_items(a.d);
+    // The h row this warp owns in o and down (the launcher makes blocks x
+    // PD_WARPS >= d, so that a block's rows are at most one a warp).
+    const int own = warp < (int)ro.n ? (int)(ro.lo + warp) : -1;
+    const u32 xw = a.d + a.qd + 2 * a.kvd + a.qd + a.ff;  // words a set
+    const u32 X_H = 0, X_Q = a.d, X_ATT = a.d + a.qd + 2 * a.kvd, X_ACT = X_ATT + a.qd;
+    float hreg = 0.0f;
+    u32 e = 0;  // phases finished (every block counts the same)
+    Ctl* ctl = a.ctl;
+    u32 token = __ldcg(a.conveyor + ctl->tok0);
+    const u32 pos0 = ctl->pos0, tok0 = ctl->tok0, limit = ctl->limit;
+    pd_prefetch(wbuf[0], a, a.layers[0]);
+    for (u32 t = 0; t < limit; ++t) {
+        const u32 pos = pos0 + t;
+        if (own >= 0) hreg = pd_elem(a.emb, a.emb_q8, a.vocab, a.d, token, own);
+        if (threadIdx.x < PD_HD / 2) {
+            // model.cu's rope_cs; published by the qkv staging's barriers.
+            float c, s;
+            rope_cs(pos, threadIdx.x, PD_HD, a.theta, a.freq_scale, nullptr, c, s);
+            rope[threadIdx.x] = make_float2(c, s);
+        }
+        for (u32 l = 0; l < a.nl; ++l) {
+            const PdLayer& L = a.layers[l];
+            // This layer's rows arrived (requested a layer ago); request the
+            // next layer's (the next token's first at the last).
+            asm volatile("cp.async.wait_group 0;" ::: "memory");
+            __syncthreads();
+            pd_prefetch(wbuf[(l + 1) & 1], a, a.layers[(l + 1) % a.nl]);
+            const PdAreas ws = pd_areas(wbuf[l & 1], a);
+            const u32 gl = t * a.nl + l;
+            u64* X = a.x + (u64)(gl & 1) * xw;        // this layer's values
+            u64* Xp = a.x + (u64)((gl + 1) & 1) * xw;  // the layer before's (its h)
+
+            // ---- qkv
+            {
+                const PdRange r = pd_items((a.qd + 2 * a.kvd) / 2);
+                if (r.n > 0) {
+                    float v[PD_MAXPER];
+                    if (l == 0) {
+#pragma unroll
+                        for (int j = 0; j < PD_MAXPER; ++j) {
+                            const u32 i = threadIdx.x + j * PD_THREADS;
+                            v[j] = i < a.d ? pd_elem(a.emb, a.emb_q8, a.vocab, a.d, token, i) : 0.0f;
+                        }
+                    } else {
+                        pd_load_tagged(v, Xp + X_H, a.d, e);
+                    }
+                    pd_norm(xs, v, L.attn_norm, a, red);
+                }
+                for (u32 it = warp; it < r.n; it += PD_WARPS) {
+                    const u8* r0 = ws.q + (u64)it * 2 * rd;
+                    const float x0 = pd_dot_q41(r0, r0 + a.d / 2, a.d, xs, lane);
+                    const float x1 = pd_dot_q41(r0 + rd, r0 + rd + a.d / 2, a.d, xs, lane);
+                    if (lane == 0) {
+                        const u32 row = 2 * (r.lo + it);
+                        float y0 = x0, y1 = x1;
+                        if (row < a.qd + a.kvd) {
+                            const float2 cs = rope[(row % PD_HD) / 2];
+                            rope_rotate(x0, x1, cs.x, cs.y, y0, y1);
+                        }
+                        // q, k and v words follow each other as the rows do.
+                        pd_st_tag(X + X_Q + row, y0, e + 1);
+                        pd_st_tag(X + X_Q + row + 1, y1, e + 1);
+                        if (row >= a.qd) {
+                            const bool isk = row < a.qd + a.kvd;
+                            const u32 rr = row - a.qd - (isk ? 0 : a.kvd), g = rr / PD_HD, dim = rr % PD_HD;
+                            float* c = (isk ? L.k : L.v) + ((u64)g * a.capacity + pos) * PD_HD + dim;
+                            *(float2*)c = make_float2(y0, y1);
+                        }
+                    }
+                }
+                ++e;
+                __syncthreads();
+            }
+            // ---- attention: block j < nh takes query head j
+            if (blockIdx.x < a.nh) {
+                const u32 hq = blockIdx.x, g = hq / (a.nh / a.nkv);
+                float* qs = part + PD_WARPS * PD_HD;  // q, then the new k and v
+                float* kn = qs + PD_HD;
+                float* vn = kn + PD_HD;
+                const float* K = L.k + (u64)g * a.capacity * PD_HD;
+                const float* V = L.v + (u64)g * a.capacity * PD_HD;
+                // The cached rows (written in earlier tokens, behind the
+                // logits flags, and never read before: L1 holds no stale
+                // line of them) are asked of L1 before the wait.
+                for (u32 j = threadIdx.x; j < 2 * pos; j += PD_THREADS) {
+                    asm volatile("prefetch.global.L1 [%0];" ::"l"(K + (u64)j * (PD_HD / 2)));
+                    asm volatile("prefetch.global.L1 [%0];" ::"l"(V + (u64)j * (PD_HD / 2)));
+                }
+                if (threadIdx.x < 3 * PD_HD) {
+                    const u32 which = threadIdx.x / PD_HD, d = threadIdx.x % PD_HD;
+                    const u32 src = X_Q + (which == 0 ? hq * PD_HD : a.qd + (which - 1) * a.kvd + g * PD_HD) + d;
+                    u64 w = pd_ld_word(X + src);
+                    while ((u32)(w >> 32) != e) w = pd_ld_word(X + src);
+                    qs[threadIdx.x] = __uint_as_float((u32)w);
+                }
+                __syncthreads();
+                float m = __int_as_float(0xff800000);  // -inf
+                for (u32 j = threadIdx.x; j <= pos; j += PD_THREADS) {
+                    float s = 0.0f;
+                    if (j < pos) {
+                        const float4* kr = (const float4*)(K + (u64)j * PD_HD);
+#pragma unroll
+                        for (int h = 0; h < 4; ++h) {  // four loads in flight at a time
+                            float4 kv[4];
+#pragma unroll
+                            for (int u = 0; u < 4; ++u) kv[u] = __ldg(kr + 4 * h + u);
+#pragma unroll
+                            for (int u = 0; u < 4; ++u) {
+                                const float* q4 = qs + 4 * (4 * h + u);
+                                s += kv[u].x * q4[0] + kv[u].y * q4[1] + kv[u].z * q4[2] + kv[u].w * q4[3];
+                            }
+                        }
+                    } else {
+                        for (int d = 0; d < PD_HD; ++d) s += kn[d] * qs[d];
+                    }
+                    s *= a.scale;
+                    sc[j] = s;
+                    m = fmaxf(m, s);
+                }
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+                if (lane == 0) red[warp] = m;
+                __syncthreads();
+                m = red[0];
+#pragma unroll
+                for (int i = 1; i < PD_WARPS; ++i) m = fmaxf(m, red[i]);
+                __syncthreads();
+                float z = 0.0f;
+                for (u32 j = threadIdx.x; j <= pos; j += PD_THREADS) {
+                    const float x = __expf(sc[j] - m);
+                    sc[j] = x;
+                    z += x;
+                }
+                z = pd_block_sum(z, red);  // its barriers publish sc
+                // Values of the cached positions: thread t takes dims
+                // 4 (t % 16).. of every S-th position from t / 16, four rows
+                // requested at a time; the stripes add up by a shuffle in the
+                // warp and through shared memory across warps.
+                constexpr u32 S = PD_THREADS / 16;
+                const u32 c = threadIdx.x & 15;
+                const float4* Vr = (const float4*)V;
+                float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                u32 j = threadIdx.x >> 4;
+                for (; j + 3 * S < pos; j += 4 * S) {
+                    float4 v[4];
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) v[u] = __ldg(Vr + (u64)(j + u * S) * 16 + c);
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) {
+                        const float wgt = sc[j + u * S];
+                        acc[0] += wgt * v[u].x;
+                        acc[1] += wgt * v[u].y;
+                        acc[2] += wgt * v[u].z;
+                        acc[3] += wgt * v[u].w;
+                    }
+                }
+                for (; j < pos; j += S) {
+                    const float4 v = __ldg(Vr + (u64)j * 16 + c);
+                    const float wgt = sc[j];
+                    acc[0] += wgt * v.x;
+                    acc[1] += wgt * v.y;
+                    acc[2] += wgt * v.z;
+                    acc[3] += wgt * v.w;
+                }
+#pragma unroll
+                for (int k = 0; k < 4; ++k) acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], 16);
+                if (lane < 16) {
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) part[warp * PD_HD + 4 * lane + k] = acc[k];
+                }
+                __syncthreads();
+                if (threadIdx.x < PD_HD) {
+                    float o = sc[pos] * vn[threadIdx.x];
+#pragma unroll
+                    for (int i = 0; i < PD_WARPS; ++i) o += part[i * PD_HD + threadIdx.x];
+                    pd_st_tag(X + X_ATT + hq * PD_HD + threadIdx.x, o / z, e + 1);
+                }
+            }
+            ++e;
+            __syncthreads();
+            // ---- o: h += Wo att
+            if (ro.n > 0) pd_stage_tagged(xs, X + X_ATT, a.qd, e);
+            if (own >= 0) {
+                const u8* r0 = ws.o + (u64)warp * pd_rec(a.qd);
+                hreg += pd_dot_q41(r0, r0 + a.qd / 2, a.qd, xs, lane);
+                if (lane == 0) pd_st_tag(X + X_H + own, hreg, e + 1);
+            }
+            ++e;
+            __syncthreads();
+            // ---- gate | up
+            {
+                const PdRange r = pd_items(a.ff);
+                if (r.n > 0) {
+                    float v[PD_MAXPER];
+                    pd_load_tagged(v, X + X_H, a.d, e);
+                    pd_norm(xs, v, L.ffn_norm, a, red);
+                }
+                for (u32 it = warp; it < r.n; it += PD_WARPS) {
+                    const u8* r0 = ws.g + (u64)it * 2 * rd;
+                    const float gv = pd_dot_q41(r0, r0 + a.d / 2, a.d, xs, lane);
+                    const float uv = pd_dot_q41(r0 + rd, r0 + rd + a.d / 2, a.d, xs, lane);
+                    // silu as model.cu's gated activation computes it.
+                    if (lane == 0) pd_st_tag(X + X_ACT + r.lo + it, gv / (1.0f + __expf(-gv)) * uv, e + 1);
+                }
+                ++e;
+                __syncthreads();
+            }
+            // ---- down: h += Wd act
+            if (ro.n > 0) pd_stage_tagged(xs, X + X_ACT, a.ff, e);
+            if (own >= 0) {
+                const u8* r0 = ws.d + (u64)warp * pd_rec(a.ff);
+                hreg += pd_dot_q41(r0, r0 + a.ff / 2, a.ff, xs, lane);
+                if (lane == 0) pd_st_tag(X + X_H + own, hreg, e + 1);
+            }
+            ++e;
+            __syncthreads();
+        }
+        // ---- logits: the output norm, this block's rows of the output
+        // weight, its best; block 0 also reads the host's cancel word.
+        {
+            const u64* Xl = a.x + (u64)((t * a.nl + a.nl - 1) & 1) * xw;
+            float v[PD_MAXPER];
+            pd_load_tagged(v, Xl + X_H, a.d, e);
+            pd_norm(xs, v, a.out_norm, a, red);
+            const PdRange r = pd_items(a.vocab);
+            u64 best = 0;
+            for (u32 it = warp; it < r.n; it += PD_WARPS) {
+                const u32 row = r.lo + it;
+                const float s = pd_dot_row(a.out, a.out_q8, a.vocab, a.d, row, xs, lane);
+                best = max(best, pd_key(s, row));
+            }
+            if (lane == 0) wbest[warp] = best;
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                u64 mx = 0;
+                for (int i = 0; i < PD_WARPS; ++i) mx = max(mx, wbest[i]);
+                a.best[blockIdx.x] = mx;
+                if (blockIdx.x == 0) a.best[gridDim.x] = *(volatile const u32*)&ctl->done;
+            }
+            pd_end_flags(a.flags, ++e);
+        }
+        // ---- the token: every block takes the argmax of the bests (and
+        // the cancel word), so that all agree on it and on stopping.
+        pd_wait_flags(a.flags, e);
+        {
+            u64 b = 0;
+            for (u32 i = threadIdx.x; i < gridDim.x; i += PD_THREADS) b = max(b, __ldcg(a.best + i));
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) b = max(b, __shfl_xor_sync(0xffffffffu, b, o));
+            if (lane == 0) wbest[warp] = b;
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                u64 mx = 0;
+                for (int i = 0; i < PD_WARPS; ++i) mx = max(mx, wbest[i]);
+                s_token = 0xffffffffu - (u32)mx;
+                s_cancel = (u32)__ldcg(a.best + gridDim.x);
+                if (blockIdx.x == 0) publish_token(a.conveyor, tok0 + 1 + t, s_token, ctl);
+            }
+            __syncthreads();
+        }
+        token = s_token;
+        bool stop = s_cancel != 0u || t + 1 >= limit;
+        const u32 ns = min(ctl->n_stop, (u32)MAX_STOP);
+        for (u32 j = 0; j < ns; ++j) stop |= ctl->stop[j] == token;
+        if (stop) break;
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+}

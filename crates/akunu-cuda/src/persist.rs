@@ -1,0 +1,438 @@
+//! Persistent greedy decode: a whole greedy chain of a small llama model as
+//! one cooperative kernel (`kernels/persist.cu`), in place of the chain's
+//! graph of one kernel per command.
+//!
+//! The plan is read off the dispatch table: the table's bindings give every
+//! weight, norm and cache buffer, its parameters the shapes, and a table
+//! that does not have the plain llama layout (or has a type, head width or
+//! size the kernel does not take) gets no plan and keeps the graph. Both
+//! paths read and write the same KV cache, so a chain may take either.
+//!
+//! The kernel adds in another order than the table's gemv kernels, so its
+//! tokens can differ from the graph's where two logits nearly tie; the
+//! switch is therefore the caller's (`CudaBackend::set_persistent`,
+//! `AKUNU_CUDA_PERSIST=1`), off by default.
+
+use crate::CudaBackend;
+use crate::device::{Dptr, alloc, check};
+use akunu_core::backend::BackendError;
+use akunu_core::dtype::DType;
+use akunu_core::ops::{
+    ACT_NONE, ACT_SWIGLU, AttnParams, EmbedParams, GemvParams, KernelId, NormParams, ROPE_NORM,
+    RopeParams,
+};
+use akunu_core::table::DispatchTable;
+use bytemuck::{Pod, Zeroable};
+use cudarc::driver::sys;
+
+/// Warps of a block (persist.cu `PD_WARPS`).
+const WARPS: u32 = 12;
+/// Values of a row a thread holds (persist.cu `PD_MAXPER`).
+const MAXPER: u32 = 4;
+const HEAD: u32 = 64;
+/// Static shared memory of the kernel (ptxas: 368 bytes), rounded up.
+pub(crate) const STATIC_SMEM: u32 = 512;
+/// Most cache positions a chain may reach on this path: its attention runs
+/// on one block per head, which loses to the graph's split attention after
+/// a few hundred positions (bench/RESULTS.md, session 18: 1,636 tok/s from
+/// position 512 against 1,721 for the graph).
+pub const MAX_POS: u32 = 384;
+
+/// Mirror of `PdLayer` in persist.cu.
+#[repr(C)]
+#[derive(Copy, Clone, Pod, Zeroable)]
+struct PdLayer {
+    w: [u64; 7],
+    attn_norm: u64,
+    ffn_norm: u64,
+    k: u64,
+    v: u64,
+}
+
+/// Mirror of `PdArgs` in persist.cu.
+#[repr(C)]
+#[derive(Copy, Clone, Pod, Zeroable, Debug)]
+pub(crate) struct PdArgs {
+    layers: u64,
+    emb: u64,
+    out: u64,
+    out_norm: u64,
+    pub conveyor: u64,
+    pub ctl: u64,
+    x: u64,
+    best: u64,
+    flags: u64,
+    nl: u32,
+    d: u32,
+    qd: u32,
+    kvd: u32,
+    nh: u32,
+    nkv: u32,
+    ff: u32,
+    vocab: u32,
+    capacity: u32,
+    emb_q8: u32,
+    out_q8: u32,
+    max_pos: u32,
+    eps: f32,
+    theta: f32,
+    freq_scale: f32,
+    scale: f32,
+}
+
+/// A table's persistent plan: the kernel's arguments (but for the chain's
+/// conveyor and control block), its grid and shared memory.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Plan {
+    pub args: PdArgs,
+    pub grid: u32,
+    pub smem: u32,
+    /// Positions the plan serves (`pos + steps <= max_pos`).
+    pub max_pos: u32,
+    /// Device bytes of the tagged words, bests and flags, zeroed per chain.
+    scratch: (Dptr, u64),
+}
+
+fn rec(k: u32) -> u64 {
+    (k / 2 + 4 * (k / 32).div_ceil(4) * 4) as u64
+}
+
+/// Shared memory of one layer's rows for a grid of `blocks` (persist.cu
+/// `pd_areas`).
+fn layer_smem(d: u32, qd: u32, kvd: u32, ff: u32, blocks: u32) -> u64 {
+    let per = |items: u32| items.div_ceil(blocks) as u64;
+    per((qd + 2 * kvd) / 2) * 2 * rec(d)
+        + per(d) * rec(qd)
+        + per(ff) * 2 * rec(d)
+        + per(d) * rec(ff)
+}
+
+/// Why a table cannot run persistent, or its plan. Device buffers of the
+/// plan (pointer table and scratch) are pushed to `owned`, which the
+/// backend frees.
+pub(crate) fn plan(
+    be: &CudaBackend,
+    table: &DispatchTable,
+    owned: &mut Vec<Dptr>,
+) -> Result<Result<Plan, String>, BackendError> {
+    let shape = match read_shape(be, table) {
+        Ok(s) => s,
+        Err(why) => return Ok(Err(why)),
+    };
+    let Shape {
+        layers,
+        args: mut a,
+    } = shape;
+    let grid = be.sm_count();
+    if grid * WARPS < a.d || grid < a.nh || grid > WARPS * 32 {
+        return Ok(Err(format!(
+            "{grid} SMs do not fit d = {} ({WARPS} warps a block) or {} heads",
+            a.d, a.nh
+        )));
+    }
+    let lb = layer_smem(a.d, a.qd, a.kvd, a.ff, grid);
+    let fixed = 2 * lb + 4 * (a.d.max(a.qd).max(a.ff) + WARPS + (WARPS + 3) * HEAD) as u64;
+    let budget = be.smem_optin().saturating_sub(STATIC_SMEM) as u64;
+    let max_pos = MAX_POS.min(a.capacity);
+    let smem = fixed + 4 * max_pos as u64;
+    if smem > budget {
+        return Ok(Err(format!(
+            "{smem} bytes of shared memory a block needed, {budget} available"
+        )));
+    }
+    a.max_pos = max_pos;
+    let f = be.kernels().persist;
+    let threads = WARPS * 32;
+    if be.occupancy(f, threads, smem as u32) < 1 {
+        return Ok(Err("the kernel does not fit an SM".into()));
+    }
+    // The pointer table.
+    let bytes: Vec<u8> = layers
+        .iter()
+        .flat_map(|l| bytemuck::bytes_of(l).to_vec())
+        .collect();
+    let lp = alloc(bytes.len() as u64, "persistent decode layer table")?;
+    owned.push(lp);
+    // SAFETY: `lp` holds bytes.len() bytes; the source is a live Vec.
+    check(
+        unsafe { sys::cuMemcpyHtoD_v2(lp, bytes.as_ptr() as *const _, bytes.len()) },
+        "writing the persistent decode layer table",
+    )?;
+    a.layers = lp;
+    // Tagged words (two sets), bests (+ the cancel word), flags.
+    let xw = (a.d + a.qd + 2 * a.kvd + a.qd + a.ff) as u64;
+    let x_bytes = 2 * xw * 8;
+    let best_bytes = (grid as u64 + 1) * 8;
+    let total = x_bytes + best_bytes + grid as u64 * 4;
+    let scratch = alloc(total, "persistent decode scratch")?;
+    owned.push(scratch);
+    a.x = scratch;
+    a.best = scratch + x_bytes;
+    a.flags = scratch + x_bytes + best_bytes;
+    Ok(Ok(Plan {
+        args: a,
+        grid,
+        smem: smem as u32,
+        max_pos,
+        scratch: (scratch, total),
+    }))
+}
+
+struct Shape {
+    layers: Vec<PdLayer>,
+    args: PdArgs,
+}
+
+/// The model read off a greedy llama table, or why the kernel cannot run it.
+fn read_shape(be: &CudaBackend, table: &DispatchTable) -> Result<Shape, String> {
+    let c = &table.commands;
+    let n = c.len();
+    if n < 12 || !(n - 4).is_multiple_of(8) {
+        return Err("not the plain llama layout".into());
+    }
+    let nl = ((n - 4) / 8) as u32;
+    let label = |i: usize| table.labels.get(i).map(String::as_str).unwrap_or("");
+    let want = |i: usize, k: KernelId, l: &str| -> Result<(), String> {
+        if c[i].kernel == k && label(i) == l {
+            Ok(())
+        } else {
+            Err(format!(
+                "command {i} is {:?} {:?}, not {l}",
+                c[i].kernel,
+                label(i)
+            ))
+        }
+    };
+    // A weight or cache binding's device pointer (whole buffers at 0).
+    let ptr = |i: usize, slot: usize| -> Result<u64, String> {
+        let b = c[i]
+            .bindings()
+            .get(slot)
+            .ok_or_else(|| format!("command {i} has no binding {slot}"))?;
+        let (p, _) = be.dptr(b.buffer)?;
+        Ok(p + b.offset)
+    };
+    want(0, KernelId::Embedding, "embedding")?;
+    want(1, KernelId::RmsNorm, "layer.0.attn_norm")?;
+    let emb: EmbedParams = c[0].params();
+    let norm: NormParams = c[1].params();
+    let d = emb.dim;
+    let q8 = |dt: u32| -> Result<u32, String> {
+        match dt {
+            x if x == DType::Q8_0 as u32 => Ok(1),
+            x if x == DType::Q4_1 as u32 => Ok(0),
+            _ => Err(format!(
+                "an embedding or output of type {dt} (Q4_1 or Q8_0 only)"
+            )),
+        }
+    };
+    let emb_q8 = q8(emb.dtype)?;
+    if emb.scale != 1.0 {
+        return Err("a scaled embedding".into());
+    }
+    let q41 = DType::Q4_1 as u32;
+    let mut a = PdArgs::zeroed();
+    let mut layers = Vec::with_capacity(nl as usize);
+    let mut attn_norm = ptr(1, 1)?;
+    for l in 0..nl as usize {
+        let b = 2 + 8 * l;
+        want(b, KernelId::Gemv, &format!("layer.{l}.qkv"))?;
+        want(
+            b + 1,
+            KernelId::RopeKvWrite,
+            &format!("layer.{l}.rope_kv_write"),
+        )?;
+        want(b + 2, KernelId::Attention, &format!("layer.{l}.attention"))?;
+        want(b + 3, KernelId::Gemv, &format!("layer.{l}.attn_output"))?;
+        want(
+            b + 4,
+            KernelId::ResidualRmsNorm,
+            &format!("layer.{l}.residual_ffn_norm"),
+        )?;
+        want(b + 5, KernelId::Gemv, &format!("layer.{l}.gate_up"))?;
+        want(b + 6, KernelId::Gemv, &format!("layer.{l}.act_down"))?;
+        let next = if l + 1 < nl as usize {
+            format!("layer.{l}.residual_next_norm")
+        } else {
+            "output_norm".to_string()
+        };
+        want(b + 7, KernelId::ResidualRmsNorm, &next)?;
+        let qkv: GemvParams = c[b].params();
+        let rope: RopeParams = c[b + 1].params();
+        let att: AttnParams = c[b + 2].params();
+        let o: GemvParams = c[b + 3].params();
+        let gu: GemvParams = c[b + 5].params();
+        let dn: GemvParams = c[b + 6].params();
+        let (qd, kvd) = (qkv.n[0], qkv.n[1]);
+        let plain = |g: &GemvParams, segs: u32, k: u32| {
+            g.n_seg == segs
+                && g.k == k
+                && g.bias == 0
+                && g.softcap == 0.0
+                && g.dtype[..segs as usize].iter().all(|&t| t == q41)
+        };
+        if !plain(&qkv, 3, d) || qkv.n[2] != kvd || qkv.input_act != ACT_NONE {
+            return Err(format!(
+                "layer {l}: q|k|v not three Q4_1 matrices without bias"
+            ));
+        }
+        if !plain(&o, 1, qd) || o.n[0] != d || o.input_act != ACT_NONE {
+            return Err(format!("layer {l}: the output projection is not Q4_1"));
+        }
+        if !plain(&gu, 2, d) || gu.n[1] != gu.n[0] || gu.input_act != ACT_NONE {
+            return Err(format!("layer {l}: gate|up not two Q4_1 matrices"));
+        }
+        let ff = gu.n[0];
+        if !plain(&dn, 1, ff) || dn.n[0] != d || dn.input_act != ACT_SWIGLU {
+            return Err(format!(
+                "layer {l}: the down projection is not Q4_1 after SwiGLU"
+            ));
+        }
+        if rope.head_dim != HEAD
+            || rope.rope_dim != HEAD
+            || rope.style != ROPE_NORM
+            || rope.freq_factors != 0
+            || rope.qk_norm != 0
+            || rope.n_heads * HEAD != qd
+            || rope.n_kv_heads * HEAD != kvd
+            || rope.n_kv_heads == 0
+            || !rope.n_heads.is_multiple_of(rope.n_kv_heads)
+        {
+            return Err(format!(
+                "layer {l}: heads of {} (rope over {}, style {}): the kernel takes plain RoPE on heads of 64",
+                rope.head_dim, rope.rope_dim, rope.style
+            ));
+        }
+        if att.softcap != 0.0 || att.window != 0 {
+            return Err(format!("layer {l}: soft-capped or windowed attention"));
+        }
+        let ffn_norm: NormParams = c[b + 4].params();
+        let next_norm: NormParams = c[b + 7].params();
+        if ffn_norm.post_norm != 0 || next_norm.post_norm != 0 {
+            return Err(format!("layer {l}: post-norms"));
+        }
+        if ffn_norm.eps != norm.eps || next_norm.eps != norm.eps {
+            return Err("norms of different epsilons".into());
+        }
+        if l == 0 {
+            a.d = d;
+            a.qd = qd;
+            a.kvd = kvd;
+            a.nh = rope.n_heads;
+            a.nkv = rope.n_kv_heads;
+            a.ff = ff;
+            a.capacity = rope.capacity;
+            a.theta = rope.theta;
+            a.freq_scale = rope.freq_scale;
+            a.scale = att.scale;
+        } else if (
+            a.qd,
+            a.kvd,
+            a.ff,
+            a.capacity,
+            a.theta,
+            a.freq_scale,
+            a.scale,
+        ) != (
+            qd,
+            kvd,
+            ff,
+            rope.capacity,
+            rope.theta,
+            rope.freq_scale,
+            att.scale,
+        ) {
+            return Err(format!("layer {l} differs from layer 0"));
+        }
+        layers.push(PdLayer {
+            w: [
+                ptr(b, 2)?,
+                ptr(b, 3)?,
+                ptr(b, 4)?,
+                ptr(b + 3, 2)?,
+                ptr(b + 5, 2)?,
+                ptr(b + 5, 3)?,
+                ptr(b + 6, 2)?,
+            ],
+            attn_norm,
+            ffn_norm: ptr(b + 4, 2)?,
+            k: ptr(b + 1, 1)?,
+            v: ptr(b + 1, 2)?,
+        });
+        attn_norm = ptr(b + 7, 2)?;
+    }
+    let lg = n - 2;
+    want(lg, KernelId::Gemv, "logits")?;
+    want(lg + 1, KernelId::Argmax, "argmax")?;
+    let lp: GemvParams = c[lg].params();
+    if lp.n_seg != 1 || lp.k != d || lp.bias != 0 || lp.softcap != 0.0 {
+        return Err("the logits product has a bias or a soft-cap".into());
+    }
+    let sizes_ok =
+        [a.d, a.qd, a.ff].iter().all(|&k| k % 64 == 0) && a.d <= MAXPER * WARPS * 32 && a.nh > 0;
+    if !sizes_ok {
+        return Err(format!(
+            "d = {}, q = {}, ffn = {}: the kernel takes multiples of 64 and d <= {}",
+            a.d,
+            a.qd,
+            a.ff,
+            MAXPER * WARPS * 32
+        ));
+    }
+    a.nl = nl;
+    a.vocab = lp.n[0];
+    a.emb = ptr(0, 1)?;
+    a.emb_q8 = emb_q8;
+    a.out = ptr(lg, 2)?;
+    a.out_q8 = q8(lp.dtype[0])?;
+    a.out_norm = attn_norm;
+    a.eps = norm.eps;
+    if emb.n_vocab != a.vocab {
+        return Err("the embedding and the logits have different vocabularies".into());
+    }
+    Ok(Shape { layers, args: a })
+}
+
+/// Launches the chain's kernel `f` on `stream`: the chain's tokens from the
+/// control block `ctl` (position, first slot, limit, stop ids), its
+/// conveyor `conveyor`. The scratch is zeroed first, on the same stream.
+pub(crate) fn launch(
+    f: sys::CUfunction,
+    plan: &Plan,
+    ctl: Dptr,
+    conveyor: Dptr,
+    stream: sys::CUstream,
+) -> Result<(), BackendError> {
+    let mut args = plan.args;
+    args.ctl = ctl;
+    args.conveyor = conveyor;
+    let (scratch, bytes) = plan.scratch;
+    // SAFETY: the scratch holds `bytes` (a multiple of 4) bytes; the kernel
+    // is loaded, its arguments are a live local read at launch, and every
+    // pointer in them is a live device buffer of this backend. The grid is
+    // one block per SM, which the plan checked fits (a cooperative launch
+    // fails rather than run blocks that cannot all be resident).
+    unsafe {
+        check(
+            sys::cuMemsetD32Async(scratch, 0, (bytes / 4) as usize, stream),
+            "clearing the persistent decode scratch",
+        )?;
+        let mut p = [&mut args as *mut PdArgs as *mut std::ffi::c_void];
+        check(
+            sys::cuLaunchCooperativeKernel(
+                f,
+                plan.grid,
+                1,
+                1,
+                WARPS * 32,
+                1,
+                1,
+                plan.smem,
+                stream,
+                p.as_mut_ptr(),
+            ),
+            "launching the persistent decode kernel",
+        )?;
+    }
+    Ok(())
+}
