@@ -322,13 +322,15 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
         }
         for (u32 l = 0; l < a.nl; ++l) {
             const PdLayer& L = a.layers[l];
+            // Layers counted over the chain: the parity of gl picks this
+            // layer's row buffer and its set of tagged words.
+            const u32 gl = t * a.nl + l;
             // This layer's rows arrived (requested a layer ago); request the
             // next layer's (the next token's first at the last).
             asm volatile("cp.async.wait_group 0;" ::: "memory");
             __syncthreads();
-            pd_prefetch(wbuf[(l + 1) & 1], a, a.layers[(l + 1) % a.nl]);
-            const PdAreas ws = pd_areas(wbuf[l & 1], a);
-            const u32 gl = t * a.nl + l;
+            pd_prefetch(wbuf[(gl + 1) & 1], a, a.layers[(l + 1) % a.nl]);
+            const PdAreas ws = pd_areas(wbuf[gl & 1], a);
             u64* X = a.x + (u64)(gl & 1) * xw;        // this layer's values
             u64* Xp = a.x + (u64)((gl + 1) & 1) * xw;  // the layer before's (its h)
 
