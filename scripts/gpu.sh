@@ -178,6 +178,9 @@ persist() {
             done
         done
     done
+    # Block 0's cycles per phase kind (persist.cu -DPD_TIMING), one chain.
+    AKUNU_CUDA_PERSIST=1 AKUNU_CUDA_DEFINES=-DPD_TIMING "$BIN/akunu" bench -m "$f" --device cuda -p 0 \
+        -n 128 -r 1 --no-bandwidth 2>&1 | grep -E "persist timing|error" | tail -2 || true
 }
 
 # One define set of SMB_AB as AKUNU_CUDA_DEFINES takes it: `_` is none,

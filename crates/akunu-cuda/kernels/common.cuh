@@ -268,3 +268,54 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     t = warp_sum(t);
     return t;
 }
+
+// ---- helpers shared by model.cu, sampling.cu and persist.cu ----
+
+// 1 / sqrt(mean(x^2) + eps), finished in f64 like the CPU.
+__device__ __forceinline__ float rms_inv(float ss, u32 dim, float eps) {
+    return (float)(1.0 / sqrt((double)ss / (double)dim + (double)eps));
+}
+
+// cos and sin of pair i's angle at position pos: theta^(-2i / rope_dim),
+// divided by the frequency factor when there is one, times pos * freq_scale.
+// Shared by k_rope_kv_write and the rotation fused into k_attn_decode, so
+// both give the same bits (speculative verification compares a fused
+// one-row step with unfused multi-row steps bit for bit).
+__device__ __forceinline__ void rope_cs(u32 pos, u32 i, u32 rope_dim, float theta, float freq_scale,
+                                        const float* __restrict__ ff, float& c, float& s) {
+    double inv = pow((double)theta, -2.0 * (double)i / (double)rope_dim);
+    if (ff) inv /= (double)ff[i];
+    double sn, cs;
+    sincospi((double)pos * (double)freq_scale * inv * 0.318309886183790671538, &sn, &cs);  // angle / pi
+    c = (float)cs;
+    s = (float)sn;
+}
+
+// The rotated pair, with the roundings spelled out so that no caller's
+// context can contract them differently.
+__device__ __forceinline__ void rope_rotate(float x0, float x1, float c, float s, float& y0, float& y1) {
+    y0 = __fmaf_rn(x0, c, -__fmul_rn(x1, s));
+    y1 = __fmaf_rn(x0, s, __fmul_rn(x1, c));
+}
+
+// What an Argmax command does with its token: store it in conveyor slot
+// `slot`, and inside a chain publish it (and its %globaltimer stamp) to the
+// host, count the step and raise `done` at the limit or a stop token. One
+// thread of one block calls it.
+__device__ void publish_token(u32* tokens, u32 slot, u32 id, Ctl* c) {
+    tokens[slot] = id;
+    if (!c) return;
+    u64 now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    // The host polls the token slot, then reads the stamp: stamp first.
+    *(volatile u64*)&c->host_stamps[slot] = now;
+    __threadfence_system();
+    *(volatile u32*)&c->host_tokens[slot] = id;
+    __threadfence_system();
+    const u32 computed = c->computed + 1u;
+    c->computed = computed;
+    bool stop = computed >= c->limit;
+    const u32 ns = min(c->n_stop, (u32)MAX_STOP);
+    for (u32 j = 0; j < ns; ++j) stop |= c->stop[j] == id;
+    if (stop) *(volatile u32*)&c->done = 1u;
+}

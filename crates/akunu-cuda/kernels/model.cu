@@ -272,10 +272,6 @@ k_embedding(Bind b, EmbedParams p, StepArg a) {
 // RMSNorm
 // ---------------------------------------------------------------------------
 
-// 1 / sqrt(mean(x^2) + eps), finished in f64 like the CPU.
-__device__ __forceinline__ float rms_inv(float ss, u32 dim, float eps) {
-    return (float)(1.0 / sqrt((double)ss / (double)dim + (double)eps));
-}
 
 // out = x * rms_inv(x) * w. grid.x = rows, block 512: one block per row,
 // one block-wide reduction.
@@ -1445,28 +1441,6 @@ k_gemm_dequant_hi(Bind b, GemvParams p, StepArg a, u16* __restrict__ ws, u32 o0,
 // rotated itself, so no barrier is needed. The angle is computed in f64 as
 // the CPU does; sincospi avoids the slow-path argument reduction of sin/cos.
 // ---------------------------------------------------------------------------
-// cos and sin of pair i's angle at position pos: theta^(-2i / rope_dim),
-// divided by the frequency factor when there is one, times pos * freq_scale.
-// Shared by k_rope_kv_write and the rotation fused into k_attn_decode, so
-// both give the same bits (speculative verification compares a fused
-// one-row step with unfused multi-row steps bit for bit).
-__device__ __forceinline__ void rope_cs(u32 pos, u32 i, u32 rope_dim, float theta, float freq_scale,
-                                        const float* __restrict__ ff, float& c, float& s) {
-    double inv = pow((double)theta, -2.0 * (double)i / (double)rope_dim);
-    if (ff) inv /= (double)ff[i];
-    double sn, cs;
-    sincospi((double)pos * (double)freq_scale * inv * 0.318309886183790671538, &sn, &cs);  // angle / pi
-    c = (float)cs;
-    s = (float)sn;
-}
-
-// The rotated pair, with the roundings spelled out so that no caller's
-// context can contract them differently.
-__device__ __forceinline__ void rope_rotate(float x0, float x1, float c, float s, float& y0, float& y1) {
-    y0 = __fmaf_rn(x0, c, -__fmul_rn(x1, s));
-    y1 = __fmaf_rn(x0, s, __fmul_rn(x1, c));
-}
-
 // Indices of pair i: adjacent (GGUF Llama) or split halves (NeoX).
 __device__ __forceinline__ void rope_pair(u32 i, u32 half, bool neox, u32& ia, u32& ib) {
     ia = neox ? i : 2 * i;

@@ -36,6 +36,12 @@
 // The chain's control block is the graph path's (Ctl): block 0 publishes each
 // token as k_argmax does (publish_token), and reads `done`, which the host
 // raises to cancel, once a token; the blocks learn of it with the bests.
+//
+// This file is its own module (compile.rs persist_source: common.cuh, then
+// this), compiled per model with its shape as macros (PD_D, PD_QD, PD_KVD,
+// PD_FF, PD_NH, PD_NKV), so that the row loops unroll and the offsets fold;
+// the same values also come in the arguments. -DPD_TIMING prints block 0's
+// cycles per phase kind at the end of each chain.
 
 #define PD_WARPS 12
 #define PD_THREADS (PD_WARPS * 32)
@@ -202,7 +208,7 @@ __device__ __forceinline__ void pd_copy_rows(u8* dst, u32 stride, const u8* m, u
 }
 
 // Copies this block's rows of layer L into buf (one cp.async group).
-__device__ void pd_prefetch(u8* buf, const PdArgs& a, const PdLayer& L) {
+__device__ __forceinline__ void pd_prefetch(u8* buf, const PdArgs& a, const PdLayer& L) {
     const PdAreas ar = pd_areas(buf, a);
     const u32 rd = pd_rec(a.d);
     const PdRange rq = pd_items((a.qd + 2 * a.kvd) / 2);
@@ -285,6 +291,31 @@ __device__ __forceinline__ u64 pd_key(float v, u32 idx) {
 }
 
 extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdArgs a) {
+#ifdef PD_D
+    // The model's shape as constants (persist.rs compiles one module per
+    // shape; the arguments carry the same values).
+    a.d = PD_D;
+    a.qd = PD_QD;
+    a.kvd = PD_KVD;
+    a.ff = PD_FF;
+    a.nh = PD_NH;
+    a.nkv = PD_NKV;
+#endif
+#ifdef PD_TIMING
+    long long tm[6] = {0, 0, 0, 0, 0, 0}, t0 = clock64();
+#define PD_MARK(i)                                                   \
+    do {                                                             \
+        if (blockIdx.x == 0 && threadIdx.x == 0) {                   \
+            const long long t1 = clock64();                          \
+            tm[i] += t1 - t0;                                        \
+            t0 = t1;                                                 \
+        }                                                            \
+    } while (0)
+#else
+#define PD_MARK(i) \
+    do {           \
+    } while (0)
+#endif
     extern __shared__ __align__(16) u8 smem[];
     const u32 rd = pd_rec(a.d);
     const u64 lb = (u64)pd_per((a.qd + 2 * a.kvd) / 2) * 2 * rd + (u64)pd_per(a.d) * pd_rec(a.qd) +
@@ -374,6 +405,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                 }
                 ++e;
                 __syncthreads();
+                PD_MARK(0);
             }
             // ---- attention: block j < nh takes query head j
             if (blockIdx.x < a.nh) {
@@ -482,6 +514,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             }
             ++e;
             __syncthreads();
+            PD_MARK(1);
             // ---- o: h += Wo att
             if (ro.n > 0) pd_stage_tagged(xs, X + X_ATT, a.qd, e);
             if (own >= 0) {
@@ -491,6 +524,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             }
             ++e;
             __syncthreads();
+            PD_MARK(2);
             // ---- gate | up
             {
                 const PdRange r = pd_items(a.ff);
@@ -508,6 +542,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                 }
                 ++e;
                 __syncthreads();
+                PD_MARK(3);
             }
             // ---- down: h += Wd act
             if (ro.n > 0) pd_stage_tagged(xs, X + X_ACT, a.ff, e);
@@ -518,6 +553,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             }
             ++e;
             __syncthreads();
+            PD_MARK(4);
         }
         // ---- logits: the output norm, this block's rows of the output
         // weight, its best; block 0 also reads the host's cancel word.
@@ -562,11 +598,21 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             }
             __syncthreads();
         }
+        PD_MARK(5);
         token = s_token;
         bool stop = s_cancel != 0u || t + 1 >= limit;
         const u32 ns = min(ctl->n_stop, (u32)MAX_STOP);
         for (u32 j = 0; j < ns; ++j) stop |= ctl->stop[j] == token;
-        if (stop) break;
+        if (stop) {
+#ifdef PD_TIMING
+            if (blockIdx.x == 0 && threadIdx.x == 0)
+                printf("persist timing: %u tokens from %u, block 0 cycles a token: qkv %lld attn %lld o %lld gu %lld "
+                       "down %lld logits+token %lld\n",
+                       t + 1, pos0, tm[0] / (t + 1), tm[1] / (t + 1), tm[2] / (t + 1), tm[3] / (t + 1),
+                       tm[4] / (t + 1), tm[5] / (t + 1));
+#endif
+            break;
+        }
     }
     asm volatile("cp.async.wait_group 0;" ::: "memory");
 }

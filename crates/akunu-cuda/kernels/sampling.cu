@@ -540,27 +540,6 @@ __device__ void penalise_window(float* logits, u32 lo, u32 hi, float pen, const 
 // 1. Argmax
 // ---------------------------------------------------------------------------
 
-// What an Argmax command does with its token: store it in conveyor slot
-// `slot`, and inside a chain publish it (and its %globaltimer stamp) to the
-// host, count the step and raise `done` at the limit or a stop token. One
-// thread of one block calls it.
-__device__ void publish_token(u32* tokens, u32 slot, u32 id, Ctl* c) {
-    tokens[slot] = id;
-    if (!c) return;
-    u64 now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    // The host polls the token slot, then reads the stamp: stamp first.
-    *(volatile u64*)&c->host_stamps[slot] = now;
-    __threadfence_system();
-    *(volatile u32*)&c->host_tokens[slot] = id;
-    __threadfence_system();
-    const u32 computed = c->computed + 1u;
-    c->computed = computed;
-    bool stop = computed >= c->limit;
-    const u32 ns = min(c->n_stop, (u32)MAX_STOP);
-    for (u32 j = 0; j < ns; ++j) stop |= c->stop[j] == id;
-    if (stop) *(volatile u32*)&c->done = 1u;
-}
 
 // float4s per thread in flight in k_argmax; 0 keeps the four-float loop
 // alone (A/B runs).

@@ -499,7 +499,6 @@ pub fn decode_chain(
     // most two small graphs) is launched inline: a thread would cost more
     // than it hides.
     let inline = persist.is_some() || (sizes.len() <= 2 && req.steps <= 8);
-    let persist_fn = SendPtr(be.k.persist);
     let ctl_ptr = be.chain.ctl;
     let (launch_result, marks) = std::thread::scope(|sc| {
         let launch_all = || -> (Result<(), BackendError>, Vec<(Event, u32)>) {
@@ -521,13 +520,7 @@ pub fn decode_chain(
                     }
                     let n = sizes[next];
                     if let Some(plan) = persist.as_ref() {
-                        crate::persist::launch(
-                            persist_fn.get(),
-                            plan,
-                            ctl_ptr,
-                            conveyor_ptr,
-                            stream.get(),
-                        )?;
+                        crate::persist::launch(plan, ctl_ptr, conveyor_ptr, stream.get())?;
                     } else {
                         let exec = execs[next].get();
                         // SAFETY: a live, instantiated graph on our stream;

@@ -11,24 +11,40 @@ use std::ffi::{CStr, CString};
 use std::path::PathBuf;
 
 /// The kernel sources, in the order they are concatenated.
-pub const SOURCES: [(&str, &str); 5] = [
+pub const SOURCES: [(&str, &str); 4] = [
     ("common.cuh", include_str!("../kernels/common.cuh")),
     ("model.cu", include_str!("../kernels/model.cu")),
     ("gemv_tc.cu", include_str!("../kernels/gemv_tc.cu")),
     ("sampling.cu", include_str!("../kernels/sampling.cu")),
+];
+
+/// The persistent decode kernel (`persist.rs`): its own module, compiled
+/// per model shape.
+pub const PERSIST_SOURCES: [(&str, &str); 2] = [
+    ("common.cuh", include_str!("../kernels/common.cuh")),
     ("persist.cu", include_str!("../kernels/persist.cu")),
 ];
 
 /// One translation unit: the sources with `#line` markers, so compiler
 /// messages name the original file and line.
-pub fn full_source() -> String {
+fn unit(sources: &[(&str, &str)]) -> String {
     let mut s = String::new();
-    for (name, text) in SOURCES {
+    for (name, text) in sources {
         s.push_str(&format!("#line 1 \"{name}\"\n"));
         s.push_str(text);
         s.push('\n');
     }
     s
+}
+
+/// The main module's translation unit.
+pub fn full_source() -> String {
+    unit(&SOURCES)
+}
+
+/// The persistent decode module's translation unit.
+pub fn persist_source() -> String {
+    unit(&PERSIST_SOURCES)
 }
 
 fn options(arch: &str) -> Vec<String> {
@@ -74,9 +90,23 @@ fn cache_dir() -> Option<PathBuf> {
     akunu_core::fetch::cache_dir().ok().map(|d| d.join("cuda"))
 }
 
-/// Machine code (a cubin) for `arch` ("sm_90"), from the disk cache or
-/// freshly compiled. `say` receives one line when compiling.
+/// Machine code (a cubin) of the main module for `arch` ("sm_90"), from
+/// the disk cache or freshly compiled. `say` receives one line when
+/// compiling.
 pub fn cubin(arch: &str, driver: i32, say: &mut dyn FnMut(&str)) -> Result<Vec<u8>, String> {
+    cubin_of(&full_source(), &[], "CUDA kernels", arch, driver, say)
+}
+
+/// Machine code of `src` compiled with `extra` options besides the usual
+/// ones, cached as `cubin` caches the main module's.
+pub fn cubin_of(
+    src: &str,
+    extra: &[String],
+    what: &str,
+    arch: &str,
+    driver: i32,
+    say: &mut dyn FnMut(&str),
+) -> Result<Vec<u8>, String> {
     // SAFETY: probing for the shared library has no preconditions.
     if !unsafe { nv::is_culib_present() } {
         return Err(
@@ -85,9 +115,9 @@ pub fn cubin(arch: &str, driver: i32, say: &mut dyn FnMut(&str)) -> Result<Vec<u
                 .into(),
         );
     }
-    let src = full_source();
     let (maj, min) = nvrtc_version()?;
-    let opts = options(arch);
+    let mut opts = options(arch);
+    opts.extend(extra.iter().cloned());
     let mut h = Sha256::new();
     h.update(src.as_bytes());
     for o in &opts {
@@ -108,9 +138,9 @@ pub fn cubin(arch: &str, driver: i32, say: &mut dyn FnMut(&str)) -> Result<Vec<u
         return Ok(bytes);
     }
     say(&format!(
-        "compiling CUDA kernels for {arch} (NVRTC {maj}.{min})..."
+        "compiling {what} for {arch} (NVRTC {maj}.{min})..."
     ));
-    let bin = compile(&src, &opts)?;
+    let bin = compile(src, &opts)?;
     if let Some(p) = &path {
         // A cache that cannot be written costs a compile next time, not an
         // error: write to a temporary name, then rename, so a concurrent
@@ -202,6 +232,13 @@ mod tests {
         }
         let bin = super::compile(&super::full_source(), &super::options("sm_90"))
             .unwrap_or_else(|e| panic!("{e}"));
+        assert!(bin.len() > 1000);
+        // The persistent decode module, generic and at SmolLM2's shape.
+        let mut opts = super::options("sm_90");
+        let bin = super::compile(&super::persist_source(), &opts).unwrap_or_else(|e| panic!("{e}"));
+        assert!(bin.len() > 1000);
+        opts.extend(crate::persist::shape_defines(576, 576, 192, 1536, 9, 3));
+        let bin = super::compile(&super::persist_source(), &opts).unwrap_or_else(|e| panic!("{e}"));
         assert!(bin.len() > 1000);
     }
 }

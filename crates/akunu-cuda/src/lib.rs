@@ -129,8 +129,6 @@ pub(crate) struct Kernels {
     pub grammar_bitmask: sys::CUfunction,
     pub chain_advance: sys::CUfunction,
     pub clock_probe: sys::CUfunction,
-    /// The persistent greedy decode kernel (persist.cu, `persist.rs`).
-    pub persist: sys::CUfunction,
 }
 
 pub struct CudaBackend {
@@ -177,7 +175,7 @@ pub struct CudaBackend {
     /// the chains that ran persistent so far (tests check the path).
     persist_on: bool,
     persist_plans: HashMap<u64, Result<persist::Plan, String>>,
-    persist_owned: Vec<Dptr>,
+    persist_owned: persist::Owned,
     persist_chains: Arc<AtomicU64>,
 }
 
@@ -260,7 +258,7 @@ impl CudaBackend {
             blas_commands: Arc::new(AtomicU64::new(0)),
             persist_on: std::env::var("AKUNU_CUDA_PERSIST").is_ok_and(|v| v == "1"),
             persist_plans: HashMap::new(),
-            persist_owned: Vec::new(),
+            persist_owned: persist::Owned::default(),
             persist_chains: Arc::new(AtomicU64::new(0)),
         })
     }
@@ -462,9 +460,10 @@ impl CudaBackend {
         }
         let hash = table_hash(table);
         if !self.persist_plans.contains_key(&hash) {
-            let mut owned = Vec::new();
+            let mut owned = persist::Owned::default();
             let plan = persist::plan(self, table, &mut owned);
-            self.persist_owned.extend(owned);
+            self.persist_owned.mem.extend(owned.mem);
+            self.persist_owned.modules.extend(owned.modules);
             let plan = plan?;
             if let Err(why) = &plan {
                 // The sampled and grammar tables are not greedy: say nothing.
@@ -656,7 +655,6 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
         grammar_bitmask: get("k_grammar_bitmask")?,
         chain_advance: get("k_chain_advance")?,
         clock_probe: get("k_clock_probe")?,
-        persist: get("k_persist_decode")?,
     };
     // Kernels that take more dynamic shared memory than the default 48 KB
     // must say so per function.
@@ -695,11 +693,6 @@ fn load_kernels(cubin: &[u8], smem_optin: i32) -> Result<Kernels, BackendError> 
             "tensor-core gemv",
         )?;
     }
-    allow_smem(
-        k.persist,
-        smem_optin - persist::STATIC_SMEM as i32,
-        "persistent decode",
-    )?;
     // The flash prefill attention kernels take their tiles as dynamic
     // shared memory: allowed where the device has that much per block.
     for (slot, width) in k.attn_flash.iter_mut().zip(launch::FLASH_WIDTHS) {
@@ -1084,8 +1077,11 @@ impl Drop for CudaBackend {
             if let Some(s) = self.blas_scratch {
                 sys::cuMemFree_v2(s.ptr);
             }
-            for &p in &self.persist_owned {
+            for &p in &self.persist_owned.mem {
                 sys::cuMemFree_v2(p);
+            }
+            for &m in &self.persist_owned.modules {
+                sys::cuModuleUnload(m);
             }
             // The handle goes before its stream.
             self.blas = Err(String::new());

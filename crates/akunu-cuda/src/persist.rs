@@ -80,10 +80,15 @@ pub(crate) struct PdArgs {
     scale: f32,
 }
 
-/// A table's persistent plan: the kernel's arguments (but for the chain's
-/// conveyor and control block), its grid and shared memory.
+/// A table's persistent plan: the kernel (compiled for the model's shape),
+/// its arguments (but for the chain's conveyor and control block), grid and
+/// shared memory.
 #[derive(Copy, Clone, Debug)]
 pub(crate) struct Plan {
+    /// The kernel's `CUfunction`, as an integer so that the plan can go to
+    /// the chain's launcher thread (a driver handle, valid from any thread
+    /// with the context bound, until the backend unloads its module).
+    func: u64,
     pub args: PdArgs,
     pub grid: u32,
     pub smem: u32,
@@ -107,13 +112,82 @@ fn layer_smem(d: u32, qd: u32, kvd: u32, ff: u32, blocks: u32) -> u64 {
         + per(d) * rec(ff)
 }
 
-/// Why a table cannot run persistent, or its plan. Device buffers of the
-/// plan (pointer table and scratch) are pushed to `owned`, which the
-/// backend frees.
+/// What the plans hold on the device, released with the backend.
+#[derive(Default)]
+pub(crate) struct Owned {
+    pub mem: Vec<Dptr>,
+    pub modules: Vec<sys::CUmodule>,
+}
+
+/// The macro definitions that specialise persist.cu for a shape.
+pub(crate) fn shape_defines(d: u32, qd: u32, kvd: u32, ff: u32, nh: u32, nkv: u32) -> Vec<String> {
+    [
+        ("PD_D", d),
+        ("PD_QD", qd),
+        ("PD_KVD", kvd),
+        ("PD_FF", ff),
+        ("PD_NH", nh),
+        ("PD_NKV", nkv),
+    ]
+    .iter()
+    .map(|(k, v)| format!("-D{k}={v}"))
+    .collect()
+}
+
+/// The kernel compiled for the shape of `a` (disk-cached like the main
+/// module), its module pushed to `owned`.
+fn kernel_for(
+    be: &CudaBackend,
+    a: &PdArgs,
+    owned: &mut Owned,
+) -> Result<sys::CUfunction, BackendError> {
+    let arch = format!("sm_{}{}", be.info.cc.0, be.info.cc.1);
+    let defs = shape_defines(a.d, a.qd, a.kvd, a.ff, a.nh, a.nkv);
+    let cubin = crate::compile::cubin_of(
+        &crate::compile::persist_source(),
+        &defs,
+        "the persistent decode kernel",
+        &arch,
+        be.info.driver,
+        &mut |m| eprintln!("akunu: {m}"),
+    )
+    .map_err(BackendError::Device)?;
+    let mut module: sys::CUmodule = std::ptr::null_mut();
+    // SAFETY: a complete cubin for this device, produced by NVRTC (or our
+    // cache, keyed by its inputs); out-parameters.
+    check(
+        unsafe { sys::cuModuleLoadData(&mut module, cubin.as_ptr() as *const _) },
+        "loading the persistent decode module",
+    )?;
+    owned.modules.push(module);
+    let mut f: sys::CUfunction = std::ptr::null_mut();
+    let name = std::ffi::CString::new("k_persist_decode").expect("no NUL");
+    // SAFETY: the module is loaded; out-parameter.
+    check(
+        unsafe { sys::cuModuleGetFunction(&mut f, module, name.as_ptr()) },
+        "finding k_persist_decode",
+    )?;
+    // SAFETY: a valid function; at most the device's opt-in amount less
+    // the kernel's static shared memory.
+    check(
+        unsafe {
+            sys::cuFuncSetAttribute(
+                f,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                be.smem_optin().saturating_sub(STATIC_SMEM) as i32,
+            )
+        },
+        "raising the persistent decode kernel's shared-memory limit",
+    )?;
+    Ok(f)
+}
+
+/// Why a table cannot run persistent, or its plan. What the plan holds on
+/// the device goes to `owned`, which the backend releases.
 pub(crate) fn plan(
     be: &CudaBackend,
     table: &DispatchTable,
-    owned: &mut Vec<Dptr>,
+    owned: &mut Owned,
 ) -> Result<Result<Plan, String>, BackendError> {
     let shape = match read_shape(be, table) {
         Ok(s) => s,
@@ -141,7 +215,7 @@ pub(crate) fn plan(
         )));
     }
     a.max_pos = max_pos;
-    let f = be.kernels().persist;
+    let f = kernel_for(be, &a, owned)?;
     let threads = WARPS * 32;
     if be.occupancy(f, threads, smem as u32) < 1 {
         return Ok(Err("the kernel does not fit an SM".into()));
@@ -152,7 +226,7 @@ pub(crate) fn plan(
         .flat_map(|l| bytemuck::bytes_of(l).to_vec())
         .collect();
     let lp = alloc(bytes.len() as u64, "persistent decode layer table")?;
-    owned.push(lp);
+    owned.mem.push(lp);
     // SAFETY: `lp` holds bytes.len() bytes; the source is a live Vec.
     check(
         unsafe { sys::cuMemcpyHtoD_v2(lp, bytes.as_ptr() as *const _, bytes.len()) },
@@ -165,11 +239,12 @@ pub(crate) fn plan(
     let best_bytes = (grid as u64 + 1) * 8;
     let total = x_bytes + best_bytes + grid as u64 * 4;
     let scratch = alloc(total, "persistent decode scratch")?;
-    owned.push(scratch);
+    owned.mem.push(scratch);
     a.x = scratch;
     a.best = scratch + x_bytes;
     a.flags = scratch + x_bytes + best_bytes;
     Ok(Ok(Plan {
+        func: f as u64,
         args: a,
         grid,
         smem: smem as u32,
@@ -393,11 +468,10 @@ fn read_shape(be: &CudaBackend, table: &DispatchTable) -> Result<Shape, String> 
     Ok(Shape { layers, args: a })
 }
 
-/// Launches the chain's kernel `f` on `stream`: the chain's tokens from the
+/// Launches the plan's kernel on `stream`: the chain's tokens from the
 /// control block `ctl` (position, first slot, limit, stop ids), its
 /// conveyor `conveyor`. The scratch is zeroed first, on the same stream.
 pub(crate) fn launch(
-    f: sys::CUfunction,
     plan: &Plan,
     ctl: Dptr,
     conveyor: Dptr,
@@ -420,7 +494,7 @@ pub(crate) fn launch(
         let mut p = [&mut args as *mut PdArgs as *mut std::ffi::c_void];
         check(
             sys::cuLaunchCooperativeKernel(
-                f,
+                plan.func as sys::CUfunction,
                 plan.grid,
                 1,
                 1,
