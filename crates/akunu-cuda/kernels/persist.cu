@@ -156,11 +156,82 @@ __device__ __forceinline__ float pd_dot_q80(const u8* q, const u8* s, u32 k, con
     }
     return pd_warp_sum(acc);
 }
-// Row r of a repacked matrix of `rows` rows of k (Q8_0 or Q4_1) with xs.
-__device__ __forceinline__ float pd_dot_row(const u8* m, u32 q8, u32 rows, u32 k, u32 r, const float* xs, int lane) {
-    if (q8) return pd_dot_q80(m + (u64)r * k, m + (u64)rows * k + (u64)r * (k / 32) * 2, k, xs, lane);
-    return pd_dot_q41(m + (u64)r * (k / 2), m + (u64)rows * (k / 2) + (u64)r * (k / 32) * 4, k, xs, lane);
+// Rows r0, r0 + step, ... (PD_ROWS of them, those below rows_end) of the
+// logits weight with xs, into s[]: every row's words are requested before
+// the first product, so that a warp has PD_ROWS rows of loads in flight
+// (the logits phase streams its rows from DRAM). Rows past rows_end give 0.
+#define PD_ROWS 4
+#define PD_MAXW 6  // words a lane loads a row: k / 256, up to d = 1536
+__device__ __forceinline__ void pd_dot_rows(float (&s)[PD_ROWS], const u8* m, u32 q8, u32 rows, u32 k, u32 r0,
+                                            u32 step, u32 rows_end, const float* xs, int lane) {
+    const u32 nw = k / 8;
+    if (q8) {
+        uint2 q[PD_ROWS][PD_MAXW];
+        u16 sc[PD_ROWS][PD_MAXW];
+#pragma unroll
+        for (int u = 0; u < PD_ROWS; ++u) {
+            const u32 r = r0 + u * step;
+#pragma unroll
+            for (int i = 0; i < PD_MAXW; ++i) {
+                const u32 w = lane + 32 * i;
+                const bool live = r < rows_end && w < nw;
+                q[u][i] = live ? ((const uint2*)(m + (u64)r * k))[w] : make_uint2(0, 0);
+                sc[u][i] = live ? ((const u16*)(m + (u64)rows * k))[(u64)r * (k / 32) + (w >> 2)] : (u16)0;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < PD_ROWS; ++u) {
+            float acc = 0.0f;
+#pragma unroll
+            for (int i = 0; i < PD_MAXW; ++i) {
+                const u32 w = lane + 32 * i;
+                if (w < nw) {
+                    const uint2 v = q[u][i];
+                    const float4 a = *(const float4*)(xs + 8 * w), b = *(const float4*)(xs + 8 * w + 4);
+                    const float qs = (float)(i8)(v.x & 255) * a.x + (float)(i8)((v.x >> 8) & 255) * a.y +
+                                     (float)(i8)((v.x >> 16) & 255) * a.z + (float)(i8)(v.x >> 24) * a.w +
+                                     (float)(i8)(v.y & 255) * b.x + (float)(i8)((v.y >> 8) & 255) * b.y +
+                                     (float)(i8)((v.y >> 16) & 255) * b.z + (float)(i8)(v.y >> 24) * b.w;
+                    acc += f16_to_f32(sc[u][i]) * qs;
+                }
+            }
+            s[u] = pd_warp_sum(acc);
+        }
+        return;
+    }
+    u32 q[PD_ROWS][PD_MAXW], dm[PD_ROWS][PD_MAXW];
+#pragma unroll
+    for (int u = 0; u < PD_ROWS; ++u) {
+        const u32 r = r0 + u * step;
+#pragma unroll
+        for (int i = 0; i < PD_MAXW; ++i) {
+            const u32 w = lane + 32 * i;
+            const bool live = r < rows_end && w < nw;
+            q[u][i] = live ? ((const u32*)(m + (u64)r * (k / 2)))[w] : 0u;
+            dm[u][i] = live ? ((const u32*)(m + (u64)rows * (k / 2)))[(u64)r * (k / 32) + (w >> 2)] : 0u;
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < PD_ROWS; ++u) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int i = 0; i < PD_MAXW; ++i) {
+            const u32 w = lane + 32 * i;
+            if (w < nw) {
+                const u32 v = q[u][i];
+                const float d = f16_to_f32((u16)dm[u][i]), mn = f16_to_f32((u16)(dm[u][i] >> 16));
+                const float* xb = xs + 32 * (w >> 2) + 4 * (w & 3);
+                const float4 a = *(const float4*)xb, b = *(const float4*)(xb + 16);
+                const float qs = (float)(v & 15) * a.x + (float)((v >> 8) & 15) * a.y + (float)((v >> 16) & 15) * a.z +
+                                 (float)((v >> 24) & 15) * a.w + (float)((v >> 4) & 15) * b.x +
+                                 (float)((v >> 12) & 15) * b.y + (float)((v >> 20) & 15) * b.z + (float)(v >> 28) * b.w;
+                acc += d * qs + mn * ((a.x + a.y) + (a.z + a.w) + ((b.x + b.y) + (b.z + b.w)));
+            }
+        }
+        s[u] = pd_warp_sum(acc);
+    }
 }
+
 // Weight i of row r (as model.cu's load_elem).
 __device__ __forceinline__ float pd_elem(const u8* m, u32 q8, u32 rows, u32 k, u32 r, u32 i) {
     const u32 blk = i >> 5, j = i & 31;
@@ -270,8 +341,19 @@ __device__ __forceinline__ void pd_stage_tagged(float* dst, const u64* src, u32 
     __syncthreads();
 }
 
-// xs = rmsnorm(v) * w (model.cu's rms_inv); ends synchronised.
-__device__ __forceinline__ void pd_norm(float* xs, const float (&v)[PD_MAXPER], const float* w, const PdArgs& a, float* red) {
+// This thread's norm weights of a row of d, requested before the wait on
+// the row (a dependent round trip after the block sum otherwise).
+__device__ __forceinline__ void pd_norm_weights(float (&nw)[PD_MAXPER], const float* w, u32 d) {
+#pragma unroll
+    for (int j = 0; j < PD_MAXPER; ++j) {
+        const u32 i = threadIdx.x + j * PD_THREADS;
+        nw[j] = i < d ? __ldg(w + i) : 0.0f;
+    }
+}
+
+// xs = rmsnorm(v) * nw (model.cu's rms_inv); ends synchronised.
+__device__ __forceinline__ void pd_norm(float* xs, const float (&v)[PD_MAXPER], const float (&nw)[PD_MAXPER],
+                                        const PdArgs& a, float* red) {
     float ss = 0.0f;
 #pragma unroll
     for (int j = 0; j < PD_MAXPER; ++j) ss += v[j] * v[j];
@@ -279,7 +361,7 @@ __device__ __forceinline__ void pd_norm(float* xs, const float (&v)[PD_MAXPER], 
 #pragma unroll
     for (int j = 0; j < PD_MAXPER; ++j) {
         const u32 i = threadIdx.x + j * PD_THREADS;
-        if (i < a.d) xs[i] = v[j] * r * __ldg(w + i);
+        if (i < a.d) xs[i] = v[j] * r * nw[j];
     }
     __syncthreads();
 }
@@ -356,11 +438,14 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             // Layers counted over the chain: the parity of gl picks this
             // layer's row buffer and its set of tagged words.
             const u32 gl = t * a.nl + l;
-            // This layer's rows arrived (requested a layer ago); request the
-            // next layer's (the next token's first at the last).
+            // This layer's rows arrived (requested a layer ago). The next
+            // layer's (the next token's first at the last) are requested off
+            // the critical path: after the qkv phase, or after attention on
+            // the blocks that run it; the buffer was last read in the layer
+            // before, which every warp has left (this barrier).
             asm volatile("cp.async.wait_group 0;" ::: "memory");
             __syncthreads();
-            pd_prefetch(wbuf[(gl + 1) & 1], a, a.layers[(l + 1) % a.nl]);
+            const PdLayer& Ln = a.layers[(l + 1) % a.nl];
             const PdAreas ws = pd_areas(wbuf[gl & 1], a);
             u64* X = a.x + (u64)(gl & 1) * xw;        // this layer's values
             u64* Xp = a.x + (u64)((gl + 1) & 1) * xw;  // the layer before's (its h)
@@ -369,7 +454,8 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             {
                 const PdRange r = pd_items((a.qd + 2 * a.kvd) / 2);
                 if (r.n > 0) {
-                    float v[PD_MAXPER];
+                    float v[PD_MAXPER], nw[PD_MAXPER];
+                    pd_norm_weights(nw, L.attn_norm, a.d);
                     if (l == 0) {
 #pragma unroll
                         for (int j = 0; j < PD_MAXPER; ++j) {
@@ -379,7 +465,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                     } else {
                         pd_load_tagged(v, Xp + X_H, a.d, e);
                     }
-                    pd_norm(xs, v, L.attn_norm, a, red);
+                    pd_norm(xs, v, nw, a, red);
                 }
                 for (u32 it = warp; it < r.n; it += PD_WARPS) {
                     const u8* r0 = ws.q + (u64)it * 2 * rd;
@@ -403,6 +489,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                         }
                     }
                 }
+                if (blockIdx.x >= a.nh) pd_prefetch(wbuf[(gl + 1) & 1], a, Ln);
                 ++e;
                 __syncthreads();
                 PD_MARK(0);
@@ -512,6 +599,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                     pd_st_tag(X + X_ATT + hq * PD_HD + threadIdx.x, o / z, e + 1);
                 }
             }
+            if (blockIdx.x < a.nh) pd_prefetch(wbuf[(gl + 1) & 1], a, Ln);
             ++e;
             __syncthreads();
             PD_MARK(1);
@@ -529,9 +617,10 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             {
                 const PdRange r = pd_items(a.ff);
                 if (r.n > 0) {
-                    float v[PD_MAXPER];
+                    float v[PD_MAXPER], nw[PD_MAXPER];
+                    pd_norm_weights(nw, L.ffn_norm, a.d);
                     pd_load_tagged(v, X + X_H, a.d, e);
-                    pd_norm(xs, v, L.ffn_norm, a, red);
+                    pd_norm(xs, v, nw, a, red);
                 }
                 for (u32 it = warp; it < r.n; it += PD_WARPS) {
                     const u8* r0 = ws.g + (u64)it * 2 * rd;
@@ -559,15 +648,18 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
         // weight, its best; block 0 also reads the host's cancel word.
         {
             const u64* Xl = a.x + (u64)((t * a.nl + a.nl - 1) & 1) * xw;
-            float v[PD_MAXPER];
+            float v[PD_MAXPER], nw[PD_MAXPER];
+            pd_norm_weights(nw, a.out_norm, a.d);
             pd_load_tagged(v, Xl + X_H, a.d, e);
-            pd_norm(xs, v, a.out_norm, a, red);
+            pd_norm(xs, v, nw, a, red);
             const PdRange r = pd_items(a.vocab);
             u64 best = 0;
-            for (u32 it = warp; it < r.n; it += PD_WARPS) {
-                const u32 row = r.lo + it;
-                const float s = pd_dot_row(a.out, a.out_q8, a.vocab, a.d, row, xs, lane);
-                best = max(best, pd_key(s, row));
+            for (u32 it = warp; it < r.n; it += PD_ROWS * PD_WARPS) {
+                float s[PD_ROWS];
+                pd_dot_rows(s, a.out, a.out_q8, a.vocab, a.d, r.lo + it, PD_WARPS, r.lo + r.n, xs, lane);
+#pragma unroll
+                for (int u = 0; u < PD_ROWS; ++u)
+                    if (it + u * PD_WARPS < r.n) best = max(best, pd_key(s[u], r.lo + it + u * PD_WARPS));
             }
             if (lane == 0) wbest[warp] = best;
             __syncthreads();
