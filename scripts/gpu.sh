@@ -160,27 +160,32 @@ sampled() {
 
 # The persistent greedy decode (persist.rs): its GPU test, then greedy
 # decode with it off and on (AKUNU_CUDA_PERSIST), two rounds, on the
-# synthetic SmolLM2 file (Q4_1 throughout) and on the same file with a Q8_0
-# embedding (the default model's types), from position 0 and after a
-# 256-token prompt.
+# synthetic SmolLM2 file (Q4_1 throughout), from each position of
+# PERSIST_DEPTHS (default "0 256": prompts of that many tokens), and block
+# 0's phase cycles (-DPD_TIMING). PERSIST_AB: define sets for the kernel
+# (as SMB_AB: sets by spaces, defines by commas, `_` for none).
 persist() {
     echo "== persistent greedy decode: test, then tg128 off / on"
     "$BIN/gpu-tests" --ignored --test-threads=1 --nocapture persistent_chain 2>&1 |
         tee "$OUTDIR/persist-test.log" | grep -E "^test |test result|panicked|tokens equal|near-tie|cancelled|keeps the graph" || true
-    local f=$STORE/smollm2-135m-q4_1.gguf r v p
+    local f=$STORE/smollm2-135m-q4_1.gguf r v p d
     synth_file smollm2-135m q4_1 "$f"
-    for p in 0 256; do
-        for r in 1 2; do
-            for v in 0 1; do
-                AKUNU_CUDA_PERSIST=$v "$BIN/akunu" bench -m "$f" --device cuda -p "$p" -n 128 -r 5 \
-                    --no-bandwidth 2>&1 | grep -E "tg[0-9]|error|keeps the graph" |
-                    sed "s/^/persist=$v p=$p /" | sed 's/| akunu synthetic.*prefill//' || true
+    for d in ${PERSIST_AB:-_}; do
+        d=$(smb_defines "$d")
+        for p in ${PERSIST_DEPTHS:-0 256}; do
+            for r in 1 2; do
+                for v in 0 1; do
+                    AKUNU_CUDA_DEFINES="$d" AKUNU_CUDA_PERSIST=$v "$BIN/akunu" bench -m "$f" --device cuda \
+                        -p "$p" -n 128 -r 5 --no-bandwidth 2>&1 | grep -E "tg[0-9]|error|keeps the graph" |
+                        sed "s/^/persist=$v p=$p ${d:-_} /" | sed 's/| akunu synthetic.*prefill//' || true
+                done
             done
         done
+        # Block 0's cycles per phase kind, one chain.
+        AKUNU_CUDA_PERSIST=1 AKUNU_CUDA_DEFINES="$d -DPD_TIMING" "$BIN/akunu" bench -m "$f" --device cuda \
+            -p 0 -n 128 -r 1 --no-bandwidth 2>&1 | grep -E "persist timing|error" | tail -1 |
+            sed "s/^/${d:-_} /" || true
     done
-    # Block 0's cycles per phase kind (persist.cu -DPD_TIMING), one chain.
-    AKUNU_CUDA_PERSIST=1 AKUNU_CUDA_DEFINES=-DPD_TIMING "$BIN/akunu" bench -m "$f" --device cuda -p 0 \
-        -n 128 -r 1 --no-bandwidth 2>&1 | grep -E "persist timing|error" | tail -2 || true
 }
 
 # One define set of SMB_AB as AKUNU_CUDA_DEFINES takes it: `_` is none,

@@ -46,6 +46,11 @@
 #define PD_WARPS 12
 #define PD_THREADS (PD_WARPS * 32)
 #define PD_HD 64
+// Where a block requests the next layer's rows: 0 at the layer's start, 1
+// after its qkv work (after attention on the blocks that run it).
+#ifndef PD_PREFETCH_LATE
+#define PD_PREFETCH_LATE 0
+#endif
 // Values of a row of d a thread holds in registers: d <= PD_MAXPER threads.
 #define PD_MAXPER 4
 
@@ -438,14 +443,14 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             // Layers counted over the chain: the parity of gl picks this
             // layer's row buffer and its set of tagged words.
             const u32 gl = t * a.nl + l;
-            // This layer's rows arrived (requested a layer ago). The next
-            // layer's (the next token's first at the last) are requested off
-            // the critical path: after the qkv phase, or after attention on
-            // the blocks that run it; the buffer was last read in the layer
-            // before, which every warp has left (this barrier).
+            // This layer's rows arrived (requested a layer ago); request the
+            // next layer's (the next token's first at the last) into the
+            // buffer the layer before read, which every warp has left (this
+            // barrier).
             asm volatile("cp.async.wait_group 0;" ::: "memory");
             __syncthreads();
             const PdLayer& Ln = a.layers[(l + 1) % a.nl];
+            if (!PD_PREFETCH_LATE) pd_prefetch(wbuf[(gl + 1) & 1], a, Ln);
             const PdAreas ws = pd_areas(wbuf[gl & 1], a);
             u64* X = a.x + (u64)(gl & 1) * xw;        // this layer's values
             u64* Xp = a.x + (u64)((gl + 1) & 1) * xw;  // the layer before's (its h)
@@ -489,7 +494,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                         }
                     }
                 }
-                if (blockIdx.x >= a.nh) pd_prefetch(wbuf[(gl + 1) & 1], a, Ln);
+                if (PD_PREFETCH_LATE && blockIdx.x >= a.nh) pd_prefetch(wbuf[(gl + 1) & 1], a, Ln);
                 ++e;
                 __syncthreads();
                 PD_MARK(0);
@@ -599,7 +604,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                     pd_st_tag(X + X_ATT + hq * PD_HD + threadIdx.x, o / z, e + 1);
                 }
             }
-            if (blockIdx.x < a.nh) pd_prefetch(wbuf[(gl + 1) & 1], a, Ln);
+            if (PD_PREFETCH_LATE && blockIdx.x < a.nh) pd_prefetch(wbuf[(gl + 1) & 1], a, Ln);
             ++e;
             __syncthreads();
             PD_MARK(1);
