@@ -14,7 +14,7 @@
 #                                 root, with .gpu carried) runs, in order,
 #                                 each WHAT of: tests, engine-tests (once,
 #                                 no reruns), sampled, sampled-ab (SMB_AB),
-#                                 persist,
+#                                 persist, persist-model (needs the model),
 #                                 sanitize, sanitize-sampled, bench, bench-ab,
 #                                 ab (AB_VAR, AB_VALUES, AB_ROUNDS), tcg-ab,
 #                                 profile, profile-big, trace, features,
@@ -185,6 +185,24 @@ persist() {
         AKUNU_CUDA_PERSIST=1 AKUNU_CUDA_DEFINES="$d -DPD_TIMING" "$BIN/akunu" bench -m "$f" --device cuda \
             -p 0 -n 128 -r 1 --no-bandwidth 2>&1 | grep -E "persist timing|error" | tail -1 |
             sed "s/^/${d:-_} /" || true
+    done
+}
+
+# Greedy decode of the default model file (after model-part1..3) with the
+# persistent kernel off and on, two rounds, from position 0 and after a
+# 256-token prompt.
+persist_model() {
+    assemble_model || return 0
+    echo "== default model: greedy tg128, persistent decode off / on"
+    local r v p
+    for p in 0 256; do
+        for r in 1 2; do
+            for v in 0 1; do
+                AKUNU_CUDA_PERSIST=$v "$BIN/akunu" bench -m "$MODEL" --device cuda -p "$p" -n 128 -r 5 \
+                    --no-bandwidth 2>&1 | grep -E "tg[0-9]|error|keeps the graph" |
+                    sed "s/^/persist=$v p=$p /" || true
+            done
+        done
     done
 }
 
@@ -827,6 +845,7 @@ run)
         sampled) sampled ;;
         sampled-ab) sampled_ab ;;
         persist) persist ;;
+        persist-model) persist_model ;;
         profile) profile ;;
         profile-big) profile_big ;;
         trace) trace ;;
