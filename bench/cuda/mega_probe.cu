@@ -1,6 +1,9 @@
 // A persistent decode kernel for the SmolLM2-135M shape, reading the CUDA
 // backend's own buffers (issue 5: the 3,000 tok/s target, which session
-// 14's boundary probe put out of reach of one kernel per product). Build
+// 14's boundary probe put out of reach of one kernel per product). The
+// engine's kernel grew out of it (crates/akunu-cuda/kernels/persist.cu); this
+// standalone form stays as the place to try its design changes with a CPU
+// check and compile-time variants. Build
 // and run on the GPU machine (scripts/gpu.sh run mega):
 //   nvcc -O3 -std=c++17 -arch=sm_90 -DWARPS=16 -DLL=1 -DATT_L1=1 \
 //       -o /tmp/mp bench/cuda/mega_probe.cu && /tmp/mp

@@ -371,6 +371,20 @@ __device__ __forceinline__ void pd_norm(float* xs, const float (&v)[PD_MAXPER], 
     __syncthreads();
 }
 
+// A residual phase (o, down): h += W x. The block stages x (k tagged words
+// of phase e at src) when it owns h rows; the warp owning row `own` takes
+// its record of W (recs: one record of k a warp) against it, keeps the sum
+// in hreg and hands it over (tagged e + 1) at h[own].
+__device__ __forceinline__ void pd_residual(float& hreg, float* xs, const u64* src, u32 k, const u8* recs, u64* h,
+                                            int own, u32 owned, u32 e) {
+    if (owned > 0) pd_stage_tagged(xs, src, k, e);
+    if (own >= 0) {
+        const u8* r0 = recs + (u64)(threadIdx.x >> 5) * pd_rec(k);
+        hreg += pd_dot_q41(r0, r0 + k / 2, k, xs, threadIdx.x & 31);
+        if ((threadIdx.x & 31) == 0) pd_st_tag(h + own, hreg, e + 1);
+    }
+}
+
 __device__ __forceinline__ u64 pd_key(float v, u32 idx) {
     u32 b = __float_as_uint(v);
     b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
@@ -609,12 +623,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             __syncthreads();
             PD_MARK(1);
             // ---- o: h += Wo att
-            if (ro.n > 0) pd_stage_tagged(xs, X + X_ATT, a.qd, e);
-            if (own >= 0) {
-                const u8* r0 = ws.o + (u64)warp * pd_rec(a.qd);
-                hreg += pd_dot_q41(r0, r0 + a.qd / 2, a.qd, xs, lane);
-                if (lane == 0) pd_st_tag(X + X_H + own, hreg, e + 1);
-            }
+            pd_residual(hreg, xs, X + X_ATT, a.qd, ws.o, X + X_H, own, ro.n, e);
             ++e;
             __syncthreads();
             PD_MARK(2);
@@ -639,12 +648,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                 PD_MARK(3);
             }
             // ---- down: h += Wd act
-            if (ro.n > 0) pd_stage_tagged(xs, X + X_ACT, a.ff, e);
-            if (own >= 0) {
-                const u8* r0 = ws.d + (u64)warp * pd_rec(a.ff);
-                hreg += pd_dot_q41(r0, r0 + a.ff / 2, a.ff, xs, lane);
-                if (lane == 0) pd_st_tag(X + X_H + own, hreg, e + 1);
-            }
+            pd_residual(hreg, xs, X + X_ACT, a.ff, ws.d, X + X_H, own, ro.n, e);
             ++e;
             __syncthreads();
             PD_MARK(4);
