@@ -97,6 +97,12 @@ pub struct ChainRequest<'a> {
     pub steps: u32,
     /// Steps per device submission.
     pub chunk: u32,
+    /// The chain's tokens must be those the table's own step-by-step
+    /// arithmetic gives (speculative decoding: its verification steps run
+    /// the table, and a plain run between them must agree bit for bit). A
+    /// backend with a faster path that adds in another order keeps the
+    /// table's path when this is set.
+    pub table_order: bool,
 }
 
 /// What a chain did, beyond the tokens the sink saw.

@@ -876,6 +876,7 @@ impl Engine {
                     stop_ids: &stop_ids,
                     steps: n,
                     chunk: self.chunk,
+                    table_order: spec.is_some(),
                 };
                 let (history, pending) = (&mut self.history, &mut self.pending);
                 let mut sink = |_s: u32, id: u32| -> bool {

@@ -430,10 +430,10 @@ impl CudaBackend {
     /// Whether greedy chains of a model the persistent kernel takes (plain
     /// llama layers, Q4_1 matrices, heads of 64: `persist.rs`) run as one
     /// kernel per chain while their positions stay under
-    /// `persist::MAX_POS`. Off by default (`AKUNU_CUDA_PERSIST=1` starts
-    /// with it on): its tokens can differ from the graph's where two
-    /// logits nearly tie, and speculative decoding's same-tokens guarantee
-    /// holds for the graph.
+    /// `persist::MAX_POS`, unless the chain asks for the table's order
+    /// (`ChainRequest::table_order`: speculative decoding's plain runs).
+    /// Off by default (`AKUNU_CUDA_PERSIST=1` starts with it on): its
+    /// tokens can differ from the graph's where two logits nearly tie.
     pub fn set_persistent(&mut self, on: bool) {
         self.persist_on = on;
     }
@@ -901,7 +901,11 @@ impl Backend for CudaBackend {
         sink: TokenSink<'_>,
     ) -> Result<ChainReport, BackendError> {
         self.prepare(table)?;
-        let persist = self.persist_plan(table, first, req.steps)?;
+        let persist = if req.table_order {
+            None
+        } else {
+            self.persist_plan(table, first, req.steps)?
+        };
         if persist.is_some() {
             self.persist_chains.fetch_add(1, Ordering::Relaxed);
         }
