@@ -167,7 +167,7 @@ sampled() {
 persist() {
     echo "== persistent greedy decode: test, then tg128 off / on"
     "$BIN/gpu-tests" --ignored --test-threads=1 --nocapture persistent_chain 2>&1 |
-        tee "$OUTDIR/persist-test.log" | grep -E "^test |test result|panicked|tokens equal|near-tie|cancelled|keeps the graph" || true
+        tee "$OUTDIR/persist-test.log" | grep -E "^test |test result|panicked|tokens equal|near-tie|cancelled|keeps the graph|speculative" || true
     local f=$STORE/smollm2-135m-q4_1.gguf r v p d
     synth_file smollm2-135m q4_1 "$f"
     for d in ${PERSIST_AB:-_}; do

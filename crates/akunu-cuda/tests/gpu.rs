@@ -599,6 +599,45 @@ fn persistent_chain_matches_cpu() {
         .unwrap();
         assert_eq!(more.len(), 5, "{what}: a generation after the cancellation");
     }
+    // Speculative decoding asks for the table's order: with the switch on,
+    // its plain runs keep the graph, and its tokens are the graph's.
+    let unit = prompt(7, q41.config.n_vocab);
+    let p: Vec<u32> = unit.iter().cycle().take(31).copied().collect();
+    let spec = GenerateOptions {
+        speculative: true,
+        spec: akunu_core::speculative::SpecOptions {
+            ngram_min: 1,
+            ngram_max: 3,
+            draft: 8,
+        },
+        ..opts.clone()
+    };
+    let gen_spec = |be: Box<dyn Backend>| {
+        let mut e = engine(&q41, be, 16, 64);
+        let mut ids = Vec::new();
+        e.generate(&p, &spec, &mut |id, _| {
+            ids.push(id);
+            true
+        })
+        .unwrap();
+        ids
+    };
+    let (be, chains) = cuda_persistent();
+    let with = gen_spec(be);
+    assert_eq!(
+        chains.load(Ordering::Relaxed),
+        0,
+        "speculative plain runs took the persistent kernel"
+    );
+    assert_eq!(
+        with,
+        gen_spec(cuda()),
+        "speculative tokens, switch on and off"
+    );
+    eprintln!(
+        "speculative with the switch on: {} tokens, graph path only",
+        with.len()
+    );
 }
 
 #[test]
