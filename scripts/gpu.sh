@@ -158,32 +158,42 @@ sampled() {
     sampled_runs _
 }
 
-# The persistent greedy decode (persist.rs): its GPU test, then greedy
+# The persistent greedy decode (persist.rs): its GPU test under each define
+# set of PERSIST_TEST_SETS (default: those of PERSIST_AB), then greedy
 # decode with it off and on (AKUNU_CUDA_PERSIST), two rounds, on the
 # synthetic SmolLM2 file (Q4_1 throughout), from each position of
 # PERSIST_DEPTHS (default "0 256": prompts of that many tokens), and block
 # 0's phase cycles (-DPD_TIMING). PERSIST_AB: define sets for the kernel
-# (as SMB_AB: sets by spaces, defines by commas, `_` for none).
+# (as SMB_AB: sets by spaces, defines by commas, `_` for none). Defines
+# named PD_* reach the persistent module only (compile.rs), so the graph
+# runs ("persist=0") use the same main module under every set. Each run
+# has a time limit, so that a kernel variant that hangs costs one run.
 persist() {
     echo "== persistent greedy decode: test, then tg128 off / on"
-    "$BIN/gpu-tests" --ignored --test-threads=1 --nocapture persistent_chain 2>&1 |
-        tee "$OUTDIR/persist-test.log" | grep -E "^test |test result|panicked|tokens equal|near-tie|cancelled|keeps the graph|speculative" || true
     local f=$STORE/smollm2-135m-q4_1.gguf r v p d
+    for d in ${PERSIST_TEST_SETS:-${PERSIST_AB:-_}}; do
+        d=$(smb_defines "$d")
+        AKUNU_CUDA_DEFINES="$d" timeout 300 "$BIN/gpu-tests" --ignored --test-threads=1 --nocapture \
+            persistent_chain 2>&1 | tee -a "$OUTDIR/persist-test.log" |
+            grep -E "^test |test result|panicked|tokens equal|near-tie|cancelled|keeps the graph|speculative|past position" |
+            sed "s/^/${d:-_} /" || echo "${d:-_} persistent test: timed out or failed (rc $?)"
+    done
     synth_file smollm2-135m q4_1 "$f"
     for d in ${PERSIST_AB:-_}; do
         d=$(smb_defines "$d")
         for p in ${PERSIST_DEPTHS:-0 256}; do
             for r in 1 2; do
                 for v in 0 1; do
-                    AKUNU_CUDA_DEFINES="$d" AKUNU_CUDA_PERSIST=$v "$BIN/akunu" bench -m "$f" --device cuda \
-                        -p "$p" -n 128 -r 5 --no-bandwidth 2>&1 | grep -E "tg[0-9]|error|keeps the graph" |
+                    AKUNU_CUDA_DEFINES="$d" AKUNU_CUDA_PERSIST=$v timeout 120 "$BIN/akunu" bench -m "$f" \
+                        --device cuda -p "$p" -n 128 -r 5 --no-bandwidth 2>&1 |
+                        grep -E "tg[0-9]|error|keeps the graph" |
                         sed "s/^/persist=$v p=$p ${d:-_} /" | sed 's/| akunu synthetic.*prefill//' || true
                 done
             done
         done
         # Block 0's cycles per phase kind, one chain.
-        AKUNU_CUDA_PERSIST=1 AKUNU_CUDA_DEFINES="$d -DPD_TIMING" "$BIN/akunu" bench -m "$f" --device cuda \
-            -p 0 -n 128 -r 1 --no-bandwidth 2>&1 | grep -E "persist timing|error" | tail -1 |
+        AKUNU_CUDA_PERSIST=1 AKUNU_CUDA_DEFINES="$d -DPD_TIMING" timeout 120 "$BIN/akunu" bench -m "$f" \
+            --device cuda -p 0 -n 128 -r 1 --no-bandwidth 2>&1 | grep -E "persist timing|error" | tail -1 |
             sed "s/^/${d:-_} /" || true
     done
 }

@@ -124,6 +124,68 @@ __device__ __forceinline__ void pd_cp8(void* s, const void* g) {
 // A row of k in shared memory: its quants, then its scales padded to 16.
 __device__ __forceinline__ u32 pd_rec(u32 k) { return k / 2 + 4 * ((k / 32 + 3) / 4 * 4); }
 
+// PD_BULK=1: a block's rows of the next layer arrive by bulk copies (the
+// copy engine: one instruction per contiguous range, issued by thread 0,
+// completing on an mbarrier) instead of about 1,300 cp.async of 8 and 16
+// bytes issued by every thread. A matrix's rows [r0, r1) are contiguous
+// in the repacked buffer (quants, then scales), so a slice is two copies:
+// its quants (k / 2 bytes a row, a multiple of 16) and its scales (k / 8
+// bytes a row, 8-aligned only: the copy starts at the 16-byte boundary
+// below and ends at the one above, which stays inside the buffer because
+// rows x k / 8 is a multiple of 16). The shared-memory image is then
+// "quants of the slice's rows, scales of the slice's rows" per matrix
+// (PdBulk), not one record per row.
+#ifndef PD_BULK
+#define PD_BULK 0
+#endif
+
+__device__ __forceinline__ u32 pd_smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void pd_mbar_init(u64* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(pd_smem_addr(bar)) : "memory");
+}
+// Thread 0's arrival on bar, which then waits for `bytes` more bytes of
+// bulk copies.
+__device__ __forceinline__ void pd_mbar_expect(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(pd_smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+// Waits until bar's phase of the given parity has completed (its copies
+// landed and are visible to the waiting thread).
+__device__ __forceinline__ void pd_mbar_wait(u64* bar, u32 parity) {
+    asm volatile(
+        "{\n\t.reg .pred p;\n"
+        "PD_WAIT_%=:\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
+        "@!p bra PD_WAIT_%=;\n}" ::"r"(pd_smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+}
+// A bulk copy of `bytes` (a multiple of 16; both addresses 16-aligned)
+// from global src to shared dst, completing on bar.
+__device__ __forceinline__ void pd_bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     pd_smem_addr(dst)),
+                 "l"(src), "r"(bytes), "r"(pd_smem_addr(bar))
+                 : "memory");
+}
+__device__ __forceinline__ u32 pd_up16(u32 v) { return (v + 15) & ~15u; }
+
+// PD_LOGITS_L2=1: during the o phase of the second-to-last layer, one idle
+// warp asks L2 for this block's rows of the logits weight (two bulk L2
+// prefetches: its quants and its scales), so that the logits phase reads
+// them from L2 rather than DRAM. The layers leave DRAM nearly idle (about
+// 2 MB a layer over some 14 us), and the block's rows are contiguous.
+#ifndef PD_LOGITS_L2
+#define PD_LOGITS_L2 0
+#endif
+// An L2 prefetch of [p, p + bytes) clipped inward to 16-byte boundaries
+// (the instruction's alignment), so that it never reaches past the range.
+__device__ __forceinline__ void pd_prefetch_l2(const u8* p, u64 bytes) {
+    const u64 a = ((u64)p + 15) & ~15ull, b = ((u64)p + bytes) & ~15ull;
+    if (b > a)
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"((u32)(b - a)) : "memory");
+}
+
 // Dot product of a Q4_1 row (quants q, (d, m) f16 pairs s) with xs (shared),
 // the sum in every lane. Lane w takes 4-byte word w of the quants: bytes
 // 4i..4i+3 of block w / 4 (i = w % 4), weights 4i.. in their low nibbles
@@ -257,6 +319,15 @@ __device__ __forceinline__ PdRange pd_items(u32 items) {
 }
 __device__ __forceinline__ u32 pd_per(u32 items) { return (items + gridDim.x - 1) / gridDim.x; }
 
+// PD_LOGITS_L2: this block's rows of the logits weight m (rows x k, Q8_0
+// or Q4_1 repacked: every row's quants, then every row's scales) into L2.
+__device__ __forceinline__ void pd_prefetch_logits(const u8* m, u32 q8, u32 rows, u32 k) {
+    const PdRange r = pd_items(rows);
+    const u64 qb = q8 ? k : k / 2, sb = q8 ? k / 32 * 2 : k / 32 * 4;
+    pd_prefetch_l2(m + (u64)r.lo * qb, (u64)r.n * qb);
+    pd_prefetch_l2(m + (u64)rows * qb + (u64)r.lo * sb, (u64)r.n * sb);
+}
+
 // The block's record areas of one layer (persist.rs layer_smem).
 struct PdAreas {
     u8 *q, *o, *g, *d;
@@ -303,6 +374,91 @@ __device__ __forceinline__ void pd_prefetch(u8* buf, const PdArgs& a, const PdLa
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
+// The bulk image of one layer in a block's buffer (PD_BULK): byte offsets
+// of each matrix slice's quants (row i at q + i k / 2) and scales (row i at
+// s + (r0 k / 8) % 16 + i k / 8, r0 the slice's first row; q, k and v
+// each have a scale area). Every area is 16-aligned and a scale area has
+// 16 bytes of room for the copy's rounding (persist.rs bulk_layer_smem).
+struct PdBulk {
+    u32 qkv_q, qkv_s0, qkv_s1, qkv_s2, o_q, o_s, g_q, g_s, u_q, u_s, d_q, d_s, bytes;
+};
+__device__ __forceinline__ PdBulk pd_bulk_areas(const PdArgs& a) {
+    const u32 nq = 2 * pd_per((a.qd + 2 * a.kvd) / 2), no = pd_per(a.d), nf = pd_per(a.ff);
+    PdBulk b;
+    u32 o = 0;
+    b.qkv_q = o;
+    o += nq * (a.d / 2);
+    b.qkv_s0 = o;
+    o += pd_up16(nq * (a.d / 8) + 16);
+    b.qkv_s1 = o;
+    o += pd_up16(nq * (a.d / 8) + 16);
+    b.qkv_s2 = o;
+    o += pd_up16(nq * (a.d / 8) + 16);
+    b.o_q = o;
+    o += no * (a.qd / 2);
+    b.o_s = o;
+    o += pd_up16(no * (a.qd / 8) + 16);
+    b.g_q = o;
+    o += nf * (a.d / 2);
+    b.g_s = o;
+    o += pd_up16(nf * (a.d / 8) + 16);
+    b.u_q = o;
+    o += nf * (a.d / 2);
+    b.u_s = o;
+    o += pd_up16(nf * (a.d / 8) + 16);
+    b.d_q = o;
+    o += no * (a.ff / 2);
+    b.d_s = o;
+    o += pd_up16(no * (a.ff / 8) + 16);
+    b.bytes = o;
+    return b;
+}
+
+// Rows [r0, r1) of the repacked Q4_1 matrix m (rows x k): quants to
+// buf + qo, scales to buf + so (PdBulk). Returns the bytes the two copies
+// move; issues them only when `issue` (the first pass counts the bytes
+// for the mbarrier's expected total).
+__device__ __forceinline__ u32 pd_bulk_rows(u8* buf, u32 qo, u32 so, const u8* m, u32 rows, u32 k, u32 r0, u32 r1,
+                                            u64* bar, bool issue) {
+    if (r0 >= r1) return 0;
+    const u32 qb = k / 2, sb = k / 8;
+    const u32 qbytes = (r1 - r0) * qb;
+    const u64 s_lo = (u64)rows * qb + (u64)r0 * sb;  // 8-aligned
+    const u64 s_a = s_lo & ~15ull, s_b = (s_lo + (u64)(r1 - r0) * sb + 15) & ~15ull;
+    const u32 sbytes = (u32)(s_b - s_a);
+    if (issue) {
+        pd_bulk_copy(buf + qo, m + (u64)r0 * qb, qbytes, bar);
+        pd_bulk_copy(buf + so, m + s_a, sbytes, bar);
+    }
+    return qbytes + sbytes;
+}
+__device__ __forceinline__ u32 pd_bulk_pass(u8* buf, const PdArgs& a, const PdLayer& L, u64* bar, bool issue) {
+    const PdBulk b = pd_bulk_areas(a);
+    const PdRange rq = pd_items((a.qd + 2 * a.kvd) / 2);
+    const u32 c0 = 2 * rq.lo, c1 = 2 * (rq.lo + rq.n);
+    const u32 seg[4] = {0, a.qd, a.qd + a.kvd, a.qd + 2 * a.kvd};
+    const u32 so[3] = {b.qkv_s0, b.qkv_s1, b.qkv_s2};
+    u32 n = 0;
+#pragma unroll
+    for (int m = 0; m < 3; ++m) {
+        const u32 r0 = max(c0, seg[m]), r1 = min(c1, seg[m + 1]);
+        if (r0 < r1)
+            n += pd_bulk_rows(buf, b.qkv_q + (r0 - c0) * (a.d / 2), so[m], L.w[m], seg[m + 1] - seg[m], a.d,
+                              r0 - seg[m], r1 - seg[m], bar, issue);
+    }
+    const PdRange ro = pd_items(a.d), rg = pd_items(a.ff);
+    n += pd_bulk_rows(buf, b.o_q, b.o_s, L.w[3], a.d, a.qd, ro.lo, ro.lo + ro.n, bar, issue);
+    n += pd_bulk_rows(buf, b.g_q, b.g_s, L.w[4], a.ff, a.d, rg.lo, rg.lo + rg.n, bar, issue);
+    n += pd_bulk_rows(buf, b.u_q, b.u_s, L.w[5], a.ff, a.d, rg.lo, rg.lo + rg.n, bar, issue);
+    n += pd_bulk_rows(buf, b.d_q, b.d_s, L.w[6], a.d, a.ff, ro.lo, ro.lo + ro.n, bar, issue);
+    return n;
+}
+// Thread 0: this block's rows of layer L into buf, completing on bar.
+__device__ __forceinline__ void pd_prefetch_bulk(u8* buf, const PdArgs& a, const PdLayer& L, u64* bar) {
+    pd_mbar_expect(bar, pd_bulk_pass(buf, a, L, bar, false));
+    pd_bulk_pass(buf, a, L, bar, true);
+}
+
 // Block sum; red holds PD_WARPS floats. Ends synchronised.
 __device__ __forceinline__ float pd_block_sum(float v, float* red) {
     v = pd_warp_sum(v);
@@ -317,19 +473,27 @@ __device__ __forceinline__ float pd_block_sum(float v, float* red) {
 
 // v[j] = the value at src[threadIdx.x + j PD_THREADS] (< n) once it carries
 // `tag`; every word is requested before the first is checked.
-__device__ __forceinline__ void pd_load_tagged(float (&v)[PD_MAXPER], const u64* src, u32 n, u32 tag) {
-    u64 w[PD_MAXPER];
+// In two halves: the requests, then the reloads until the tags match (so
+// that other work can go between them).
+__device__ __forceinline__ void pd_request_tagged(u64 (&w)[PD_MAXPER], const u64* src, u32 n, u32 tag) {
 #pragma unroll
     for (int j = 0; j < PD_MAXPER; ++j) {
         const u32 i = threadIdx.x + j * PD_THREADS;
         w[j] = i < n ? pd_ld_word(src + i) : (u64)tag << 32;
     }
+}
+__device__ __forceinline__ void pd_finish_tagged(float (&v)[PD_MAXPER], u64 (&w)[PD_MAXPER], const u64* src, u32 tag) {
 #pragma unroll
     for (int j = 0; j < PD_MAXPER; ++j) {
         const u32 i = threadIdx.x + j * PD_THREADS;
         while ((u32)(w[j] >> 32) != tag) w[j] = pd_ld_word(src + i);
         v[j] = __uint_as_float((u32)w[j]);
     }
+}
+__device__ __forceinline__ void pd_load_tagged(float (&v)[PD_MAXPER], const u64* src, u32 n, u32 tag) {
+    u64 w[PD_MAXPER];
+    pd_request_tagged(w, src, n, tag);
+    pd_finish_tagged(v, w, src, tag);
 }
 // dst[0..n) (shared) = the tagged values at src, PD_MAXPER a thread at a
 // time; ends synchronised.
@@ -373,14 +537,13 @@ __device__ __forceinline__ void pd_norm(float* xs, const float (&v)[PD_MAXPER], 
 
 // A residual phase (o, down): h += W x. The block stages x (k tagged words
 // of phase e at src) when it owns h rows; the warp owning row `own` takes
-// its record of W (recs: one record of k a warp) against it, keeps the sum
+// its row of W (quants q, scales sc) against it, keeps the sum
 // in hreg and hands it over (tagged e + 1) at h[own].
-__device__ __forceinline__ void pd_residual(float& hreg, float* xs, const u64* src, u32 k, const u8* recs, u64* h,
-                                            int own, u32 owned, u32 e) {
+__device__ __forceinline__ void pd_residual(float& hreg, float* xs, const u64* src, u32 k, const u8* q, const u8* sc,
+                                            u64* h, int own, u32 owned, u32 e) {
     if (owned > 0) pd_stage_tagged(xs, src, k, e);
     if (own >= 0) {
-        const u8* r0 = recs + (u64)(threadIdx.x >> 5) * pd_rec(k);
-        hreg += pd_dot_q41(r0, r0 + k / 2, k, xs, threadIdx.x & 31);
+        hreg += pd_dot_q41(q, sc, k, xs, threadIdx.x & 31);
         if ((threadIdx.x & 31) == 0) pd_st_tag(h + own, hreg, e + 1);
     }
 }
@@ -419,8 +582,12 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
 #endif
     extern __shared__ __align__(16) u8 smem[];
     const u32 rd = pd_rec(a.d);
+#if PD_BULK
+    const u64 lb = pd_bulk_areas(a).bytes;
+#else
     const u64 lb = (u64)pd_per((a.qd + 2 * a.kvd) / 2) * 2 * rd + (u64)pd_per(a.d) * pd_rec(a.qd) +
                    (u64)pd_per(a.ff) * 2 * rd + (u64)pd_per(a.d) * pd_rec(a.ff);
+#endif
     u8* wbuf[2] = {smem, smem + lb};
     float* xs = (float*)(smem + 2 * lb);      // max(d, qd, ff) floats
     float* sc = xs + max(max(a.d, a.qd), a.ff);  // max_pos scores
@@ -429,6 +596,10 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
     __shared__ u64 wbest[PD_WARPS];
     __shared__ u32 s_token, s_cancel;
     __shared__ float2 rope[PD_HD / 2];
+    // PD_BULK: the two row buffers' mbarriers. Buffer b is filled for the
+    // layers gl = 2n + b counted over the chain; fill n completes phase n,
+    // so layer gl waits for parity (gl / 2) % 2.
+    __shared__ __align__(8) u64 wbar[2];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const PdRange ro = pd_items(a.d);
@@ -442,7 +613,21 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
     Ctl* ctl = a.ctl;
     u32 token = __ldcg(a.conveyor + ctl->tok0);
     const u32 pos0 = ctl->pos0, tok0 = ctl->tok0, limit = ctl->limit;
+#if PD_BULK
+#if PD_PREFETCH_LATE
+#error "PD_PREFETCH_LATE applies to the cp.async copies only"
+#endif
+    if (threadIdx.x == 0) {
+        pd_mbar_init(&wbar[0]);
+        pd_mbar_init(&wbar[1]);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) pd_prefetch_bulk(wbuf[0], a, a.layers[0], &wbar[0]);
+#else
     pd_prefetch(wbuf[0], a, a.layers[0]);
+#endif
+    u32 gnext = 0;  // the layer (counted over the chain) of the copies last requested
     for (u32 t = 0; t < limit; ++t) {
         const u32 pos = pos0 + t;
         if (own >= 0) hreg = pd_elem(a.emb, a.emb_q8, a.vocab, a.d, token, own);
@@ -461,11 +646,23 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             // next layer's (the next token's first at the last) into the
             // buffer the layer before read, which every warp has left (this
             // barrier).
+            const PdLayer& Ln = a.layers[(l + 1) % a.nl];
+            gnext = gl + 1;
+#if PD_BULK
+            // Every warp left the other buffer (read by the layer before) at
+            // the barrier that ended its last phase; thread 0 requests the
+            // next layer's rows into it once its own loads of h are in
+            // flight (below), so that they do not wait behind the issue.
+            bool issue = threadIdx.x == 0;
+            pd_mbar_wait(&wbar[gl & 1], (gl >> 1) & 1);
+            u8* const wb = wbuf[gl & 1];
+            const PdBulk B = pd_bulk_areas(a);
+#else
             asm volatile("cp.async.wait_group 0;" ::: "memory");
             __syncthreads();
-            const PdLayer& Ln = a.layers[(l + 1) % a.nl];
             if (!PD_PREFETCH_LATE) pd_prefetch(wbuf[(gl + 1) & 1], a, Ln);
             const PdAreas ws = pd_areas(wbuf[gl & 1], a);
+#endif
             u64* X = a.x + (u64)(gl & 1) * xw;        // this layer's values
             u64* Xp = a.x + (u64)((gl + 1) & 1) * xw;  // the layer before's (its h)
 
@@ -482,14 +679,39 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                             v[j] = i < a.d ? pd_elem(a.emb, a.emb_q8, a.vocab, a.d, token, i) : 0.0f;
                         }
                     } else {
-                        pd_load_tagged(v, Xp + X_H, a.d, e);
+                        u64 w[PD_MAXPER];
+                        pd_request_tagged(w, Xp + X_H, a.d, e);
+#if PD_BULK
+                        if (issue) {
+                            pd_prefetch_bulk(wbuf[gnext & 1], a, Ln, &wbar[gnext & 1]);
+                            issue = false;
+                        }
+#endif
+                        pd_finish_tagged(v, w, Xp + X_H, e);
                     }
                     pd_norm(xs, v, nw, a, red);
                 }
+#if PD_BULK
+                // The first layer, or a block without q | k | v rows.
+                if (issue) pd_prefetch_bulk(wbuf[gnext & 1], a, Ln, &wbar[gnext & 1]);
+#endif
                 for (u32 it = warp; it < r.n; it += PD_WARPS) {
+#if PD_BULK
+                    // Pair it's rows c, c + 1 of q | k | v: one matrix (its
+                    // sizes are multiples of 64), whose slice starts at r0.
+                    const u32 c0 = 2 * r.lo, c = c0 + 2 * it, sb = a.d / 8;
+                    const u32 sg = c < a.qd ? 0 : (c < a.qd + a.kvd ? a.qd : a.qd + a.kvd);
+                    const u32 so = c < a.qd ? B.qkv_s0 : (c < a.qd + a.kvd ? B.qkv_s1 : B.qkv_s2);
+                    const u32 r0 = max(c0, sg);
+                    const u8* q0 = wb + B.qkv_q + (c - c0) * (a.d / 2);
+                    const u8* s0 = wb + so + (((r0 - sg) * sb) & 15) + (c - r0) * sb;
+                    const u8 *q1 = q0 + a.d / 2, *s1 = s0 + sb;
+#else
                     const u8* r0 = ws.q + (u64)it * 2 * rd;
-                    const float x0 = pd_dot_q41(r0, r0 + a.d / 2, a.d, xs, lane);
-                    const float x1 = pd_dot_q41(r0 + rd, r0 + rd + a.d / 2, a.d, xs, lane);
+                    const u8 *q0 = r0, *s0 = r0 + a.d / 2, *q1 = r0 + rd, *s1 = r0 + rd + a.d / 2;
+#endif
+                    const float x0 = pd_dot_q41(q0, s0, a.d, xs, lane);
+                    const float x1 = pd_dot_q41(q1, s1, a.d, xs, lane);
                     if (lane == 0) {
                         const u32 row = 2 * (r.lo + it);
                         float y0 = x0, y1 = x1;
@@ -623,7 +845,19 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             __syncthreads();
             PD_MARK(1);
             // ---- o: h += Wo att
-            pd_residual(hreg, xs, X + X_ATT, a.qd, ws.o, X + X_H, own, ro.n, e);
+            {
+#if PD_BULK
+                const u8* q = wb + B.o_q + warp * (a.qd / 2);
+                const u8* sc = wb + B.o_s + ((ro.lo * (a.qd / 8)) & 15) + warp * (a.qd / 8);
+#else
+                const u8* q = ws.o + (u64)warp * pd_rec(a.qd);
+                const u8* sc = q + a.qd / 2;
+#endif
+                pd_residual(hreg, xs, X + X_ATT, a.qd, q, sc, X + X_H, own, ro.n, e);
+                // The last warp owns no h row (blocks x warps > d rows).
+                if (PD_LOGITS_L2 && l + 2 == max(a.nl, 2u) && threadIdx.x == PD_THREADS - 32 && own < 0)
+                    pd_prefetch_logits(a.out, a.out_q8, a.vocab, a.d);
+            }
             ++e;
             __syncthreads();
             PD_MARK(2);
@@ -637,9 +871,16 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                     pd_norm(xs, v, nw, a, red);
                 }
                 for (u32 it = warp; it < r.n; it += PD_WARPS) {
+#if PD_BULK
+                    const u32 sb = a.d / 8, pre = (r.lo * sb) & 15;
+                    const u8 *gq = wb + B.g_q + it * (a.d / 2), *gs = wb + B.g_s + pre + it * sb;
+                    const u8 *uq = wb + B.u_q + it * (a.d / 2), *us = wb + B.u_s + pre + it * sb;
+#else
                     const u8* r0 = ws.g + (u64)it * 2 * rd;
-                    const float gv = pd_dot_q41(r0, r0 + a.d / 2, a.d, xs, lane);
-                    const float uv = pd_dot_q41(r0 + rd, r0 + rd + a.d / 2, a.d, xs, lane);
+                    const u8 *gq = r0, *gs = r0 + a.d / 2, *uq = r0 + rd, *us = r0 + rd + a.d / 2;
+#endif
+                    const float gv = pd_dot_q41(gq, gs, a.d, xs, lane);
+                    const float uv = pd_dot_q41(uq, us, a.d, xs, lane);
                     // silu as model.cu's gated activation computes it.
                     if (lane == 0) pd_st_tag(X + X_ACT + r.lo + it, gv / (1.0f + __expf(-gv)) * uv, e + 1);
                 }
@@ -648,7 +889,16 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                 PD_MARK(3);
             }
             // ---- down: h += Wd act
-            pd_residual(hreg, xs, X + X_ACT, a.ff, ws.d, X + X_H, own, ro.n, e);
+            {
+#if PD_BULK
+                const u8* q = wb + B.d_q + warp * (a.ff / 2);
+                const u8* sc = wb + B.d_s + ((ro.lo * (a.ff / 8)) & 15) + warp * (a.ff / 8);
+#else
+                const u8* q = ws.d + (u64)warp * pd_rec(a.ff);
+                const u8* sc = q + a.ff / 2;
+#endif
+                pd_residual(hreg, xs, X + X_ACT, a.ff, q, sc, X + X_H, own, ro.n, e);
+            }
             ++e;
             __syncthreads();
             PD_MARK(4);
@@ -715,5 +965,12 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             break;
         }
     }
+    // The copies last requested (the next token's first layer) land before
+    // the block exits: its shared memory must not be written after that.
+#if PD_BULK
+    pd_mbar_wait(&wbar[gnext & 1], (gnext >> 1) & 1);
+#else
     asm volatile("cp.async.wait_group 0;" ::: "memory");
+    (void)gnext;
+#endif
 }

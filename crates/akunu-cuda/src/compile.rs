@@ -47,30 +47,42 @@ pub fn persist_source() -> String {
     unit(&PERSIST_SOURCES)
 }
 
-fn options(arch: &str) -> Vec<String> {
+/// Which module a compile is for: the developer switches named `PD_*`
+/// (`AKUNU_CUDA_DEFINES`) reach the persistent decode module alone.
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+pub enum Module {
+    Main,
+    Persistent,
+}
+
+fn options(arch: &str, module: Module) -> Vec<String> {
     let mut o = vec![
         format!("-arch={arch}"),
         "-default-device".into(),
         "-std=c++17".into(),
         "-lineinfo".into(),
     ];
-    o.extend(extra_defines());
+    o.extend(defines_for(
+        std::env::var("AKUNU_CUDA_DEFINES").as_deref().unwrap_or(""),
+        module,
+    ));
     o
 }
 
 /// Developer switch: `AKUNU_CUDA_DEFINES="-DSMB_TIMING ..."` adds macro
 /// definitions to the compile (kernel experiments and in-kernel timers
 /// without a rebuild). Words other than `-DNAME[=VALUE]` are ignored. They
-/// are compile options, so they are part of the cache key.
-fn extra_defines() -> Vec<String> {
-    std::env::var("AKUNU_CUDA_DEFINES")
-        .map(|v| {
-            v.split_whitespace()
-                .filter(|w| w.starts_with("-D") && w.len() > 2)
-                .map(str::to_string)
-                .collect()
-        })
-        .unwrap_or_default()
+/// are compile options, so they are part of the cache key. Those named
+/// `PD_*` are persist.cu's and go to that module only, so that an
+/// experiment on the persistent kernel does not recompile (and re-cache)
+/// the main module.
+fn defines_for(words: &str, module: Module) -> Vec<String> {
+    words
+        .split_whitespace()
+        .filter(|w| w.starts_with("-D") && w.len() > 2)
+        .filter(|w| module == Module::Persistent || !w.starts_with("-DPD_"))
+        .map(str::to_string)
+        .collect()
 }
 
 fn nvrtc_version() -> Result<(i32, i32), String> {
@@ -94,13 +106,22 @@ fn cache_dir() -> Option<PathBuf> {
 /// the disk cache or freshly compiled. `say` receives one line when
 /// compiling.
 pub fn cubin(arch: &str, driver: i32, say: &mut dyn FnMut(&str)) -> Result<Vec<u8>, String> {
-    cubin_of(&full_source(), &[], "CUDA kernels", arch, driver, say)
+    cubin_of(
+        &full_source(),
+        Module::Main,
+        &[],
+        "CUDA kernels",
+        arch,
+        driver,
+        say,
+    )
 }
 
 /// Machine code of `src` compiled with `extra` options besides the usual
 /// ones, cached as `cubin` caches the main module's.
 pub fn cubin_of(
     src: &str,
+    module: Module,
     extra: &[String],
     what: &str,
     arch: &str,
@@ -116,7 +137,7 @@ pub fn cubin_of(
         );
     }
     let (maj, min) = nvrtc_version()?;
-    let mut opts = options(arch);
+    let mut opts = options(arch, module);
     opts.extend(extra.iter().cloned());
     let mut h = Sha256::new();
     h.update(src.as_bytes());
@@ -230,15 +251,33 @@ mod tests {
             eprintln!("NVRTC not installed: kernel compilation not checked");
             return;
         }
-        let bin = super::compile(&super::full_source(), &super::options("sm_90"))
-            .unwrap_or_else(|e| panic!("{e}"));
+        let bin = super::compile(
+            &super::full_source(),
+            &super::options("sm_90", super::Module::Main),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
         assert!(bin.len() > 1000);
         // The persistent decode module, generic and at SmolLM2's shape.
-        let mut opts = super::options("sm_90");
+        let mut opts = super::options("sm_90", super::Module::Persistent);
         let bin = super::compile(&super::persist_source(), &opts).unwrap_or_else(|e| panic!("{e}"));
         assert!(bin.len() > 1000);
         opts.extend(crate::persist::shape_defines(576, 576, 192, 1536, 9, 3));
         let bin = super::compile(&super::persist_source(), &opts).unwrap_or_else(|e| panic!("{e}"));
         assert!(bin.len() > 1000);
+        // Its bulk-copy form (PD_BULK, a developer switch).
+        opts.push("-DPD_BULK=1".into());
+        let bin = super::compile(&super::persist_source(), &opts).unwrap_or_else(|e| panic!("{e}"));
+        assert!(bin.len() > 1000);
+    }
+
+    #[test]
+    fn persistent_switches_reach_only_their_module() {
+        use super::{Module, defines_for};
+        let w = "-DSMB_TIMING -DPD_BULK=1 junk -D -DPD_TIMING";
+        assert_eq!(defines_for(w, Module::Main), ["-DSMB_TIMING"]);
+        assert_eq!(
+            defines_for(w, Module::Persistent),
+            ["-DSMB_TIMING", "-DPD_BULK=1", "-DPD_TIMING"]
+        );
     }
 }

@@ -445,16 +445,17 @@ impl CudaBackend {
         self.persist_chains.clone()
     }
 
-    /// The persistent plan for a chain of `steps` one-row steps from
-    /// `first`, when it is on and the table and positions allow it. A table
-    /// it cannot run is reported once (`AKUNU_CUDA_PERSIST` users want to
-    /// know why their model keeps the graph).
+    /// The persistent plan for a chain of one-row steps from `first`, when
+    /// it is on and the table and the first position allow it, with the
+    /// number of the chain's steps it serves (those below its `max_pos`).
+    /// A table it cannot run is reported once (`AKUNU_CUDA_PERSIST` users
+    /// want to know why their model keeps the graph).
     fn persist_plan(
         &mut self,
         table: &DispatchTable,
         first: StepInfo,
         steps: u32,
-    ) -> Result<Option<persist::Plan>, BackendError> {
+    ) -> Result<Option<(persist::Plan, u32)>, BackendError> {
         if !self.persist_on || first.rows != 1 || self.profile.is_some() {
             return Ok(None);
         }
@@ -478,7 +479,7 @@ impl CudaBackend {
             self.persist_plans.insert(hash, plan);
         }
         Ok(match &self.persist_plans[&hash] {
-            Ok(p) if first.pos as u64 + steps as u64 <= p.max_pos as u64 => Some(*p),
+            Ok(p) if first.pos < p.max_pos => Some((*p, steps.min(p.max_pos - first.pos))),
             _ => None,
         })
     }
@@ -906,10 +907,65 @@ impl Backend for CudaBackend {
         } else {
             self.persist_plan(table, first, req.steps)?
         };
-        if persist.is_some() {
-            self.persist_chains.fetch_add(1, Ordering::Relaxed);
+        let Some((plan, served)) = persist else {
+            return chain::decode_chain(self, table, first, req, sink, None);
+        };
+        self.persist_chains.fetch_add(1, Ordering::Relaxed);
+        if served == req.steps {
+            return chain::decode_chain(self, table, first, req, sink, Some(plan));
         }
-        chain::decode_chain(self, table, first, req, sink, persist)
+        // The chain runs past the positions the persistent kernel serves:
+        // its first `served` steps run persistent, the rest on the graph
+        // (both read and write the same cache and conveyor). Which path
+        // computes a position therefore depends on the position alone, not
+        // on the chain's length.
+        let head_req = ChainRequest {
+            steps: served,
+            ..req.clone()
+        };
+        let (mut last, mut cancelled) = (None, false);
+        let head = chain::decode_chain(
+            self,
+            table,
+            first,
+            &head_req,
+            &mut |s, tok| {
+                last = Some(tok);
+                cancelled = !sink(s, tok);
+                !cancelled
+            },
+            Some(plan),
+        )?;
+        let ended =
+            head.steps < served || cancelled || last.is_some_and(|t| req.stop_ids.contains(&t));
+        if ended {
+            return Ok(head);
+        }
+        let rest = StepInfo {
+            pos: first.pos + served,
+            tok: first.tok + served,
+            rows: 1,
+        };
+        let tail_req = ChainRequest {
+            steps: req.steps - served,
+            ..req.clone()
+        };
+        let tail = chain::decode_chain(
+            self,
+            table,
+            rest,
+            &tail_req,
+            &mut |s, tok| sink(s + served, tok),
+            None,
+        )?;
+        Ok(ChainReport {
+            steps: head.steps + tail.steps,
+            computed_after_end: match (head.computed_after_end, tail.computed_after_end) {
+                (Some(a), Some(b)) => Some(a + b),
+                _ => None,
+            },
+            delivery_us: [head.delivery_us, tail.delivery_us].concat(),
+        })
     }
 
     fn verify_step(&mut self, table: &DispatchTable, first: StepInfo) -> Result<(), BackendError> {

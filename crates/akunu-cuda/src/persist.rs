@@ -30,7 +30,8 @@ const WARPS: u32 = 12;
 /// Values of a row a thread holds (persist.cu `PD_MAXPER`).
 const MAXPER: u32 = 4;
 const HEAD: u32 = 64;
-/// Static shared memory of the kernel (ptxas: 368 bytes), rounded up.
+/// Static shared memory of the kernel (ptxas: 368 bytes, 384 with
+/// `PD_BULK`'s two mbarriers), rounded up.
 pub(crate) const STATIC_SMEM: u32 = 512;
 /// Most cache positions a chain may reach on this path: its attention runs
 /// on one block per head, which loses to the graph's split attention after
@@ -102,14 +103,34 @@ fn rec(k: u32) -> u64 {
     (k / 2 + 4 * (k / 32).div_ceil(4) * 4) as u64
 }
 
-/// Shared memory of one layer's rows for a grid of `blocks` (persist.cu
-/// `pd_areas`).
+/// Shared memory of one layer's rows for a grid of `blocks`: enough for
+/// either image of them, one record a row (persist.cu `pd_areas`, the
+/// `cp.async` copies) or slices of quants and scales (`pd_bulk_areas`,
+/// the bulk copies of `PD_BULK`), so that the switch needs no host change.
 fn layer_smem(d: u32, qd: u32, kvd: u32, ff: u32, blocks: u32) -> u64 {
     let per = |items: u32| items.div_ceil(blocks) as u64;
-    per((qd + 2 * kvd) / 2) * 2 * rec(d)
+    let records = per((qd + 2 * kvd) / 2) * 2 * rec(d)
         + per(d) * rec(qd)
         + per(ff) * 2 * rec(d)
-        + per(d) * rec(ff)
+        + per(d) * rec(ff);
+    records.max(bulk_layer_smem(d, qd, kvd, ff, blocks))
+}
+
+/// persist.cu `pd_bulk_areas(..).bytes`: each slice's quants (k / 2 bytes
+/// a row), then its scales (k / 8 a row) with 16 bytes of room for the
+/// copy's rounding, every area a multiple of 16; q, k and v have a scale
+/// area each.
+fn bulk_layer_smem(d: u32, qd: u32, kvd: u32, ff: u32, blocks: u32) -> u64 {
+    let per = |items: u32| items.div_ceil(blocks) as u64;
+    let scales = |rows: u64, k: u32| (rows * (k / 8) as u64 + 16).next_multiple_of(16);
+    let (nq, no, nf) = (2 * per((qd + 2 * kvd) / 2), per(d), per(ff));
+    nq * (d / 2) as u64
+        + 3 * scales(nq, d)
+        + no * (qd / 2) as u64
+        + scales(no, qd)
+        + 2 * (nf * (d / 2) as u64 + scales(nf, d))
+        + no * (ff / 2) as u64
+        + scales(no, ff)
 }
 
 /// What the plans hold on the device, released with the backend.
@@ -145,6 +166,7 @@ fn kernel_for(
     let defs = shape_defines(a.d, a.qd, a.kvd, a.ff, a.nh, a.nkv);
     let cubin = crate::compile::cubin_of(
         &crate::compile::persist_source(),
+        crate::compile::Module::Persistent,
         &defs,
         "the persistent decode kernel",
         &arch,
@@ -434,6 +456,13 @@ fn read_shape(be: &CudaBackend, table: &DispatchTable) -> Result<Shape, String> 
             k: ptr(b + 1, 1)?,
             v: ptr(b + 1, 2)?,
         });
+        if layers
+            .last()
+            .is_some_and(|w| w.w.iter().any(|p| p % 16 != 0))
+        {
+            // Rows are copied in 16-byte pieces (or bulk copies).
+            return Err(format!("layer {l}: a matrix not 16-byte aligned"));
+        }
         attn_norm = ptr(b + 7, 2)?;
     }
     let lg = n - 2;

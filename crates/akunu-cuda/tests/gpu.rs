@@ -482,10 +482,55 @@ fn cuda_persistent() -> (Box<dyn Backend>, Arc<std::sync::atomic::AtomicU64>) {
     (Box::new(be), n)
 }
 
+/// Greedy tokens of `m` from `p` on the GPU with the persistent switch on,
+/// checked against the CPU's (equal but after a near-tie; at least 8
+/// compared); returns them and how many were compared.
+fn persistent_against_cpu(
+    m: &Arc<Model>,
+    p: &[u32],
+    opts: &GenerateOptions,
+    what: &str,
+) -> (Vec<u32>, usize) {
+    use std::sync::atomic::Ordering;
+    let mut c = engine(m, cpu(), 16, 64);
+    let (tc, lcs) = run(&mut c, p, opts);
+    let (be, chains) = cuda_persistent();
+    let mut g = engine(m, be, 64, 64);
+    let mut tg = Vec::new();
+    g.generate(p, opts, &mut |id, _| {
+        tg.push(id);
+        true
+    })
+    .unwrap();
+    assert!(
+        chains.load(Ordering::Relaxed) > 0,
+        "{what}: no chain ran persistent"
+    );
+    assert_eq!(tg.len(), tc.len(), "{what}: tokens generated");
+    let mut same = tg.len();
+    for (s, (a, b)) in tg.iter().zip(&tc).enumerate() {
+        if a != b {
+            let gap = top2_gap(&lcs[s]);
+            assert!(
+                gap < 1e-3 * lcs[s].iter().fold(1f32, |m, v| m.max(v.abs())),
+                "{what}: step {s}: persistent chose {a}, CPU {b}, top-2 gap {gap}"
+            );
+            eprintln!("{what}: near-tie at step {s} (gap {gap}); stopping the comparison");
+            same = s;
+            break;
+        }
+    }
+    eprintln!("{what}: {same} of {} tokens equal to the CPU's", tg.len());
+    assert!(same >= 8, "{what}: only {same} tokens compared");
+    (tg, same)
+}
+
 /// The persistent kernel's greedy tokens against the CPU's (equal but after
 /// a near-tie), on the SmolLM2 shape with a Q4_1 and with a Q8_0 embedding
 /// (the default file's types); then a stop token and a cancellation by the
-/// sink, both inside one persistent chain.
+/// sink, both inside one persistent chain; a chain that runs past the
+/// kernel's last position (persistent, then the graph); speculative
+/// decoding, which keeps the graph.
 #[test]
 #[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
 fn persistent_chain_matches_cpu() {
@@ -507,36 +552,7 @@ fn persistent_chain_matches_cpu() {
         (&emb8, "smollm2 q4_1, q8_0 embedding"),
     ] {
         let p = prompt(20, m.config.n_vocab);
-        let mut c = engine(m, cpu(), 16, 64);
-        let (tc, lcs) = run(&mut c, &p, &opts);
-        let (be, chains) = cuda_persistent();
-        let mut g = engine(m, be, 64, 64);
-        let mut tg = Vec::new();
-        g.generate(&p, &opts, &mut |id, _| {
-            tg.push(id);
-            true
-        })
-        .unwrap();
-        assert!(
-            chains.load(Ordering::Relaxed) > 0,
-            "{what}: no chain ran persistent"
-        );
-        assert_eq!(tg.len(), tc.len(), "{what}: tokens generated");
-        let mut same = tg.len();
-        for (s, (a, b)) in tg.iter().zip(&tc).enumerate() {
-            if a != b {
-                let gap = top2_gap(&lcs[s]);
-                assert!(
-                    gap < 1e-3 * lcs[s].iter().fold(1f32, |m, v| m.max(v.abs())),
-                    "{what}: step {s}: persistent chose {a}, CPU {b}, top-2 gap {gap}"
-                );
-                eprintln!("{what}: near-tie at step {s} (gap {gap}); stopping the comparison");
-                same = s;
-                break;
-            }
-        }
-        eprintln!("{what}: {same} of {} tokens equal to the CPU's", tg.len());
-        assert!(same >= 8, "{what}: only {same} tokens compared");
+        let (tg, same) = persistent_against_cpu(m, &p, &opts, what);
 
         // A stop token inside the chain: the chain ends on the device.
         let mut g = engine(m, cuda_persistent().0, 64, 64);
@@ -599,6 +615,44 @@ fn persistent_chain_matches_cpu() {
         .unwrap();
         assert_eq!(more.len(), 5, "{what}: a generation after the cancellation");
     }
+    // A chain past the kernel's last position (persist::MAX_POS, 384, in a
+    // context of 512): its first 24 steps run persistent, the next 24 on
+    // the graph; the tokens still follow the CPU's. Which path computes a
+    // position depends on the position alone, so a shorter generation
+    // (persistent throughout) gives the same first tokens bit for bit.
+    let long = prompt(360, q41.config.n_vocab);
+    let (cross, _) = persistent_against_cpu(
+        &q41,
+        &long,
+        &GenerateOptions {
+            max_tokens: 48,
+            ..opts.clone()
+        },
+        "smollm2 q4_1 from position 360",
+    );
+    let (be, _) = cuda_persistent();
+    let mut g = engine(&q41, be, 64, 64);
+    let mut short = Vec::new();
+    g.generate(
+        &long,
+        &GenerateOptions {
+            max_tokens: 20,
+            ..opts.clone()
+        },
+        &mut |id, _| {
+            short.push(id);
+            true
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        short,
+        cross[..20],
+        "the first 20 tokens of 48 and of 20 from position 360"
+    );
+    eprintln!(
+        "past position 384: 48 tokens, persistent then the graph, the first 20 as a 20-token run's"
+    );
     // Speculative decoding asks for the table's order: with the switch on,
     // its plain runs keep the graph, and its tokens are the graph's.
     let unit = prompt(7, q41.config.n_vocab);
