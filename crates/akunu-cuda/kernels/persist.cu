@@ -124,10 +124,12 @@ __device__ __forceinline__ void pd_cp8(void* s, const void* g) {
 // A row of k in shared memory: its quants, then its scales padded to 16.
 __device__ __forceinline__ u32 pd_rec(u32 k) { return k / 2 + 4 * ((k / 32 + 3) / 4 * 4); }
 
-// PD_BULK=1: a block's rows of the next layer arrive by bulk copies (the
-// copy engine: one instruction per contiguous range, issued by thread 0,
-// completing on an mbarrier) instead of about 1,300 cp.async of 8 and 16
-// bytes issued by every thread. A matrix's rows [r0, r1) are contiguous
+// PD_BULK=1 (persist.rs sets it on sm_90 and later; bench/RESULTS.md,
+// session 19: +3.4% from position 0, +5% from 256, on an H100): a block's
+// rows of the next layer arrive by bulk copies (one instruction per
+// contiguous range, issued by thread 0, completing on an mbarrier) instead
+// of about 1,300 cp.async of 8 and 16 bytes issued by every thread, whose
+// requests the phases' own loads of their inputs queued behind. A matrix's rows [r0, r1) are contiguous
 // in the repacked buffer (quants, then scales), so a slice is two copies:
 // its quants (k / 2 bytes a row, a multiple of 16) and its scales (k / 8
 // bytes a row, 8-aligned only: the copy starts at the 16-byte boundary
@@ -169,22 +171,6 @@ __device__ __forceinline__ void pd_bulk_copy(void* dst, const void* src, u32 byt
                  : "memory");
 }
 __device__ __forceinline__ u32 pd_up16(u32 v) { return (v + 15) & ~15u; }
-
-// PD_LOGITS_L2=1: during the o phase of the second-to-last layer, one idle
-// warp asks L2 for this block's rows of the logits weight (two bulk L2
-// prefetches: its quants and its scales), so that the logits phase reads
-// them from L2 rather than DRAM. The layers leave DRAM nearly idle (about
-// 2 MB a layer over some 14 us), and the block's rows are contiguous.
-#ifndef PD_LOGITS_L2
-#define PD_LOGITS_L2 0
-#endif
-// An L2 prefetch of [p, p + bytes) clipped inward to 16-byte boundaries
-// (the instruction's alignment), so that it never reaches past the range.
-__device__ __forceinline__ void pd_prefetch_l2(const u8* p, u64 bytes) {
-    const u64 a = ((u64)p + 15) & ~15ull, b = ((u64)p + bytes) & ~15ull;
-    if (b > a)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"((u32)(b - a)) : "memory");
-}
 
 // Dot product of a Q4_1 row (quants q, (d, m) f16 pairs s) with xs (shared),
 // the sum in every lane. Lane w takes 4-byte word w of the quants: bytes
@@ -318,15 +304,6 @@ __device__ __forceinline__ PdRange pd_items(u32 items) {
     return {lo, min(items, lo + per) - lo};
 }
 __device__ __forceinline__ u32 pd_per(u32 items) { return (items + gridDim.x - 1) / gridDim.x; }
-
-// PD_LOGITS_L2: this block's rows of the logits weight m (rows x k, Q8_0
-// or Q4_1 repacked: every row's quants, then every row's scales) into L2.
-__device__ __forceinline__ void pd_prefetch_logits(const u8* m, u32 q8, u32 rows, u32 k) {
-    const PdRange r = pd_items(rows);
-    const u64 qb = q8 ? k : k / 2, sb = q8 ? k / 32 * 2 : k / 32 * 4;
-    pd_prefetch_l2(m + (u64)r.lo * qb, (u64)r.n * qb);
-    pd_prefetch_l2(m + (u64)rows * qb + (u64)r.lo * sb, (u64)r.n * sb);
-}
 
 // The block's record areas of one layer (persist.rs layer_smem).
 struct PdAreas {
@@ -854,9 +831,6 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                 const u8* sc = q + a.qd / 2;
 #endif
                 pd_residual(hreg, xs, X + X_ATT, a.qd, q, sc, X + X_H, own, ro.n, e);
-                // The last warp owns no h row (blocks x warps > d rows).
-                if (PD_LOGITS_L2 && l + 2 == max(a.nl, 2u) && threadIdx.x == PD_THREADS - 32 && own < 0)
-                    pd_prefetch_logits(a.out, a.out_q8, a.vocab, a.d);
             }
             ++e;
             __syncthreads();

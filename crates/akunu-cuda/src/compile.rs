@@ -69,6 +69,21 @@ fn options(arch: &str, module: Module) -> Vec<String> {
     o
 }
 
+/// Whether the developer switch `AKUNU_CUDA_DEFINES` defines `name` (so that
+/// a default the backend would pass for it stays out of the way).
+pub fn developer_defines_name(name: &str) -> bool {
+    defines_name(
+        std::env::var("AKUNU_CUDA_DEFINES").as_deref().unwrap_or(""),
+        name,
+    )
+}
+
+fn defines_name(words: &str, name: &str) -> bool {
+    defines_for(words, Module::Persistent)
+        .iter()
+        .any(|w| w[2..].split('=').next() == Some(name))
+}
+
 /// Developer switch: `AKUNU_CUDA_DEFINES="-DSMB_TIMING ..."` adds macro
 /// definitions to the compile (kernel experiments and in-kernel timers
 /// without a rebuild). Words other than `-DNAME[=VALUE]` are ignored. They
@@ -279,5 +294,9 @@ mod tests {
             defines_for(w, Module::Persistent),
             ["-DSMB_TIMING", "-DPD_BULK=1", "-DPD_TIMING"]
         );
+        assert!(super::defines_name(w, "PD_BULK"));
+        assert!(super::defines_name(w, "PD_TIMING"));
+        assert!(!super::defines_name(w, "PD_BUL"));
+        assert!(!super::defines_name("-DPD_BULKY=1", "PD_BULK"));
     }
 }

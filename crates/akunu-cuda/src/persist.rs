@@ -163,7 +163,12 @@ fn kernel_for(
     owned: &mut Owned,
 ) -> Result<sys::CUfunction, BackendError> {
     let arch = format!("sm_{}{}", be.info.cc.0, be.info.cc.1);
-    let defs = shape_defines(a.d, a.qd, a.kvd, a.ff, a.nh, a.nkv);
+    let mut defs = shape_defines(a.d, a.qd, a.kvd, a.ff, a.nh, a.nkv);
+    // Bulk copies (sm_90's copy engine) bring the next layer's rows where
+    // the device has them, unless a developer switch names PD_BULK.
+    if be.info.cc.0 >= 9 && !crate::compile::developer_defines_name("PD_BULK") {
+        defs.push("-DPD_BULK=1".into());
+    }
     let cubin = crate::compile::cubin_of(
         &crate::compile::persist_source(),
         crate::compile::Module::Persistent,
@@ -237,7 +242,12 @@ pub(crate) fn plan(
         )));
     }
     a.max_pos = max_pos;
-    let f = kernel_for(be, &a, owned)?;
+    // A kernel that does not compile or load (an older toolkit, say) leaves
+    // the model on the graph path, with the reason on stderr.
+    let f = match kernel_for(be, &a, owned) {
+        Ok(f) => f,
+        Err(e) => return Ok(Err(format!("the persistent kernel is not available: {e}"))),
+    };
     let threads = WARPS * 32;
     if be.occupancy(f, threads, smem as u32) < 1 {
         return Ok(Err("the kernel does not fit an SM".into()));
