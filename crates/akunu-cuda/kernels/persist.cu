@@ -359,34 +359,30 @@ __device__ __forceinline__ void pd_prefetch(u8* buf, const PdArgs& a, const PdLa
 struct PdBulk {
     u32 qkv_q, qkv_s0, qkv_s1, qkv_s2, o_q, o_s, g_q, g_s, u_q, u_s, d_q, d_s, bytes;
 };
+// Takes `bytes` (a multiple of 16) at offset o; returns where they start.
+__device__ __forceinline__ u32 pd_take(u32& o, u32 bytes) {
+    const u32 at = o;
+    o += bytes;
+    return at;
+}
 __device__ __forceinline__ PdBulk pd_bulk_areas(const PdArgs& a) {
     const u32 nq = 2 * pd_per((a.qd + 2 * a.kvd) / 2), no = pd_per(a.d), nf = pd_per(a.ff);
+    // A slice's scales with 16 bytes of room for the copy's rounding.
+    const auto scales = [](u32 rows, u32 k) { return pd_up16(rows * (k / 8) + 16); };
     PdBulk b;
     u32 o = 0;
-    b.qkv_q = o;
-    o += nq * (a.d / 2);
-    b.qkv_s0 = o;
-    o += pd_up16(nq * (a.d / 8) + 16);
-    b.qkv_s1 = o;
-    o += pd_up16(nq * (a.d / 8) + 16);
-    b.qkv_s2 = o;
-    o += pd_up16(nq * (a.d / 8) + 16);
-    b.o_q = o;
-    o += no * (a.qd / 2);
-    b.o_s = o;
-    o += pd_up16(no * (a.qd / 8) + 16);
-    b.g_q = o;
-    o += nf * (a.d / 2);
-    b.g_s = o;
-    o += pd_up16(nf * (a.d / 8) + 16);
-    b.u_q = o;
-    o += nf * (a.d / 2);
-    b.u_s = o;
-    o += pd_up16(nf * (a.d / 8) + 16);
-    b.d_q = o;
-    o += no * (a.ff / 2);
-    b.d_s = o;
-    o += pd_up16(no * (a.ff / 8) + 16);
+    b.qkv_q = pd_take(o, nq * (a.d / 2));
+    b.qkv_s0 = pd_take(o, scales(nq, a.d));
+    b.qkv_s1 = pd_take(o, scales(nq, a.d));
+    b.qkv_s2 = pd_take(o, scales(nq, a.d));
+    b.o_q = pd_take(o, no * (a.qd / 2));
+    b.o_s = pd_take(o, scales(no, a.qd));
+    b.g_q = pd_take(o, nf * (a.d / 2));
+    b.g_s = pd_take(o, scales(nf, a.d));
+    b.u_q = pd_take(o, nf * (a.d / 2));
+    b.u_s = pd_take(o, scales(nf, a.d));
+    b.d_q = pd_take(o, no * (a.ff / 2));
+    b.d_s = pd_take(o, scales(no, a.ff));
     b.bytes = o;
     return b;
 }
