@@ -807,34 +807,7 @@ TCG_KERNEL(k_gemv_tc8_q4_1, DT_Q4_1, 8, 1, false)
 // 16 mod 128 for 32-byte ones.
 // ---------------------------------------------------------------------------
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    return (u32)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
-    asm volatile(
-        "{\n"
-        " .reg .pred p;\n"
-        "TCB_WAIT_%=:\n"
-        " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-        " @!p bra TCB_WAIT_%=;\n"
-        "}\n" ::"r"(smem_u32(bar)),
-        "r"(parity)
-        : "memory");
-}
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-            smem_u32(dst)),
-        "l"(src), "r"(bytes), "r"(smem_u32(bar))
-        : "memory");
-}
+// (smem_u32, mbar_*, bulk_copy: common.cuh.)
 
 // Phase stamps of the bulk-copy form (bench/cuda/gemv_probe.cu builds it
 // with -DTCB_TIMING): %globaltimer at entry, after the wait, after the

@@ -129,8 +129,9 @@ __device__ __forceinline__ u32 pd_rec(u32 k) { return k / 2 + 4 * ((k / 32 + 3) 
 // rows of the next layer arrive by bulk copies (one instruction per
 // contiguous range, issued by thread 0, completing on an mbarrier) instead
 // of about 1,300 cp.async of 8 and 16 bytes issued by every thread, whose
-// requests the phases' own loads of their inputs queued behind. A matrix's rows [r0, r1) are contiguous
-// in the repacked buffer (quants, then scales), so a slice is two copies:
+// requests the phases' own loads of their inputs queued behind. A
+// matrix's rows [r0, r1) are contiguous in the repacked buffer (quants,
+// then scales), so a slice is two copies:
 // its quants (k / 2 bytes a row, a multiple of 16) and its scales (k / 8
 // bytes a row, 8-aligned only: the copy starts at the 16-byte boundary
 // below and ends at the one above, which stays inside the buffer because
@@ -141,35 +142,7 @@ __device__ __forceinline__ u32 pd_rec(u32 k) { return k / 2 + 4 * ((k / 32 + 3) 
 #define PD_BULK 0
 #endif
 
-__device__ __forceinline__ u32 pd_smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void pd_mbar_init(u64* bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(pd_smem_addr(bar)) : "memory");
-}
-// Thread 0's arrival on bar, which then waits for `bytes` more bytes of
-// bulk copies.
-__device__ __forceinline__ void pd_mbar_expect(u64* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(pd_smem_addr(bar)), "r"(bytes)
-                 : "memory");
-}
-// Waits until bar's phase of the given parity has completed (its copies
-// landed and are visible to the waiting thread).
-__device__ __forceinline__ void pd_mbar_wait(u64* bar, u32 parity) {
-    asm volatile(
-        "{\n\t.reg .pred p;\n"
-        "PD_WAIT_%=:\n\t"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
-        "@!p bra PD_WAIT_%=;\n}" ::"r"(pd_smem_addr(bar)),
-        "r"(parity)
-        : "memory");
-}
-// A bulk copy of `bytes` (a multiple of 16; both addresses 16-aligned)
-// from global src to shared dst, completing on bar.
-__device__ __forceinline__ void pd_bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     pd_smem_addr(dst)),
-                 "l"(src), "r"(bytes), "r"(pd_smem_addr(bar))
-                 : "memory");
-}
+// (mbar_init, mbar_expect_tx, mbar_wait, bulk_copy: common.cuh.)
 __device__ __forceinline__ u32 pd_up16(u32 v) { return (v + 15) & ~15u; }
 
 // Dot product of a Q4_1 row (quants q, (d, m) f16 pairs s) with xs (shared),
@@ -400,8 +373,8 @@ __device__ __forceinline__ u32 pd_bulk_rows(u8* buf, u32 qo, u32 so, const u8* m
     const u64 s_a = s_lo & ~15ull, s_b = (s_lo + (u64)(r1 - r0) * sb + 15) & ~15ull;
     const u32 sbytes = (u32)(s_b - s_a);
     if (issue) {
-        pd_bulk_copy(buf + qo, m + (u64)r0 * qb, qbytes, bar);
-        pd_bulk_copy(buf + so, m + s_a, sbytes, bar);
+        bulk_copy(buf + qo, m + (u64)r0 * qb, qbytes, bar);
+        bulk_copy(buf + so, m + s_a, sbytes, bar);
     }
     return qbytes + sbytes;
 }
@@ -428,7 +401,7 @@ __device__ __forceinline__ u32 pd_bulk_pass(u8* buf, const PdArgs& a, const PdLa
 }
 // Thread 0: this block's rows of layer L into buf, completing on bar.
 __device__ __forceinline__ void pd_prefetch_bulk(u8* buf, const PdArgs& a, const PdLayer& L, u64* bar) {
-    pd_mbar_expect(bar, pd_bulk_pass(buf, a, L, bar, false));
+    mbar_expect_tx(bar, pd_bulk_pass(buf, a, L, bar, false));
     pd_bulk_pass(buf, a, L, bar, true);
 }
 
@@ -591,8 +564,8 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
 #error "PD_PREFETCH_LATE applies to the cp.async copies only"
 #endif
     if (threadIdx.x == 0) {
-        pd_mbar_init(&wbar[0]);
-        pd_mbar_init(&wbar[1]);
+        mbar_init(&wbar[0], 1);
+        mbar_init(&wbar[1], 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -627,7 +600,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             // next layer's rows into it once its own loads of h are in
             // flight (below), so that they do not wait behind the issue.
             bool issue = threadIdx.x == 0;
-            pd_mbar_wait(&wbar[gl & 1], (gl >> 1) & 1);
+            mbar_wait(&wbar[gl & 1], (gl >> 1) & 1);
             u8* const wb = wbuf[gl & 1];
             const PdBulk B = pd_bulk_areas(a);
 #else
@@ -938,7 +911,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
     // The copies last requested (the next token's first layer) land before
     // the block exits: its shared memory must not be written after that.
 #if PD_BULK
-    pd_mbar_wait(&wbar[gnext & 1], (gnext >> 1) & 1);
+    mbar_wait(&wbar[gnext & 1], (gnext >> 1) & 1);
 #else
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     (void)gnext;
