@@ -138,6 +138,18 @@ fn top2_gap(l: &[f32]) -> f32 {
     a - b
 }
 
+/// Where the GPU's greedy token `a` differs from the CPU's `b` at step `s`,
+/// the CPU's logits `l` must show a near-tie (top-two gap under 1e-3 of
+/// the largest magnitude); says so, so that the caller stops comparing.
+fn assert_near_tie(what: &str, gpu: &str, s: usize, a: u32, b: u32, l: &[f32]) {
+    let gap = top2_gap(l);
+    assert!(
+        gap < 1e-3 * l.iter().fold(1f32, |m, v| m.max(v.abs())),
+        "{what}: step {s}: {gpu} chose {a}, CPU {b}, top-2 gap {gap}"
+    );
+    eprintln!("{what}: near-tie at step {s} (gap {gap}); stopping the comparison");
+}
+
 /// Tokens and per-step logits of a generation.
 fn run(e: &mut Engine, prompt: &[u32], opts: &GenerateOptions) -> (Vec<u32>, Vec<Vec<f32>>) {
     let logits = Arc::new(Mutex::new(Vec::new()));
@@ -200,12 +212,7 @@ fn compare_with_cpu_on(
         worst = worst.max(e);
         assert!(e < tol, "{what}: decode step {s} logits differ by {e:.2e}");
         if a != b {
-            let gap = top2_gap(&lcs[s]);
-            assert!(
-                gap < 1e-3 * lcs[s].iter().fold(1f32, |m, v| m.max(v.abs())),
-                "{what}: step {s}: GPU chose {a}, CPU {b}, top-2 gap {gap}"
-            );
-            eprintln!("{what}: near-tie at step {s} (gap {gap}); stopping the comparison");
+            assert_near_tie(what, "GPU", s, *a, *b, &lcs[s]);
             break;
         }
     }
@@ -510,12 +517,7 @@ fn persistent_against_cpu(
     let mut same = tg.len();
     for (s, (a, b)) in tg.iter().zip(&tc).enumerate() {
         if a != b {
-            let gap = top2_gap(&lcs[s]);
-            assert!(
-                gap < 1e-3 * lcs[s].iter().fold(1f32, |m, v| m.max(v.abs())),
-                "{what}: step {s}: persistent chose {a}, CPU {b}, top-2 gap {gap}"
-            );
-            eprintln!("{what}: near-tie at step {s} (gap {gap}); stopping the comparison");
+            assert_near_tie(what, "persistent", s, *a, *b, &lcs[s]);
             same = s;
             break;
         }
