@@ -166,12 +166,15 @@ sampled() {
 # 0's phase cycles (-DPD_TIMING). PERSIST_AB: define sets for the kernel
 # (as SMB_AB: sets by spaces, defines by commas, `_` for none). Defines
 # named PD_* reach the persistent module only (compile.rs), so the graph
-# runs ("persist=0") use the same main module under every set. Each run
+# runs ("persist=0") use the same main module under every set. PERSIST_KV:
+# the KV cache types to bench (default "f16"; AKUNU_KV_TYPE). Each run
 # has a time limit, so that a kernel variant that hangs costs one run.
+# PERSIST_TEST_SETS=none skips the test.
 persist() {
     echo "== persistent greedy decode: test, then tg128 off / on"
-    local f=$STORE/smollm2-135m-q4_1.gguf r v p d
+    local f=$STORE/smollm2-135m-q4_1.gguf r v p d k
     for d in ${PERSIST_TEST_SETS:-${PERSIST_AB:-_}}; do
+        [ "$d" = none ] && continue
         d=$(smb_defines "$d")
         AKUNU_CUDA_DEFINES="$d" timeout 300 "$BIN/gpu-tests" --ignored --test-threads=1 --nocapture \
             persistent_chain 2>&1 | tee -a "$OUTDIR/persist-test.log" |
@@ -183,18 +186,22 @@ persist() {
         d=$(smb_defines "$d")
         for p in ${PERSIST_DEPTHS:-0 256}; do
             for r in 1 2; do
-                for v in 0 1; do
-                    AKUNU_CUDA_DEFINES="$d" AKUNU_CUDA_PERSIST=$v timeout 120 "$BIN/akunu" bench -m "$f" \
-                        --device cuda -p "$p" -n 128 -r 5 --no-bandwidth 2>&1 |
-                        grep -E "tg[0-9]|error|keeps the graph" |
-                        sed "s/^/persist=$v p=$p ${d:-_} /" | sed 's/| akunu synthetic.*prefill//' || true
+                for k in ${PERSIST_KV:-f16}; do
+                    for v in 0 1; do
+                        AKUNU_KV_TYPE=$k AKUNU_CUDA_DEFINES="$d" AKUNU_CUDA_PERSIST=$v timeout 120 "$BIN/akunu" \
+                            bench -m "$f" --device cuda -p "$p" -n 128 -r 5 --no-bandwidth 2>&1 |
+                            grep -E "tg[0-9]|error|keeps the graph" |
+                            sed "s/^/persist=$v kv=$k p=$p ${d:-_} /" | sed 's/| akunu synthetic.*prefill//' || true
+                    done
                 done
             done
         done
         # Block 0's cycles per phase kind, one chain.
-        AKUNU_CUDA_PERSIST=1 AKUNU_CUDA_DEFINES="$d -DPD_TIMING" timeout 120 "$BIN/akunu" bench -m "$f" \
-            --device cuda -p 0 -n 128 -r 1 --no-bandwidth 2>&1 | grep -E "persist timing|error" | tail -1 |
-            sed "s/^/${d:-_} /" || true
+        for k in ${PERSIST_KV:-f16}; do
+            AKUNU_KV_TYPE=$k AKUNU_CUDA_PERSIST=1 AKUNU_CUDA_DEFINES="$d -DPD_TIMING" timeout 120 "$BIN/akunu" \
+                bench -m "$f" --device cuda -p 0 -n 128 -r 1 --no-bandwidth 2>&1 | grep -E "persist timing|error" |
+                tail -1 | sed "s/^/kv=$k ${d:-_} /" || true
+        done
     done
 }
 

@@ -4,6 +4,7 @@
 use akunu_core::backend::Backend;
 use akunu_core::decode::{Engine, EngineOptions};
 use akunu_core::model::Model;
+use akunu_core::ops::KvType;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use std::path::PathBuf;
@@ -51,6 +52,20 @@ pub struct EngineArgs {
     /// exact either way.
     #[arg(long, env = "AKUNU_PREFILL_PRODUCTS", default_value = "exact", value_parser = ["exact", "f16"])]
     pub prefill_products: String,
+    /// Element type of the KV cache: f16 rounds each K and V element to
+    /// f16 when it is written (half the memory, and half the bytes
+    /// attention reads, as llama.cpp's default cache); f32 keeps them
+    /// exact. auto: f16 on a GPU, f32 on the CPU (where f16 saves memory
+    /// but not time).
+    #[arg(long, env = "AKUNU_KV_TYPE", default_value = "auto", value_parser = ["auto", "f16", "f32"])]
+    pub kv_type: String,
+}
+
+impl EngineArgs {
+    /// The KV cache type asked for, or `default` for auto.
+    fn kv_type_or(&self, default: KvType) -> KvType {
+        self.kv_type.parse().unwrap_or(default)
+    }
 }
 
 pub fn model_path(a: &ModelArgs) -> Result<PathBuf> {
@@ -120,6 +135,7 @@ pub fn engine(model: Arc<Model>, a: &EngineArgs) -> Result<Engine> {
 fn cpu_backend(a: &EngineArgs) -> Box<dyn Backend> {
     let mut be = akunu_cpu::CpuBackend::new(a.threads);
     be.set_q8_activations(a.activations == "q8");
+    be.set_kv_type(a.kv_type_or(KvType::F32));
     Box::new(be)
 }
 
@@ -143,7 +159,8 @@ pub fn backend(a: &EngineArgs) -> Result<Box<dyn Backend>> {
 #[cfg(feature = "cuda")]
 fn cuda_backend(a: &EngineArgs) -> Result<Box<dyn Backend>> {
     akunu_cuda::driver_status().map_err(|e| anyhow::anyhow!("no CUDA GPU ({e})"))?;
-    let mut be = akunu_cuda::CudaBackend::new(a.gpu, &mut |m| eprintln!("akunu: {m}"))
+    let kv = a.kv_type_or(KvType::F16);
+    let mut be = akunu_cuda::CudaBackend::with_kv_type(a.gpu, kv, &mut |m| eprintln!("akunu: {m}"))
         .with_context(|| format!("opening CUDA device {}", a.gpu))?;
     if a.prefill_products == "f16" {
         be.set_prefill_products(akunu_cuda::PrefillProducts::F16);

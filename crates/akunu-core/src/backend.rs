@@ -240,6 +240,13 @@ pub trait Backend: BufferRead + Send {
         16
     }
 
+    /// Element type of the K and V caches this backend keeps (chosen when
+    /// the backend is made; the engine sizes the caches by it and names it
+    /// in every RoPE and attention command).
+    fn kv_type(&self) -> crate::ops::KvType {
+        crate::ops::KvType::F32
+    }
+
     /// Turns per-command timing on for later replays (see
     /// [`Backend::command_times`]). Returns false if the backend cannot.
     fn set_profiling(&mut self, _on: bool) -> bool {

@@ -63,12 +63,14 @@ pub const RECENT_CAPACITY: u32 = 1024;
 /// Bytes of the recent-token buffer.
 pub const RECENT_BYTES: u64 = 8 + RECENT_CAPACITY as u64 * 4;
 
-/// Per-layer K and V caches: `[n_kv_heads][capacity][head_dim]` f32 each.
+/// Per-layer K and V caches: `[n_kv_heads][capacity][head_dim]` elements
+/// of `kv_type` each.
 #[derive(Clone, Debug)]
 pub struct KvBuffers {
     pub k: Vec<BufferId>,
     pub v: Vec<BufferId>,
     pub capacity: u32,
+    pub kv_type: KvType,
 }
 
 pub struct BuildInputs<'a> {
@@ -193,7 +195,7 @@ pub fn build_dispatch_table(inp: &BuildInputs) -> Result<DispatchTable, MissingW
             freq_factors: 0,
             qk_norm: cfg.arch.qk_norm as u32,
             norm_eps: cfg.rms_eps,
-            _pad: 0,
+            kv_type: inp.kv.kv_type as u32,
         };
         let mut rope_cmd =
             CmdBuilder::new(&mut t, KernelId::RopeKvWrite, cfg.n_heads + cfg.n_kv_heads)
@@ -231,7 +233,7 @@ pub fn build_dispatch_table(inp: &BuildInputs) -> Result<DispatchTable, MissingW
             qkv_stride: qkv_dim,
             out_stride: q_dim,
             softcap: cfg.attn_softcap,
-            _pad: 0,
+            kv_type: inp.kv.kv_type as u32,
         };
         CmdBuilder::new(&mut t, KernelId::Attention, cfg.n_heads)
             .buf(s.qkv, 0)

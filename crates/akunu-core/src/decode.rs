@@ -326,7 +326,8 @@ impl Engine {
                 opts.prefill_chunk
             )));
         }
-        let kv_bytes_per_pos = 2 * cfg.n_layers as u64 * cfg.kv_dim() as u64 * 4;
+        let kv_type = backend.kv_type();
+        let kv_bytes_per_pos = 2 * cfg.n_layers as u64 * cfg.kv_dim() as u64 * kv_type.bytes();
         let capacity = match opts.ctx {
             Some(0) => return Err(EngineError::InvalidOption("ctx must be at least 1".into())),
             Some(c) => c,
@@ -374,11 +375,12 @@ impl Engine {
             logits: backend.alloc(cfg.n_vocab as u64 * f, "logits")?,
             recent: backend.alloc(RECENT_BYTES, "recent tokens")?,
         };
-        let slab = capacity as u64 * cfg.kv_dim() as u64 * f;
+        let slab = capacity as u64 * cfg.kv_dim() as u64 * kv_type.bytes();
         let mut kv = KvBuffers {
             k: vec![],
             v: vec![],
             capacity,
+            kv_type,
         };
         for l in 0..cfg.n_layers {
             kv.k.push(backend.alloc(slab, &format!("K cache layer {l}"))?);

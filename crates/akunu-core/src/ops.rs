@@ -202,7 +202,8 @@ pub struct RopeParams {
     /// bindings after the optional frequency factors.
     pub qk_norm: u32,
     pub norm_eps: f32,
-    pub _pad: u32,
+    /// Element type of the K and V caches: [`KvType`] as u32 (0 f32, 1 f16).
+    pub kv_type: u32,
 }
 
 #[derive(Copy, Clone, Debug, Pod, Zeroable)]
@@ -223,7 +224,59 @@ pub struct AttnParams {
     pub out_stride: u32,
     /// Tanh soft-cap of attention scores (0 = none).
     pub softcap: f32,
-    pub _pad: u32,
+    /// Element type of the K and V caches: [`KvType`] as u32 (0 f32, 1 f16).
+    pub kv_type: u32,
+}
+
+/// Element type of the K and V caches. F16 halves the cache's memory and
+/// the bytes attention reads per position; each K and V element is rounded
+/// to the nearest f16 (ties to even) when written, and every backend that
+/// stores f16 reads back exactly those values, so backends agree.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default)]
+#[repr(u32)]
+pub enum KvType {
+    #[default]
+    F32 = 0,
+    F16 = 1,
+}
+
+impl KvType {
+    /// Bytes of one cache element.
+    pub fn bytes(self) -> u64 {
+        match self {
+            KvType::F32 => 4,
+            KvType::F16 => 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvType::F32 => "f32",
+            KvType::F16 => "f16",
+        }
+    }
+
+    /// The type a command's `kv_type` field names.
+    pub fn from_u32(v: u32) -> Option<KvType> {
+        match v {
+            0 => Some(KvType::F32),
+            1 => Some(KvType::F16),
+            _ => None,
+        }
+    }
+}
+
+impl std::str::FromStr for KvType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" => Ok(KvType::F32),
+            "f16" => Ok(KvType::F16),
+            other => Err(format!(
+                "unknown KV cache type '{other}' (expected f16 or f32)"
+            )),
+        }
+    }
 }
 
 #[derive(Copy, Clone, Debug, Pod, Zeroable)]
@@ -307,6 +360,12 @@ fn dtype(id: u32) -> Result<DType, String> {
 }
 
 const F: u64 = 4;
+
+fn kv_bytes(kv_type: u32) -> Result<u64, String> {
+    KvType::from_u32(kv_type)
+        .map(KvType::bytes)
+        .ok_or_else(|| format!("unknown KV cache type {kv_type}"))
+}
 
 /// The bytes each binding must hold for steps of up to `max_rows` rows:
 /// `(slot, bytes)`. Also checks the parameters' internal consistency.
@@ -406,7 +465,8 @@ pub fn extents(c: &DispatchCmd, max_rows: u32) -> Result<Vec<(usize, u64)>, Stri
             if p.qkv_stride < (p.n_heads + 2 * p.n_kv_heads) * p.head_dim {
                 return Err("qkv_stride too small".into());
             }
-            let slab = p.n_kv_heads as u64 * p.capacity as u64 * p.head_dim as u64 * F;
+            let slab =
+                p.n_kv_heads as u64 * p.capacity as u64 * p.head_dim as u64 * kv_bytes(p.kv_type)?;
             let mut v = vec![(0, r * p.qkv_stride as u64 * F), (1, slab), (2, slab)];
             if ff != 0 {
                 v.push((3, p.rope_dim as u64 / 2 * F));
@@ -426,7 +486,8 @@ pub fn extents(c: &DispatchCmd, max_rows: u32) -> Result<Vec<(usize, u64)>, Stri
             if p.qkv_stride < p.n_heads * p.head_dim || p.out_stride < p.n_heads * p.head_dim {
                 return Err("row strides too small".into());
             }
-            let slab = p.n_kv_heads as u64 * p.capacity as u64 * p.head_dim as u64 * F;
+            let slab =
+                p.n_kv_heads as u64 * p.capacity as u64 * p.head_dim as u64 * kv_bytes(p.kv_type)?;
             vec![
                 (0, r * p.qkv_stride as u64 * F),
                 (1, slab),

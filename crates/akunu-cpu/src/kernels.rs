@@ -7,6 +7,7 @@ use crate::quant;
 use akunu_core::dtype::DType;
 use akunu_core::ops::*;
 use akunu_core::table::{DispatchCmd, RowMode, StepInfo};
+use half::f16;
 use std::cell::RefCell;
 
 /// A raw pointer that may be shared with pool threads. Each kernel below
@@ -429,6 +430,8 @@ fn norm_rows(
 
 thread_local! {
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// K then V rows of an f16 cache widened to f32 for attention.
+    static KV_WIDE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// e^x with a relative error below 1e-7 over the f32 range, written
@@ -713,6 +716,7 @@ fn rope_kv_write(
     let (nh, nkv) = (p.n_heads as usize, p.n_kv_heads as usize);
     let cap = p.capacity as usize;
     let stride = p.qkv_stride as usize;
+    let f16_cache = p.kv_type == KvType::F16 as u32;
     // Every layer rotates by the same angles at a given position: keep the
     // last position's cos/sin per thread and reuse them.
     let key = [
@@ -773,9 +777,25 @@ fn rope_kv_write(
             for g in 0..nkv {
                 let ksrc = &row[(nh + g) * hd..(nh + g + 1) * hd];
                 let vsrc = &row[(nh + nkv + g) * hd..(nh + nkv + g + 1) * hd];
-                unsafe {
-                    slice_mut(kc.f32().add((g * cap + at) * hd), hd).copy_from_slice(ksrc);
-                    slice_mut(vc.f32().add((g * cap + at) * hd), hd).copy_from_slice(vsrc);
+                let el = (g * cap + at) * hd;
+                if f16_cache {
+                    // SAFETY: as above, for a slab of 2-byte elements
+                    // (validated by `ops::extents` for this kv_type).
+                    unsafe {
+                        let kd = std::slice::from_raw_parts_mut(kc.raw().cast::<f16>().add(el), hd);
+                        let vd = std::slice::from_raw_parts_mut(vc.raw().cast::<f16>().add(el), hd);
+                        kd.iter_mut()
+                            .zip(ksrc)
+                            .for_each(|(d, &x)| *d = f16::from_f32(x));
+                        vd.iter_mut()
+                            .zip(vsrc)
+                            .for_each(|(d, &x)| *d = f16::from_f32(x));
+                    }
+                } else {
+                    unsafe {
+                        slice_mut(kc.f32().add(el), hd).copy_from_slice(ksrc);
+                        slice_mut(vc.f32().add(el), hd).copy_from_slice(vsrc);
+                    }
                 }
             }
         });
@@ -817,7 +837,8 @@ fn attention(pool: &ThreadPool, p: &AttnParams, rows: usize, qkv: Ptr, kc: Ptr, 
     #[cfg(target_arch = "x86_64")]
     let fast =
         hd.is_multiple_of(8) && matches!(quant::level(), quant::Level::Avx2 | quant::Level::Avx512);
-    let work = |item: usize, scores: &mut Vec<f32>| {
+    let f16_cache = p.kv_type == KvType::F16 as u32;
+    let work = |item: usize, scores: &mut Vec<f32>, wide: &mut Vec<f32>| {
         let (t, h) = (item / nh, item % nh);
         let pos = pos0 + t;
         let start = if p.window > 0 {
@@ -830,8 +851,34 @@ fn attention(pool: &ThreadPool, p: &AttnParams, rows: usize, qkv: Ptr, kc: Ptr, 
         // entries 0..kv_len were written by earlier RoPE/KV commands; the
         // output slot (t, h) belongs to this work item alone.
         let q = unsafe { slice(qkv.f32().add(t * p.qkv_stride as usize + h * hd), hd) };
-        let kbase = unsafe { slice(kc.f32().add(g * cap * hd), cap * hd) };
-        let vbase = unsafe { slice(vc.f32().add(g * cap * hd), cap * hd) };
+        // An f16 cache: the visible rows start..=pos widened into the
+        // thread's scratch, which then stands for the slab from `start` on.
+        let (kbase, vbase, start, pos) = if f16_cache {
+            let n = (pos + 1 - start) * hd;
+            // SAFETY: as above; the slabs hold 2-byte elements (validated
+            // for this kv_type), rows start..=pos < capacity of head g.
+            let (k16, v16) = unsafe {
+                let at = (g * cap + start) * hd;
+                (
+                    std::slice::from_raw_parts(kc.raw().cast::<f16>().add(at), n),
+                    std::slice::from_raw_parts(vc.raw().cast::<f16>().add(at), n),
+                )
+            };
+            wide.clear();
+            wide.extend(k16.iter().chain(v16).map(|x| x.to_f32()));
+            let (k, v) = wide.split_at(n);
+            (k, v, 0, pos - start)
+        } else {
+            // SAFETY: as above.
+            unsafe {
+                (
+                    slice(kc.f32().add(g * cap * hd), cap * hd),
+                    slice(vc.f32().add(g * cap * hd), cap * hd),
+                    start,
+                    pos,
+                )
+            }
+        };
         #[cfg(target_arch = "x86_64")]
         if fast {
             let o = unsafe { slice_mut(out.f32().add(t * p.out_stride as usize + h * hd), hd) };
@@ -871,10 +918,12 @@ fn attention(pool: &ThreadPool, p: &AttnParams, rows: usize, qkv: Ptr, kc: Ptr, 
     };
     pool.run(&|tid, nt| {
         SCRATCH.with(|cell| {
-            let mut scores = cell.borrow_mut();
-            for item in split_range(items, nt, tid, 1) {
-                work(item, &mut scores);
-            }
+            KV_WIDE.with(|wide| {
+                let (mut scores, mut wide) = (cell.borrow_mut(), wide.borrow_mut());
+                for item in split_range(items, nt, tid, 1) {
+                    work(item, &mut scores, &mut wide);
+                }
+            })
         })
     });
 }
@@ -894,5 +943,140 @@ mod tests {
         }
         assert!(worst < 1e-6, "worst relative error {worst}");
         assert!(silu(-200.0).abs() < 1e-30 && (silu(200.0) - 200.0).abs() < 1e-3);
+    }
+
+    /// Values in [-2, 2) from a fixed linear congruential sequence.
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut x = seed;
+        (0..n)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((x >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+            })
+            .collect()
+    }
+
+    /// An f16 cache holds each K and V element rounded to the nearest f16
+    /// (the `half` crate's conversion), and attention over it gives the
+    /// same bits as over an f32 cache holding those rounded values: with
+    /// and without a sliding window, on the AVX2 path and the portable one
+    /// (head dims 64 and 6).
+    #[test]
+    fn f16_cache_is_the_f32_cache_rounded() {
+        let pool = ThreadPool::new(2);
+        for (hd, window) in [(64usize, 0u32), (64, 9), (6, 0), (6, 5)] {
+            let (nh, nkv, cap, rows, pos) = (4usize, 2usize, 24usize, 3usize, 17usize);
+            let stride = (nh + 2 * nkv) * hd;
+            let rope = |kv_type: KvType| RopeParams {
+                pos: pos as u32,
+                n_heads: nh as u32,
+                n_kv_heads: nkv as u32,
+                head_dim: hd as u32,
+                rope_dim: hd as u32,
+                theta: 10000.0,
+                freq_scale: 1.0,
+                style: 0,
+                qkv_stride: stride as u32,
+                capacity: cap as u32,
+                freq_factors: 0,
+                qk_norm: 0,
+                norm_eps: 1e-5,
+                kv_type: kv_type as u32,
+            };
+            let attn = |kv_type: KvType| AttnParams {
+                pos: pos as u32,
+                kv_len: (pos + rows) as u32,
+                n_heads: nh as u32,
+                n_kv_heads: nkv as u32,
+                head_dim: hd as u32,
+                capacity: cap as u32,
+                scale: 0.125,
+                window,
+                qkv_stride: stride as u32,
+                out_stride: (nh * hd) as u32,
+                softcap: 0.0,
+                kv_type: kv_type as u32,
+            };
+            // Earlier positions already cached (f16 values in both), then
+            // the step's rows written by rope_kv_write.
+            let early: Vec<f16> = values(nkv * cap * hd, 7)
+                .into_iter()
+                .map(f16::from_f32)
+                .collect();
+            let (mut k16, mut v16) = (
+                early.clone(),
+                early.iter().rev().copied().collect::<Vec<_>>(),
+            );
+            let mut k32: Vec<f32> = k16.iter().map(|x| x.to_f32()).collect();
+            let mut v32: Vec<f32> = v16.iter().map(|x| x.to_f32()).collect();
+            let qkv0 = values(rows * stride, hd as u64);
+            let (mut qa, mut qb) = (qkv0.clone(), qkv0.clone());
+            let ptr = |v: &mut [f32]| Ptr(v.as_mut_ptr().cast());
+            let ptr16 = |v: &mut [f16]| Ptr(v.as_mut_ptr().cast());
+            let p32 = rope(KvType::F32);
+            rope_kv_write(
+                &pool,
+                &p32,
+                rows,
+                ptr(&mut qa),
+                ptr(&mut k32),
+                ptr(&mut v32),
+                None,
+                None,
+            );
+            let p16 = rope(KvType::F16);
+            rope_kv_write(
+                &pool,
+                &p16,
+                rows,
+                ptr(&mut qb),
+                ptr16(&mut k16),
+                ptr16(&mut v16),
+                None,
+                None,
+            );
+            assert_eq!(qa, qb, "the rotated rows do not depend on the cache type");
+            let mut rounded = 0;
+            for (a, b) in k32.iter_mut().zip(&k16).chain(v32.iter_mut().zip(&v16)) {
+                assert_eq!(
+                    f16::from_f32(*a),
+                    *b,
+                    "hd {hd}: an f16 element is not the f32 one rounded"
+                );
+                rounded += (*a != b.to_f32()) as usize;
+                *a = b.to_f32();
+            }
+            assert!(
+                rounded > 0,
+                "the step's K and V were all f16 values already"
+            );
+            let (mut oa, mut ob) = (vec![0f32; rows * nh * hd], vec![0f32; rows * nh * hd]);
+            attention(
+                &pool,
+                &attn(KvType::F32),
+                rows,
+                ptr(&mut qa),
+                ptr(&mut k32),
+                ptr(&mut v32),
+                ptr(&mut oa),
+            );
+            attention(
+                &pool,
+                &attn(KvType::F16),
+                rows,
+                ptr(&mut qb),
+                ptr16(&mut k16),
+                ptr16(&mut v16),
+                ptr(&mut ob),
+            );
+            assert!(oa.iter().any(|&x| x != 0.0));
+            assert_eq!(
+                oa.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                ob.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "hd {hd}, window {window}: attention over the f16 cache"
+            );
+        }
     }
 }

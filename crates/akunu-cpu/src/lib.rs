@@ -13,6 +13,7 @@ pub mod quant;
 use akunu_core::backend::{Backend, BackendError, BufferRead, StepHook};
 use akunu_core::dtype::DType;
 use akunu_core::gguf::{GgufFile, TensorInfo};
+use akunu_core::ops::KvType;
 use akunu_core::table::{BufferId, DispatchTable, StepInfo};
 use memmap2::Mmap;
 use pool::ThreadPool;
@@ -58,6 +59,8 @@ pub struct CpuBackend {
     /// Bytes of Q4_0 weights repacked at load (`quant::q4x8`) and the time
     /// it took.
     repacked: (usize, std::time::Duration),
+    /// Element type of the K and V caches (`set_kv_type`).
+    kv: KvType,
 }
 
 // SAFETY: the raw pointers in `buffers` point to allocations owned by the
@@ -82,6 +85,7 @@ impl CpuBackend {
             opts: kernels::KernelOptions::default(),
             profile: None,
             repacked: (0, std::time::Duration::ZERO),
+            kv: KvType::F32,
         }
     }
 
@@ -92,6 +96,15 @@ impl CpuBackend {
     /// CPU has its SIMD kernel), which the decode products read.
     pub fn set_q8_activations(&mut self, on: bool) {
         self.opts.q8_activations = on;
+    }
+
+    /// The element type of the K and V caches of engines made on this
+    /// backend from now on (default f32). f16 halves the cache; attention
+    /// then widens the rows it reads back to f32 (a copy per head and
+    /// step), so on the CPU it saves memory rather than time. The GPU tests
+    /// use it as the reference for the CUDA backend's f16 cache.
+    pub fn set_kv_type(&mut self, kv: KvType) {
+        self.kv = kv;
     }
 
     /// Starts timing every command of every replay (a clock read per
@@ -144,14 +157,15 @@ impl Backend for CpuBackend {
 
     fn describe(&self) -> String {
         let mut s = format!(
-            "cpu: {} threads, {}, {} activations",
+            "cpu: {} threads, {}, {} activations, {} KV cache",
             self.pool.n_threads(),
             quant::simd_level(),
             if self.opts.q8_activations {
                 "q8"
             } else {
                 "f32"
-            }
+            },
+            self.kv.name()
         );
         if self.repacked.0 > 0 {
             s += &format!(
@@ -229,6 +243,10 @@ impl Backend for CpuBackend {
             std::ptr::copy_nonoverlapping(data.as_ptr(), b.ptr.add(offset as usize), data.len())
         };
         Ok(())
+    }
+
+    fn kv_type(&self) -> KvType {
+        self.kv
     }
 
     fn validate(&self, table: &DispatchTable) -> Result<(), BackendError> {

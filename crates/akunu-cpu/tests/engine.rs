@@ -326,6 +326,53 @@ fn prefill_matches_token_by_token_decode() {
     assert!(rel < 1e-5, "prefill vs stepwise relative L2 {rel}");
 }
 
+/// An f16 KV cache: half the cache memory; prefill, a chain of steps and
+/// step-by-step decode agree as with f32 (every path reads the same
+/// rounded values back); the logits move from the f32 cache's by the
+/// rounding alone (nonzero, under 1e-2).
+#[test]
+fn f16_kv_cache_keeps_the_engine_properties() {
+    use akunu_core::ops::KvType;
+    let m = tiny_model(DType::F32);
+    let p = prompt(&m);
+    let with = |kv: KvType, chunk: u32| {
+        let mut be = CpuBackend::new(2);
+        be.set_kv_type(kv);
+        let opts = EngineOptions {
+            ctx: Some(256),
+            chunk,
+            prefill_chunk: 64,
+        };
+        Engine::new(m.clone(), Box::new(be), &opts).expect("engine")
+    };
+    let rel = |a: &[f32], b: &[f32]| {
+        let (n, d) = a.iter().zip(b).fold((0f64, 0f64), |(n, d), (x, y)| {
+            (n + ((x - y) as f64).powi(2), d + (*y as f64).powi(2))
+        });
+        (n / d).sqrt()
+    };
+    let mut e16 = with(KvType::F16, 8);
+    assert!(e16.backend_description().contains("f16 KV cache"));
+    let l16 = e16.eval_logits(&p).unwrap();
+    let l32 = with(KvType::F32, 8).eval_logits(&p).unwrap();
+    let r = rel(&l16, &l32);
+    assert!(r > 0.0 && r < 1e-2, "f16 against f32 cache: rel-L2 {r}");
+
+    let mut stepwise = with(KvType::F16, 1);
+    let mut last = Vec::new();
+    for &t in &p {
+        last = stepwise.eval_logits(&[t]).unwrap();
+    }
+    let r = rel(&l16, &last);
+    assert!(r < 1e-5, "f16 cache: prefill vs stepwise relative L2 {r}");
+
+    // A chain of 12 against 12 one-step chains, after the same prompt.
+    let (a, la) = run(&mut with(KvType::F16, 12), &p, 12);
+    let (b, lb) = run(&mut with(KvType::F16, 1), &p, 12);
+    assert_eq!(a, b);
+    assert_eq!(la, lb);
+}
+
 #[test]
 fn max_tokens_zero_evaluates_prompt_only() {
     let m = tiny_model(DType::F32);

@@ -234,6 +234,56 @@ __device__ __forceinline__ float bf16_to_f32(u16 h) {
     return __uint_as_float(((u32)h) << 16);
 }
 
+// The f16 nearest to x (ties to even, as the CPU's `half` conversion), as
+// its bits.
+__device__ __forceinline__ u16 f16_bits(float x) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+
+__device__ __forceinline__ float f16_round(float x) {
+    return f16_to_f32(f16_bits(x));
+}
+
+// ---- KV cache elements
+//
+// The backend compiles its modules with KV_F16=1 for an f16 cache (the
+// default) and KV_F16=0 for an f32 one (`--kv-type`). K and V are rounded
+// to f16 once, when written; readers widen them to f32, so every
+// attention kernel (and the CPU backend's) sees the same values.
+#ifndef KV_F16
+#define KV_F16 0
+#endif
+// Element i of f32 or f16 (u16 bits) storage, as f32; elements i .. i + 3
+// (i a multiple of 4, 16- or 8-byte aligned) by one load.
+__device__ __forceinline__ float ld_f32(const float* p, u64 i) { return p[i]; }
+__device__ __forceinline__ float ld_f32(const u16* p, u64 i) { return f16_to_f32(p[i]); }
+__device__ __forceinline__ float4 ld4_f32(const float* p, u64 i) { return *(const float4*)(p + i); }
+__device__ __forceinline__ float4 ld4_f32(const u16* p, u64 i) {
+    const uint2 w = *(const uint2*)(p + i);
+    return make_float4(f16_to_f32((u16)w.x), f16_to_f32((u16)(w.x >> 16)), f16_to_f32((u16)w.y),
+                       f16_to_f32((u16)(w.y >> 16)));
+}
+#if KV_F16
+typedef u16 kv_t;
+__device__ __forceinline__ kv_t kv_from(float x) { return f16_bits(x); }
+// Stores elements i, i + 1 (i even).
+__device__ __forceinline__ void kv_put2(kv_t* p, u64 i, float a, float b) {
+    *(u32*)(p + i) = (u32)f16_bits(a) | ((u32)f16_bits(b) << 16);
+}
+#else
+typedef float kv_t;
+__device__ __forceinline__ kv_t kv_from(float x) { return x; }
+__device__ __forceinline__ void kv_put2(kv_t* p, u64 i, float a, float b) {
+    *(float2*)(p + i) = make_float2(a, b);
+}
+#endif
+// The value a cache element holds once x is written to it.
+__device__ __forceinline__ float kv_round(float x) { return KV_F16 ? f16_round(x) : x; }
+// Whether ld4_f32 may read cache elements at p (4 elements' alignment).
+__device__ __forceinline__ bool kv_aligned4(const kv_t* p) { return ((u64)p & (4 * sizeof(kv_t) - 1)) == 0; }
+
 // Unaligned-safe little-endian u16 read (quant blocks are 18/20/34 bytes,
 // so their f16 fields are only 2-byte aligned).
 __device__ __forceinline__ u16 ld_u16(const u8* p) {

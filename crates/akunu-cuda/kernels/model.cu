@@ -1076,16 +1076,6 @@ __device__ __forceinline__ u32 pack_h2(float lo, float hi) {
     return r;
 }
 
-// The f16 nearest to x, as its bits.
-__device__ __forceinline__ u16 f16_bits(float x) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
-    return h;
-}
-
-__device__ __forceinline__ float f16_round(float x) {
-    return f16_to_f32(f16_bits(x));
-}
 
 __device__ __forceinline__ void mma_f16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     asm volatile(
@@ -1472,7 +1462,7 @@ k_rope_kv_write(Bind b, RopeParams p, StepArg a) {
     float* __restrict__ x = row + (u64)y * hd;
     const bool is_k = y >= p.n_heads;
     const u32 j = is_k ? y - p.n_heads : 0;  // kv head (K blocks only)
-    float* __restrict__ kdst = (float*)b.p[1] + ((u64)j * p.capacity + pos) * hd;
+    kv_t* __restrict__ kdst = (kv_t*)b.p[1] + ((u64)j * p.capacity + pos) * hd;
     const bool neox = p.style == ROPE_NEOX;
 
     if (p.qk_norm) {
@@ -1505,15 +1495,15 @@ k_rope_kv_write(Bind b, RopeParams p, StepArg a) {
         x[ia] = y0;
         x[ib] = y1;
         if (is_k) {
-            kdst[ia] = y0;
-            kdst[ib] = y1;
+            kdst[ia] = kv_from(y0);
+            kdst[ib] = kv_from(y1);
         }
     }
     if (is_k) {
-        for (u32 d = p.rope_dim + threadIdx.x; d < hd; d += blockDim.x) kdst[d] = x[d];
+        for (u32 d = p.rope_dim + threadIdx.x; d < hd; d += blockDim.x) kdst[d] = kv_from(x[d]);
         const float* __restrict__ v = row + (u64)(p.n_heads + p.n_kv_heads + j) * hd;
-        float* __restrict__ vdst = (float*)b.p[2] + ((u64)j * p.capacity + pos) * hd;
-        for (u32 d = threadIdx.x; d < hd; d += blockDim.x) vdst[d] = v[d];
+        kv_t* __restrict__ vdst = (kv_t*)b.p[2] + ((u64)j * p.capacity + pos) * hd;
+        for (u32 d = threadIdx.x; d < hd; d += blockDim.x) vdst[d] = kv_from(v[d]);
     }
 }
 
@@ -1570,8 +1560,8 @@ __device__ __forceinline__ void attn_decode_body(const Bind& b, const AttnParams
     // The query: the head's row of QKV, or its rotation staged by the
     // fused RoPE (`attn_rope_prep`).
     const float* qp = q_rot ? q_rot : (const float*)b.p[0] + (u64)h * hd;
-    const float* __restrict__ K = (const float*)b.p[1] + (u64)g * p.capacity * hd;
-    const float* __restrict__ V = (const float*)b.p[2] + (u64)g * p.capacity * hd;
+    const kv_t* __restrict__ K = (const kv_t*)b.p[1] + (u64)g * p.capacity * hd;
+    const kv_t* __restrict__ V = (const kv_t*)b.p[2] + (u64)g * p.capacity * hd;
     float q[NI], acc[NI];
 #pragma unroll
     for (int i = 0; i < NI; ++i) {
@@ -1593,8 +1583,8 @@ __device__ __forceinline__ void attn_decode_body(const Bind& b, const AttnParams
             for (int i = 0; i < NI; ++i) {
                 const u32 d = lane + 32 * i;
                 const bool in = j < j1 && d < hd;
-                kk[t][i] = in ? K[(u64)j * hd + d] : 0.0f;
-                vv[t][i] = in ? V[(u64)j * hd + d] : 0.0f;
+                kk[t][i] = in ? ld_f32(K, (u64)j * hd + d) : 0.0f;
+                vv[t][i] = in ? ld_f32(V, (u64)j * hd + d) : 0.0f;
             }
         }
         float sc[DEC_KEYS];
@@ -1839,8 +1829,8 @@ __device__ __forceinline__ bool attn_rope_prep(const Bind& b, const AttnParams& 
     const float* __restrict__ qh = row + (u64)h * hd;
     const float* __restrict__ kh = row + (u64)(p.n_heads + g) * hd;
     const float* __restrict__ vh = row + (u64)(p.n_heads + p.n_kv_heads + g) * hd;
-    float* __restrict__ kdst = (float*)b.p[1] + ((u64)g * p.capacity + pos) * hd;
-    float* __restrict__ vdst = (float*)b.p[2] + ((u64)g * p.capacity + pos) * hd;
+    kv_t* __restrict__ kdst = (kv_t*)b.p[1] + ((u64)g * p.capacity + pos) * hd;
+    kv_t* __restrict__ vdst = (kv_t*)b.p[2] + ((u64)g * p.capacity + pos) * hd;
     // Thread i rotates pair i with the (c, s) it computed before the wait
     // (half <= 128 = blockDim: head_dim <= 256, so a thread also takes at
     // most two of the dims past the rotation and two of V).
@@ -1869,8 +1859,8 @@ __device__ __forceinline__ bool attn_rope_prep(const Bind& b, const AttnParams& 
         if (writes_kv) {
             float y0, y1;
             rope_rotate(ka, kb, c, s, y0, y1);
-            kdst[ia] = y0;
-            kdst[ib] = y1;
+            kdst[ia] = kv_from(y0);
+            kdst[ib] = kv_from(y1);
         }
     }
 #pragma unroll
@@ -1878,9 +1868,9 @@ __device__ __forceinline__ bool attn_rope_prep(const Bind& b, const AttnParams& 
         const u32 d = re.rope_dim + i + n * blockDim.x, dv = i + n * blockDim.x;
         if (d < hd) {
             q_rot[d] = qr[n];
-            if (writes_kv) kdst[d] = kr[n];
+            if (writes_kv) kdst[d] = kv_from(kr[n]);
         }
-        if (writes_kv && dv < hd) vdst[dv] = vr[n];
+        if (writes_kv && dv < hd) vdst[dv] = kv_from(vr[n]);
     }
     __syncthreads();
     return false;
@@ -2044,10 +2034,10 @@ __device__ __forceinline__ void attn_prefill_body(const Bind& b, const AttnParam
         const float* __restrict__ qp = (const float*)b.p[0] + (u64)t * p.qkv_stride + (u64)h * hd;
         for (u32 d = lane; d < hd; d += 32) qw[d] = qp[d];
     }
-    const float* __restrict__ K = (const float*)b.p[1] + (u64)g * p.capacity * hd;
-    const float* __restrict__ V = (const float*)b.p[2] + (u64)g * p.capacity * hd;
-    // Tiles are copied with float4s when the cache rows are 16-byte aligned.
-    const bool vec4 = vec && (((u64)K | (u64)V) & 15) == 0;
+    const kv_t* __restrict__ K = (const kv_t*)b.p[1] + (u64)g * p.capacity * hd;
+    const kv_t* __restrict__ V = (const kv_t*)b.p[2] + (u64)g * p.capacity * hd;
+    // Tiles are copied 4 elements at a time when the cache rows are aligned.
+    const bool vec4 = vec && kv_aligned4(K) && kv_aligned4(V);
 
     float acc[NI];
 #pragma unroll
@@ -2057,21 +2047,21 @@ __device__ __forceinline__ void attn_prefill_body(const Bind& b, const AttnParam
     for (int j0 = block_lo; j0 <= pos_hi; j0 += tk) {
         const int nt = min(tk, pos_hi + 1 - j0);
         __syncthreads();  // previous tile consumed (and q staged, first time)
-        const float* kt = K + (u64)j0 * hd;
-        const float* vt = V + (u64)j0 * hd;
+        const kv_t* kt = K + (u64)j0 * hd;
+        const kv_t* vt = V + (u64)j0 * hd;
         if (vec4) {
             const u32 hd4 = hd >> 2, n4 = (u32)nt * hd4;
             for (u32 e = threadIdx.x; e < n4; e += blockDim.x) {
                 const u32 jj = e / hd4, d = (e - jj * hd4) * 4;
-                *(float4*)(ks + jj * ld + d) = ((const float4*)kt)[e];
-                *(float4*)(vs + jj * ld + d) = ((const float4*)vt)[e];
+                *(float4*)(ks + jj * ld + d) = ld4_f32(kt, 4 * (u64)e);
+                *(float4*)(vs + jj * ld + d) = ld4_f32(vt, 4 * (u64)e);
             }
         } else {
             const u32 n_el = (u32)nt * hd;
             for (u32 e = threadIdx.x; e < n_el; e += blockDim.x) {
                 const u32 jj = e / hd, d = e - jj * hd;
-                ks[jj * ld + d] = kt[e];
-                vs[jj * ld + d] = vt[e];
+                ks[jj * ld + d] = ld_f32(kt, e);
+                vs[jj * ld + d] = ld_f32(vt, e);
             }
         }
         __syncthreads();
@@ -2201,24 +2191,25 @@ k_attn_prefill(Bind b, AttnParams p, StepArg a) {
 // As constants: nvcc (bench/cuda probes) does not expand macros in pragmas.
 constexpr int kFaUnrollS = FA_UNROLL_S, kFaUnrollPv = FA_UNROLL_PV;
 
-// Rows [0, n) of a tile of R rows from src + r * stride (floats), dims
-// [0, hd) of D, into dst with row stride LD; other rows and dims are zero.
-// `vec`: hd == D and src, stride 16-byte aligned (float4 copies).
-template <int D, int R, int LD>
-__device__ __forceinline__ void fa_stage(float* dst, const float* __restrict__ src, u64 stride,
+// Rows [0, n) of a tile of R rows from src + r * stride (f32 or f16
+// elements: the query rows or the cache), dims [0, hd) of D, into dst with
+// row stride LD; other rows and dims are zero. `vec`: hd == D and src,
+// stride aligned for 4-element loads.
+template <int D, int R, int LD, class T>
+__device__ __forceinline__ void fa_stage(float* dst, const T* __restrict__ src, u64 stride,
                                          int n, u32 hd, bool vec) {
     if (vec) {
         constexpr int C4 = D / 4;
         for (int e = threadIdx.x; e < R * C4; e += FA_THREADS) {
             const int r = e / C4, c = (e - r * C4) * 4;
             float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (r < n) v = *(const float4*)(src + (u64)r * stride + c);
+            if (r < n) v = ld4_f32(src, (u64)r * stride + c);
             *(float4*)(dst + r * LD + c) = v;
         }
     } else {
         for (int e = threadIdx.x; e < R * D; e += FA_THREADS) {
             const int r = e / D, c = e - r * D;
-            dst[r * LD + c] = (r < n && c < (int)hd) ? src[(u64)r * stride + c] : 0.0f;
+            dst[r * LD + c] = (r < n && c < (int)hd) ? ld_f32(src, (u64)r * stride + c) : 0.0f;
         }
     }
 }
@@ -2226,12 +2217,12 @@ __device__ __forceinline__ void fa_stage(float* dst, const float* __restrict__ s
 // One row block of a flash prefill attention (k_attn_flash_*, k_attn_tc_*:
 // grid = (n_heads, ceil(rows / 64)), row blocks in reverse order): its
 // first row t0 and row count nq, the positions it covers, and its head's
-// operands. `vec`: Q, K and V take float4 loads (head_dim == D, aligned).
+// operands. `vec`: Q, K and V take 4-element loads (head_dim == D, aligned).
 struct FlashBlock {
     int t0, nq, base_pos, pos_hi, key_lo;
     const float* Q;
-    const float* K;
-    const float* V;
+    const kv_t* K;
+    const kv_t* V;
     float* O;
     bool vec;
 };
@@ -2247,10 +2238,11 @@ __device__ __forceinline__ FlashBlock flash_block(const Bind& b, const AttnParam
     f.pos_hi = f.base_pos + f.t0 + f.nq - 1;
     f.key_lo = attn_first_key(f.base_pos + f.t0, p.window);
     f.Q = (const float*)b.p[0] + (u64)f.t0 * p.qkv_stride + (u64)h * hd;
-    f.K = (const float*)b.p[1] + (u64)g * p.capacity * hd;
-    f.V = (const float*)b.p[2] + (u64)g * p.capacity * hd;
+    f.K = (const kv_t*)b.p[1] + (u64)g * p.capacity * hd;
+    f.V = (const kv_t*)b.p[2] + (u64)g * p.capacity * hd;
     f.O = (float*)b.p[3] + (u64)f.t0 * p.out_stride + (u64)h * hd;
-    f.vec = hd == D && (p.qkv_stride & 3) == 0 && (((u64)f.Q | (u64)f.K | (u64)f.V) & 15) == 0;
+    f.vec = hd == D && (p.qkv_stride & 3) == 0 && ((u64)f.Q & 15) == 0 && kv_aligned4(f.K) &&
+            kv_aligned4(f.V);
     return f;
 }
 
@@ -2270,8 +2262,8 @@ __device__ __forceinline__ void attn_flash_body(const Bind& b, const AttnParams&
     const FlashBlock fb = flash_block(b, p, kv, rows, FA_BQ, D);
     const int t0 = fb.t0, nq = fb.nq, base_pos = fb.base_pos, pos_hi = fb.pos_hi, key_lo = fb.key_lo;
     const float* __restrict__ Q = fb.Q;
-    const float* __restrict__ K = fb.K;
-    const float* __restrict__ V = fb.V;
+    const kv_t* __restrict__ K = fb.K;
+    const kv_t* __restrict__ V = fb.V;
     float* __restrict__ O = fb.O;
     const bool vec = fb.vec;
     const bool vec_o = hd == (u32)D && (p.out_stride & 3) == 0 && ((u64)O & 15) == 0;
@@ -2455,21 +2447,22 @@ FA_KERNEL(256, 1)
 #define TA_BK 64
 #define TA_LDT (TA_BK + 8)  // halves per transposed V row
 
-// Rows [0, n) of R rows of hd floats from src + r * stride into hi/lo
-// halves; row-major [r][D + 8], or transposed [d][R + 8] (V). Zero past n
-// and hd. `vec` (hd == D, src and stride 16-byte aligned): float4 loads;
+// Rows [0, n) of R rows of hd elements (f32 query rows, or the f32 or f16
+// cache) from src + r * stride into hi/lo halves; row-major [r][D + 8], or
+// transposed [d][R + 8] (V). Zero past n and hd. `vec` (hd == D, src and
+// stride aligned for 4 elements): 4-element loads;
 // row-major tiles store 4 halves at once, transposed ones take two rows
 // per thread and store each dim's pair of halves at once. Without LO only
 // the hi halves are written (the f16 instances).
-template <int D, int R, bool TRANS, bool LO>
-__device__ __forceinline__ void ta_stage(u16* hi, u16* lo, const float* __restrict__ src,
+template <int D, int R, bool TRANS, bool LO, class T>
+__device__ __forceinline__ void ta_stage(u16* hi, u16* lo, const T* __restrict__ src,
                                          u64 stride, int n, u32 hd, bool vec) {
     if (vec && !TRANS) {
         constexpr int C4 = D / 4;
         for (int e = threadIdx.x; e < R * C4; e += TA_THREADS) {
             const int r = e / C4, c = (e - r * C4) * 4;
             float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (r < n) v = *(const float4*)(src + (u64)r * stride + c);
+            if (r < n) v = ld4_f32(src, (u64)r * stride + c);
             const float h0 = f16_round(v.x), h1 = f16_round(v.y), h2 = f16_round(v.z), h3 = f16_round(v.w);
             const u32 at = (u32)(r * (D + 8) + c);
             *(uint2*)(hi + at) = make_uint2(pack_h2(h0, h1), pack_h2(h2, h3));
@@ -2482,8 +2475,8 @@ __device__ __forceinline__ void ta_stage(u16* hi, u16* lo, const float* __restri
         for (int e = threadIdx.x; e < (R / 2) * C4; e += TA_THREADS) {
             const int r = (e / C4) * 2, c = (e - (e / C4) * C4) * 4;
             float4 v0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), v1 = v0;
-            if (r < n) v0 = *(const float4*)(src + (u64)r * stride + c);
-            if (r + 1 < n) v1 = *(const float4*)(src + (u64)(r + 1) * stride + c);
+            if (r < n) v0 = ld4_f32(src, (u64)r * stride + c);
+            if (r + 1 < n) v1 = ld4_f32(src, (u64)(r + 1) * stride + c);
             const float a[4] = {v0.x, v0.y, v0.z, v0.w}, bb[4] = {v1.x, v1.y, v1.z, v1.w};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -2497,7 +2490,7 @@ __device__ __forceinline__ void ta_stage(u16* hi, u16* lo, const float* __restri
     }
     for (int e = threadIdx.x; e < R * D; e += TA_THREADS) {
         const int r = e / D, c = e - r * D;
-        const float x = (r < n && c < (int)hd) ? src[(u64)r * stride + c] : 0.0f;
+        const float x = (r < n && c < (int)hd) ? ld_f32(src, (u64)r * stride + c) : 0.0f;
         const u32 at = TRANS ? (u32)(c * (R + 8) + r) : (u32)(r * (D + 8) + c);
         const float h = f16_round(x);
         hi[at] = f16_bits(h);
@@ -2509,17 +2502,19 @@ __device__ __forceinline__ u32 ld_u32(const u16* p) { return *(const u32*)p; }
 
 // c += A B over one k-step with split operands: A = ah (+ al), B read at
 // bh (+ bl) as the B fragment's two u32 8 halves apart. The exact form
-// (LO) adds the three products hi·hi, hi·lo, lo·hi in that order.
-template <bool LO>
+// (LO) adds the three products hi·hi, hi·lo, lo·hi in that order; BLO =
+// false leaves out hi·lo where B is exact in f16 (its lo halves are zero,
+// so the sum is the same).
+template <bool LO, bool BLO = LO>
 __device__ __forceinline__ void mma_split(float (&c)[4], const u32 (&ah)[4], const u32 (&al)[4], const u16* bh,
                                           const u16* bl) {
     const u32 bh0 = ld_u32(bh), bh1 = ld_u32(bh + 8);
     mma_f16(c, ah, bh0, bh1);
-    if (LO) {
+    if (BLO) {
         const u32 bl0 = ld_u32(bl), bl1 = ld_u32(bl + 8);
         mma_f16(c, ah, bl0, bl1);
-        mma_f16(c, al, bh0, bh1);
     }
+    if (LO) mma_f16(c, al, bh0, bh1);
 }
 
 template <int D, bool LO>
@@ -2534,6 +2529,9 @@ __device__ __forceinline__ void attn_tc_body(const Bind& b, const AttnParams& p,
     u16* kl = kh + TA_BK * LD;
     u16* vh = kl + TA_BK * LD;  // [D][TA_LDT]
     u16* vl = vh + D * TA_LDT;
+    // An f16 cache's K and V are exact in f16: no lo halves to stage or
+    // multiply (one product in three fewer, the same sums).
+    constexpr bool KV_LO = LO && !KV_F16;
 
     const int lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -2541,8 +2539,8 @@ __device__ __forceinline__ void attn_tc_body(const Bind& b, const AttnParams& p,
     const FlashBlock fb = flash_block(b, p, kv, rows, TA_BQ, D);
     const int t0 = fb.t0, nq = fb.nq, base_pos = fb.base_pos, pos_hi = fb.pos_hi, key_lo = fb.key_lo;
     const float* __restrict__ Q = fb.Q;
-    const float* __restrict__ K = fb.K;
-    const float* __restrict__ V = fb.V;
+    const kv_t* __restrict__ K = fb.K;
+    const kv_t* __restrict__ V = fb.V;
     float* __restrict__ O = fb.O;
     const bool vec = fb.vec;
     ta_stage<D, TA_BQ, false, LO>(qh, ql, Q, p.qkv_stride, nq, hd, vec);
@@ -2562,8 +2560,8 @@ __device__ __forceinline__ void attn_tc_body(const Bind& b, const AttnParams& p,
     for (int j0 = key_lo; j0 <= pos_hi; j0 += TA_BK) {
         const int nt = min(TA_BK, pos_hi + 1 - j0);
         __syncthreads();  // the previous tile's K and V are consumed
-        ta_stage<D, TA_BK, false, LO>(kh, kl, K + (u64)j0 * hd, hd, nt, hd, vec);
-        ta_stage<D, TA_BK, true, LO>(vh, vl, V + (u64)j0 * hd, hd, nt, hd, vec);
+        ta_stage<D, TA_BK, false, KV_LO>(kh, kl, K + (u64)j0 * hd, hd, nt, hd, vec);
+        ta_stage<D, TA_BK, true, KV_LO>(vh, vl, V + (u64)j0 * hd, hd, nt, hd, vec);
         __syncthreads();  // K, V (and Q, the first time) staged
 
         float s[8][4];
@@ -2586,7 +2584,7 @@ __device__ __forceinline__ void attn_tc_body(const Bind& b, const AttnParams& p,
 #pragma unroll
             for (int n = 0; n < 8; ++n) {
                 const int key = n * 8 + g;
-                mma_split<LO>(s[n], ah, al, kh + key * LD + c, kl + key * LD + c);
+                mma_split<LO, KV_LO>(s[n], ah, al, kh + key * LD + c, kl + key * LD + c);
             }
         }
 
@@ -2645,7 +2643,7 @@ __device__ __forceinline__ void attn_tc_body(const Bind& b, const AttnParams& p,
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
                 const int dim = n * 8 + g;
-                mma_split<LO>(o[n], ph, pl, vh + dim * TA_LDT + c, vl + dim * TA_LDT + c);
+                mma_split<LO, KV_LO>(o[n], ph, pl, vh + dim * TA_LDT + c, vl + dim * TA_LDT + c);
             }
         }
     }

@@ -55,13 +55,14 @@
 #define PD_MAXPER 4
 
 // One layer's buffers: Q4_1 matrices q, k, v, o, gate, up, down (repacked),
-// norm weights, and the layer's K and V caches ([kv head][capacity][64]).
+// norm weights, and the layer's K and V caches ([kv head][capacity][64]
+// elements of kv_t: common.cuh, KV_F16).
 struct PdLayer {
     const u8* w[7];
     const float* attn_norm;
     const float* ffn_norm;
-    float* k;
-    float* v;
+    kv_t* k;
+    kv_t* v;
 };
 
 struct PdArgs {
@@ -144,6 +145,32 @@ __device__ __forceinline__ u32 pd_rec(u32 k) { return k / 2 + 4 * ((k / 32 + 3) 
 
 // (mbar_init, mbar_expect_tx, mbar_wait, bulk_copy: common.cuh.)
 __device__ __forceinline__ u32 pd_up16(u32 v) { return (v + 15) & ~15u; }
+
+// Dot product of a 16-byte word of cache elements (4 f32 or 8 f16) with
+// q's elements at the same dims.
+__device__ __forceinline__ float pd_dot_word(uint4 w, const float* q) {
+#if KV_F16
+    const u32 u[4] = {w.x, w.y, w.z, w.w};
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s += f16_to_f32((u16)u[i]) * q[2 * i] + f16_to_f32((u16)(u[i] >> 16)) * q[2 * i + 1];
+    return s;
+#else
+    return __uint_as_float(w.x) * q[0] + __uint_as_float(w.y) * q[1] + __uint_as_float(w.z) * q[2] +
+           __uint_as_float(w.w) * q[3];
+#endif
+}
+
+// Cache elements 4 i .. 4 i + 3 of V, through the read-only path.
+__device__ __forceinline__ float4 pd_v4(const kv_t* V, u64 i) {
+#if KV_F16
+    const uint2 w = __ldg((const uint2*)V + i);
+    return make_float4(f16_to_f32((u16)w.x), f16_to_f32((u16)(w.x >> 16)), f16_to_f32((u16)w.y),
+                       f16_to_f32((u16)(w.y >> 16)));
+#else
+    return __ldg((const float4*)V + i);
+#endif
+}
 
 // Dot product of a Q4_1 row (quants q, (d, m) f16 pairs s) with xs (shared),
 // the sum in every lane. Lane w takes 4-byte word w of the quants: bytes
@@ -671,8 +698,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                         if (row >= a.qd) {
                             const bool isk = row < a.qd + a.kvd;
                             const u32 rr = row - a.qd - (isk ? 0 : a.kvd), g = rr / PD_HD, dim = rr % PD_HD;
-                            float* c = (isk ? L.k : L.v) + ((u64)g * a.capacity + pos) * PD_HD + dim;
-                            *(float2*)c = make_float2(y0, y1);
+                            kv_put2(isk ? L.k : L.v, ((u64)g * a.capacity + pos) * PD_HD + dim, y0, y1);
                         }
                     }
                 }
@@ -687,38 +713,42 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                 float* qs = part + PD_WARPS * PD_HD;  // q, then the new k and v
                 float* kn = qs + PD_HD;
                 float* vn = kn + PD_HD;
-                const float* K = L.k + (u64)g * a.capacity * PD_HD;
-                const float* V = L.v + (u64)g * a.capacity * PD_HD;
+                const kv_t* K = L.k + (u64)g * a.capacity * PD_HD;
+                const kv_t* V = L.v + (u64)g * a.capacity * PD_HD;
                 // The cached rows (written in earlier tokens, behind the
                 // logits flags, and never read before: L1 holds no stale
-                // line of them) are asked of L1 before the wait.
-                for (u32 j = threadIdx.x; j < 2 * pos; j += PD_THREADS) {
-                    asm volatile("prefetch.global.L1 [%0];" ::"l"(K + (u64)j * (PD_HD / 2)));
-                    asm volatile("prefetch.global.L1 [%0];" ::"l"(V + (u64)j * (PD_HD / 2)));
+                // line of them) are asked of L1 before the wait, a line of
+                // 128 bytes at a time.
+                constexpr u32 LINES = PD_HD * (u32)sizeof(kv_t) / 128;  // per position
+                for (u32 j = threadIdx.x; j < LINES * pos; j += PD_THREADS) {
+                    asm volatile("prefetch.global.L1 [%0];" ::"l"((const u8*)K + (u64)j * 128));
+                    asm volatile("prefetch.global.L1 [%0];" ::"l"((const u8*)V + (u64)j * 128));
                 }
                 if (threadIdx.x < 3 * PD_HD) {
                     const u32 which = threadIdx.x / PD_HD, d = threadIdx.x % PD_HD;
                     const u32 src = X_Q + (which == 0 ? hq * PD_HD : a.qd + (which - 1) * a.kvd + g * PD_HD) + d;
                     u64 w = pd_ld_word(X + src);
                     while ((u32)(w >> 32) != e) w = pd_ld_word(X + src);
-                    qs[threadIdx.x] = __uint_as_float((u32)w);
+                    // The new k and v as the cache holds them (the graph's
+                    // attention reads them back from it).
+                    const float x = __uint_as_float((u32)w);
+                    qs[threadIdx.x] = which == 0 ? x : kv_round(x);
                 }
                 __syncthreads();
                 float m = __int_as_float(0xff800000);  // -inf
                 for (u32 j = threadIdx.x; j <= pos; j += PD_THREADS) {
                     float s = 0.0f;
                     if (j < pos) {
-                        const float4* kr = (const float4*)(K + (u64)j * PD_HD);
+                        // The row as 16-byte words of KE elements.
+                        constexpr int KW = PD_HD * (int)sizeof(kv_t) / 16, KE = 16 / (int)sizeof(kv_t);
+                        const uint4* kr = (const uint4*)(K + (u64)j * PD_HD);
 #pragma unroll
-                        for (int h = 0; h < 4; ++h) {  // four loads in flight at a time
-                            float4 kv[4];
+                        for (int h = 0; h < KW / 4; ++h) {  // four loads in flight at a time
+                            uint4 kv[4];
 #pragma unroll
                             for (int u = 0; u < 4; ++u) kv[u] = __ldg(kr + 4 * h + u);
 #pragma unroll
-                            for (int u = 0; u < 4; ++u) {
-                                const float* q4 = qs + 4 * (4 * h + u);
-                                s += kv[u].x * q4[0] + kv[u].y * q4[1] + kv[u].z * q4[2] + kv[u].w * q4[3];
-                            }
+                            for (int u = 0; u < 4; ++u) s += pd_dot_word(kv[u], qs + KE * (4 * h + u));
                         }
                     } else {
                         for (int d = 0; d < PD_HD; ++d) s += kn[d] * qs[d];
@@ -748,13 +778,12 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                 // warp and through shared memory across warps.
                 constexpr u32 S = PD_THREADS / 16;
                 const u32 c = threadIdx.x & 15;
-                const float4* Vr = (const float4*)V;
                 float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                 u32 j = threadIdx.x >> 4;
                 for (; j + 3 * S < pos; j += 4 * S) {
                     float4 v[4];
 #pragma unroll
-                    for (int u = 0; u < 4; ++u) v[u] = __ldg(Vr + (u64)(j + u * S) * 16 + c);
+                    for (int u = 0; u < 4; ++u) v[u] = pd_v4(V, (u64)(j + u * S) * 16 + c);
 #pragma unroll
                     for (int u = 0; u < 4; ++u) {
                         const float wgt = sc[j + u * S];
@@ -765,7 +794,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                     }
                 }
                 for (; j < pos; j += S) {
-                    const float4 v = __ldg(Vr + (u64)j * 16 + c);
+                    const float4 v = pd_v4(V, (u64)j * 16 + c);
                     const float wgt = sc[j];
                     acc[0] += wgt * v.x;
                     acc[1] += wgt * v.y;

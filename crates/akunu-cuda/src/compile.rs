@@ -5,6 +5,7 @@
 //! target architecture, the NVRTC version and the driver version, so a
 //! changed kernel, toolkit or driver never loads stale code.
 
+use akunu_core::ops::KvType;
 use cudarc::nvrtc::sys as nv;
 use sha2::{Digest, Sha256};
 use std::ffi::{CStr, CString};
@@ -90,11 +91,13 @@ fn defines_name(words: &str, name: &str) -> bool {
 /// are compile options, so they are part of the cache key. Those named
 /// `PD_*` are persist.cu's and go to that module only, so that an
 /// experiment on the persistent kernel does not recompile (and re-cache)
-/// the main module.
+/// the main module. `KV_F16` is ignored: the cache's type is the
+/// backend's (`--kv-type`), which sizes the buffers by it.
 fn defines_for(words: &str, module: Module) -> Vec<String> {
     words
         .split_whitespace()
         .filter(|w| w.starts_with("-D") && w.len() > 2)
+        .filter(|w| w[2..].split('=').next() != Some("KV_F16"))
         .filter(|w| module == Module::Persistent || !w.starts_with("-DPD_"))
         .map(str::to_string)
         .collect()
@@ -117,14 +120,24 @@ fn cache_dir() -> Option<PathBuf> {
     akunu_core::fetch::cache_dir().ok().map(|d| d.join("cuda"))
 }
 
-/// Machine code (a cubin) of the main module for `arch` ("sm_90"), from
-/// the disk cache or freshly compiled. `say` receives one line when
-/// compiling.
-pub fn cubin(arch: &str, driver: i32, say: &mut dyn FnMut(&str)) -> Result<Vec<u8>, String> {
+/// The define that picks the KV cache's element type (common.cuh `kv_t`).
+pub fn kv_define(kv: KvType) -> String {
+    format!("-DKV_F16={}", (kv == KvType::F16) as u32)
+}
+
+/// Machine code (a cubin) of the main module for `arch` ("sm_90") with a
+/// KV cache of `kv`, from the disk cache or freshly compiled. `say`
+/// receives one line when compiling.
+pub fn cubin(
+    arch: &str,
+    driver: i32,
+    kv: KvType,
+    say: &mut dyn FnMut(&str),
+) -> Result<Vec<u8>, String> {
     cubin_of(
         &full_source(),
         Module::Main,
-        &[],
+        &[kv_define(kv)],
         "CUDA kernels",
         arch,
         driver,
@@ -266,12 +279,14 @@ mod tests {
             eprintln!("NVRTC not installed: kernel compilation not checked");
             return;
         }
-        let bin = super::compile(
-            &super::full_source(),
-            &super::options("sm_90", super::Module::Main),
-        )
-        .unwrap_or_else(|e| panic!("{e}"));
-        assert!(bin.len() > 1000);
+        // The main module with each KV cache type.
+        for kv in [super::KvType::F16, super::KvType::F32] {
+            let mut opts = super::options("sm_90", super::Module::Main);
+            opts.push(super::kv_define(kv));
+            let bin =
+                super::compile(&super::full_source(), &opts).unwrap_or_else(|e| panic!("{e}"));
+            assert!(bin.len() > 1000);
+        }
         // The persistent decode module, generic and at SmolLM2's shape.
         let mut opts = super::options("sm_90", super::Module::Persistent);
         let bin = super::compile(&super::persist_source(), &opts).unwrap_or_else(|e| panic!("{e}"));
@@ -279,16 +294,22 @@ mod tests {
         opts.extend(crate::persist::shape_defines(576, 576, 192, 1536, 9, 3));
         let bin = super::compile(&super::persist_source(), &opts).unwrap_or_else(|e| panic!("{e}"));
         assert!(bin.len() > 1000);
-        // Its bulk-copy form (PD_BULK, a developer switch).
+        // Its bulk-copy form (PD_BULK, a developer switch), with each KV
+        // cache type.
         opts.push("-DPD_BULK=1".into());
-        let bin = super::compile(&super::persist_source(), &opts).unwrap_or_else(|e| panic!("{e}"));
-        assert!(bin.len() > 1000);
+        for kv in [super::KvType::F16, super::KvType::F32] {
+            let mut o = opts.clone();
+            o.push(super::kv_define(kv));
+            let bin =
+                super::compile(&super::persist_source(), &o).unwrap_or_else(|e| panic!("{e}"));
+            assert!(bin.len() > 1000);
+        }
     }
 
     #[test]
     fn persistent_switches_reach_only_their_module() {
         use super::{Module, defines_for};
-        let w = "-DSMB_TIMING -DPD_BULK=1 junk -D -DPD_TIMING";
+        let w = "-DSMB_TIMING -DPD_BULK=1 junk -D -DPD_TIMING -DKV_F16=0";
         assert_eq!(defines_for(w, Module::Main), ["-DSMB_TIMING"]);
         assert_eq!(
             defines_for(w, Module::Persistent),

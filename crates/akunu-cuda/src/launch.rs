@@ -1277,7 +1277,7 @@ mod tests {
             qkv_stride: 0,
             out_stride: 0,
             softcap: 0.0,
-            _pad: 0,
+            kv_type: 0,
         };
         assert_eq!(attn_split_one_wave(&attn(9, 64, 8192), 132, 0), 32);
         assert_eq!(attn_split_one_wave(&attn(32, 64, 8192), 132, 10), 16);

@@ -32,7 +32,7 @@ use akunu_core::backend::{
 };
 use akunu_core::dtype::DType;
 use akunu_core::gguf::{GgufFile, TensorInfo};
-use akunu_core::ops::KernelId;
+use akunu_core::ops::{AttnParams, KernelId, KvType, RopeParams};
 use akunu_core::table::{BufferId, DispatchTable, StepInfo};
 use cudarc::driver::sys;
 use device::{Dptr, Event, check};
@@ -174,6 +174,9 @@ pub struct CudaBackend {
     /// table has none) per table, the device memory the plans hold, and
     /// the chains that ran persistent so far (tests check the path).
     persist_on: bool,
+    /// Element type of the K and V caches, which the cache kernels (main
+    /// and persistent modules) were compiled for.
+    pub(crate) kv: KvType,
     persist_plans: HashMap<u64, Result<persist::Plan, String>>,
     persist_owned: persist::Owned,
     persist_chains: Arc<AtomicU64>,
@@ -186,9 +189,20 @@ pub struct CudaBackend {
 unsafe impl Send for CudaBackend {}
 
 impl CudaBackend {
-    /// Opens GPU `ordinal`, compiles (or loads cached) kernels. `say`
-    /// receives progress lines (the first compile takes a few seconds).
+    /// Opens GPU `ordinal` with an f16 KV cache (the default), compiles
+    /// (or loads cached) kernels. `say` receives progress lines (the first
+    /// compile takes a few seconds).
     pub fn new(ordinal: usize, say: &mut dyn FnMut(&str)) -> Result<CudaBackend, BackendError> {
+        Self::with_kv_type(ordinal, KvType::F16, say)
+    }
+
+    /// As `new`, with K and V cached as `kv`: the kernels that write and
+    /// read the cache are compiled for that element type.
+    pub fn with_kv_type(
+        ordinal: usize,
+        kv: KvType,
+        say: &mut dyn FnMut(&str),
+    ) -> Result<CudaBackend, BackendError> {
         let driver = driver_status().map_err(BackendError::Device)?;
         let ctx = cudarc::driver::CudaContext::new(ordinal)
             .map_err(|e| BackendError::Device(format!("opening CUDA device {ordinal}: {e}")))?;
@@ -211,7 +225,7 @@ impl CudaBackend {
             driver,
         };
         let arch = format!("sm_{}{}", info.cc.0, info.cc.1);
-        let cubin = compile::cubin(&arch, driver, say).map_err(BackendError::Device)?;
+        let cubin = compile::cubin(&arch, driver, kv, say).map_err(BackendError::Device)?;
         let k = load_kernels(&cubin, info.smem_optin)?;
         let mk_stream = || -> Result<sys::CUstream, BackendError> {
             let mut s: sys::CUstream = std::ptr::null_mut();
@@ -257,6 +271,7 @@ impl CudaBackend {
             blas_scratch: None,
             blas_commands: Arc::new(AtomicU64::new(0)),
             persist_on: std::env::var("AKUNU_CUDA_PERSIST").is_ok_and(|v| v == "1"),
+            kv,
             persist_plans: HashMap::new(),
             persist_owned: persist::Owned::default(),
             persist_chains: Arc::new(AtomicU64::new(0)),
@@ -737,7 +752,7 @@ impl Backend for CudaBackend {
     fn describe(&self) -> String {
         let i = &self.info;
         format!(
-            "cuda: {} (sm_{}{}, {} SMs, {} MB L2, {:.0} GiB), driver {}.{}{}{}",
+            "cuda: {} (sm_{}{}, {} SMs, {} MB L2, {:.0} GiB), driver {}.{}, {} KV cache{}{}",
             i.name,
             i.cc.0,
             i.cc.1,
@@ -746,6 +761,7 @@ impl Backend for CudaBackend {
             i.total_mem as f64 / (1u64 << 30) as f64,
             i.driver / 1000,
             (i.driver % 1000) / 10,
+            self.kv.name(),
             if self.pdl { "" } else { ", no PDL" },
             match (self.blas_on, &self.blas) {
                 (true, Ok(b)) => format!(
@@ -827,6 +843,24 @@ impl Backend for CudaBackend {
             self.buffer(id).map(|b| (b.len, b.what.clone()))
         })?;
         for (i, cmd) in table.commands.iter().enumerate() {
+            // The kernels that touch the cache are compiled for one type.
+            let kv_type = match cmd.kernel {
+                KernelId::RopeKvWrite => Some(cmd.params::<RopeParams>().kv_type),
+                KernelId::Attention => Some(cmd.params::<AttnParams>().kv_type),
+                _ => None,
+            };
+            if let Some(t) = kv_type
+                && t != self.kv as u32
+            {
+                return Err(invalid(
+                    table,
+                    i,
+                    format!(
+                        "KV cache type {t} on a backend whose kernels were compiled for {}",
+                        self.kv.name()
+                    ),
+                ));
+            }
             launch::check_patch(cmd).map_err(|why| invalid(table, i, why))?;
             repack::check_bindings(cmd, &|id| self.buffer(id).map(|b| (b.len, b.repacked)))
                 .map_err(|why| invalid(table, i, why))?;
@@ -841,6 +875,10 @@ impl Backend for CudaBackend {
     fn set_profiling(&mut self, on: bool) -> bool {
         self.profile = on.then(Vec::new);
         true
+    }
+
+    fn kv_type(&self) -> KvType {
+        self.kv
     }
 
     fn preferred_chunk(&self) -> u32 {

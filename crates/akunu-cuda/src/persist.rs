@@ -164,6 +164,7 @@ fn kernel_for(
 ) -> Result<sys::CUfunction, BackendError> {
     let arch = format!("sm_{}{}", be.info.cc.0, be.info.cc.1);
     let mut defs = shape_defines(a.d, a.qd, a.kvd, a.ff, a.nh, a.nkv);
+    defs.push(crate::compile::kv_define(be.kv));
     // Bulk copies (sm_90's copy engine) bring the next layer's rows where
     // the device has them, unless a developer switch names PD_BULK.
     if be.info.cc.0 >= 9 && !crate::compile::developer_defines_name("PD_BULK") {

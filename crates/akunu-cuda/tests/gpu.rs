@@ -10,6 +10,7 @@ use akunu_core::backend::Backend;
 use akunu_core::decode::{Engine, EngineOptions, GenerateOptions};
 use akunu_core::dtype::DType;
 use akunu_core::model::Model;
+use akunu_core::ops::KvType;
 use akunu_core::sampling::SamplingConfig;
 use akunu_core::synth::{Shape, SynthArch, SynthSpec, write_synthetic};
 use std::path::PathBuf;
@@ -19,8 +20,23 @@ fn cuda() -> Box<dyn Backend> {
     Box::new(akunu_cuda::CudaBackend::new(0, &mut |m| eprintln!("{m}")).expect("CUDA backend"))
 }
 
+/// The CPU reference, with the CUDA backend's default f16 KV cache (K and
+/// V rounded to f16 when written, as the GPU rounds them).
 fn cpu() -> Box<dyn Backend> {
-    Box::new(akunu_cpu::CpuBackend::new(0))
+    cpu_kv(KvType::F16)
+}
+
+fn cpu_kv(kv: KvType) -> Box<dyn Backend> {
+    let mut be = akunu_cpu::CpuBackend::new(0);
+    be.set_kv_type(kv);
+    Box::new(be)
+}
+
+fn cuda_kv(kv: KvType) -> Box<dyn Backend> {
+    Box::new(
+        akunu_cuda::CudaBackend::with_kv_type(0, kv, &mut |m| eprintln!("{m}"))
+            .expect("CUDA backend"),
+    )
 }
 
 /// The default model's vocabulary (a vocab-only GGUF kept in the repo), for
@@ -191,7 +207,7 @@ fn compare_with_cpu_on(
 ) -> f64 {
     let n_vocab = model.config.n_vocab;
     let p = prompt(n_prompt, n_vocab);
-    let mut c = engine(model, cpu(), 16, prefill);
+    let mut c = engine(model, cpu_kv(gpu.kv_type()), 16, prefill);
     let mut g = engine(model, gpu, 16, prefill);
     let lc = c.eval_logits(&p).unwrap();
     let lg = g.eval_logits(&p).unwrap();
@@ -316,6 +332,63 @@ fn logits_match_cpu_on_real_shapes() {
             cuda(),
         );
     }
+}
+
+/// The f32 KV cache (`--kv-type f32`): the cache kernels' other instance,
+/// against the CPU's f32 cache, on heads of 64 (SmolLM2, Llama-1B) and 128
+/// (Qwen3 on tiny-k), through prefill (a 300-token prompt in steps of 256),
+/// decode and the persistent decode. And the f16 cache's logits stay
+/// within 1e-2 of the f32 cache's (what the rounding costs).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
+fn f32_kv_cache_matches_cpu() {
+    let smol = synth(Shape::SmolLm2_135M, DType::Q4_1);
+    compare_with_cpu_on(
+        &smol,
+        "smollm2 q4_1, f32 KV",
+        1e-4,
+        300,
+        256,
+        cuda_kv(KvType::F32),
+    );
+    let l1b = synth(Shape::Llama1B, DType::F16);
+    compare_with_cpu_on(
+        &l1b,
+        "llama-1b f16, f32 KV",
+        1e-4,
+        40,
+        16,
+        cuda_kv(KvType::F32),
+    );
+    let qwen = synth_arch(SynthArch::Qwen3, Shape::TinyK, DType::F16);
+    compare_with_cpu_on(
+        &qwen,
+        "qwen3 tiny-k f16, f32 KV",
+        1e-4,
+        300,
+        256,
+        cuda_kv(KvType::F32),
+    );
+    let opts = GenerateOptions {
+        max_tokens: 48,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let p = prompt(20, smol.config.n_vocab);
+    persistent_against_cpu_kv(
+        &smol,
+        &p,
+        &opts,
+        "smollm2 q4_1, f32 KV, persistent",
+        KvType::F32,
+    );
+
+    let p = prompt(300, smol.config.n_vocab);
+    let mut a = engine(&smol, cuda_kv(KvType::F32), 16, 256);
+    let mut b = engine(&smol, cuda_kv(KvType::F16), 16, 256);
+    let e = rel_l2(&b.eval_logits(&p).unwrap(), &a.eval_logits(&p).unwrap());
+    eprintln!("smollm2 q4_1: f16 against f32 KV cache, 300-token prefill logits rel-L2 {e:.2e}");
+    assert!(e < 1e-2, "f16 KV cache moved the logits by {e:.2e}");
 }
 
 /// Prefill attention (`k_attn_tc_*` for heads up to 128, `k_attn_flash_*`
@@ -483,7 +556,12 @@ fn chain_equals_single_steps() {
 /// A CUDA backend with the persistent greedy decode on, and its counter of
 /// persistent chains.
 fn cuda_persistent() -> (Box<dyn Backend>, Arc<std::sync::atomic::AtomicU64>) {
-    let mut be = akunu_cuda::CudaBackend::new(0, &mut |m| eprintln!("{m}")).expect("CUDA backend");
+    cuda_persistent_kv(KvType::F16)
+}
+
+fn cuda_persistent_kv(kv: KvType) -> (Box<dyn Backend>, Arc<std::sync::atomic::AtomicU64>) {
+    let mut be = akunu_cuda::CudaBackend::with_kv_type(0, kv, &mut |m| eprintln!("{m}"))
+        .expect("CUDA backend");
     be.set_persistent(true);
     let n = be.persistent_chains();
     (Box::new(be), n)
@@ -498,10 +576,21 @@ fn persistent_against_cpu(
     opts: &GenerateOptions,
     what: &str,
 ) -> (Vec<u32>, usize) {
+    persistent_against_cpu_kv(m, p, opts, what, KvType::F16)
+}
+
+/// As `persistent_against_cpu`, with both backends' KV caches of `kv`.
+fn persistent_against_cpu_kv(
+    m: &Arc<Model>,
+    p: &[u32],
+    opts: &GenerateOptions,
+    what: &str,
+    kv: KvType,
+) -> (Vec<u32>, usize) {
     use std::sync::atomic::Ordering;
-    let mut c = engine(m, cpu(), 16, 64);
+    let mut c = engine(m, cpu_kv(kv), 16, 64);
     let (tc, lcs) = run(&mut c, p, opts);
-    let (be, chains) = cuda_persistent();
+    let (be, chains) = cuda_persistent_kv(kv);
     let mut g = engine(m, be, 64, 64);
     let mut tg = Vec::new();
     g.generate(p, opts, &mut |id, _| {
