@@ -1539,8 +1539,14 @@ __device__ __forceinline__ u32 attn_chunk(u32 kv, u32 n_split) {
     return c > DEC_MIN_KEYS ? c : DEC_MIN_KEYS;
 }
 
+// Dim of a lane's element i in decode attention: lanes over dims (f32
+// cache), or over pairs of dims (f16: one 4-byte load gives both).
+__device__ __forceinline__ u32 dec_dim(u32 lane, int i) {
+    return KV_F16 ? 2 * (lane + 32 * (u32)(i >> 1)) + (u32)(i & 1) : lane + 32 * (u32)i;
+}
+
 // Decode split: each warp runs its own online softmax over keys taken
-// DEC_KEYS at a time (lanes over head dims, NI dims per lane; the DEC_KEYS
+// DEC_KEYS at a time (lanes over head dims, NI dims per lane as dec_dim maps them; the DEC_KEYS
 // dot products are reduced together for ILP); the 4 warps are merged
 // through shared memory and the split's (m, l, acc) written to `part`.
 template <int NI>
@@ -1565,7 +1571,7 @@ __device__ __forceinline__ void attn_decode_body(const Bind& b, const AttnParams
     float q[NI], acc[NI];
 #pragma unroll
     for (int i = 0; i < NI; ++i) {
-        const u32 d = lane + 32 * i;
+        const u32 d = dec_dim(lane, i);
         q[i] = d < hd ? qp[d] : 0.0f;
         acc[i] = 0.0f;
     }
@@ -1579,13 +1585,28 @@ __device__ __forceinline__ void attn_decode_body(const Bind& b, const AttnParams
 #pragma unroll
         for (int t = 0; t < DEC_KEYS; ++t) {
             const int j = base + t;
+#if KV_F16
+            // A lane's pair of dims by one 4-byte load (head_dim is even).
+#pragma unroll
+            for (int i = 0; i < NI; i += 2) {
+                const u32 d = dec_dim(lane, i);
+                const bool in = j < j1 && d < hd;
+                const u32 kw = in ? *(const u32*)(K + (u64)j * hd + d) : 0u;
+                const u32 vw = in ? *(const u32*)(V + (u64)j * hd + d) : 0u;
+                kk[t][i] = f16_to_f32((u16)kw);
+                kk[t][i + 1] = f16_to_f32((u16)(kw >> 16));
+                vv[t][i] = f16_to_f32((u16)vw);
+                vv[t][i + 1] = f16_to_f32((u16)(vw >> 16));
+            }
+#else
 #pragma unroll
             for (int i = 0; i < NI; ++i) {
-                const u32 d = lane + 32 * i;
+                const u32 d = dec_dim(lane, i);
                 const bool in = j < j1 && d < hd;
                 kk[t][i] = in ? ld_f32(K, (u64)j * hd + d) : 0.0f;
                 vv[t][i] = in ? ld_f32(V, (u64)j * hd + d) : 0.0f;
             }
+#endif
         }
         float sc[DEC_KEYS];
 #pragma unroll
@@ -1595,7 +1616,7 @@ __device__ __forceinline__ void attn_decode_body(const Bind& b, const AttnParams
             if (j < j1) {
 #pragma unroll
                 for (int i = 0; i < NI; ++i) {
-                    const u32 d = lane + 32 * i;
+                    const u32 d = dec_dim(lane, i);
                     if (d < hd) s += q[i] * kk[t][i];
                 }
             }
@@ -1625,7 +1646,7 @@ __device__ __forceinline__ void attn_decode_body(const Bind& b, const AttnParams
                 l += pk;
 #pragma unroll
                 for (int i = 0; i < NI; ++i) {
-                    const u32 d = lane + 32 * i;
+                    const u32 d = dec_dim(lane, i);
                     if (d < hd) acc[i] += pk * vv[t][i];
                 }
             }
@@ -1636,7 +1657,7 @@ __device__ __forceinline__ void attn_decode_body(const Bind& b, const AttnParams
     // Merge the warps' partial softmaxes.
 #pragma unroll
     for (int i = 0; i < NI; ++i) {
-        const u32 d = lane + 32 * i;
+        const u32 d = dec_dim(lane, i);
         if (d < hd) sm_acc[warp * 256 + d] = acc[i];
     }
     if (lane == 0) {

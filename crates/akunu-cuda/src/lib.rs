@@ -844,22 +844,39 @@ impl Backend for CudaBackend {
         })?;
         for (i, cmd) in table.commands.iter().enumerate() {
             // The kernels that touch the cache are compiled for one type.
-            let kv_type = match cmd.kernel {
-                KernelId::RopeKvWrite => Some(cmd.params::<RopeParams>().kv_type),
-                KernelId::Attention => Some(cmd.params::<AttnParams>().kv_type),
+            let kv = match cmd.kernel {
+                KernelId::RopeKvWrite => {
+                    let p = cmd.params::<RopeParams>();
+                    Some((p.kv_type, p.head_dim))
+                }
+                KernelId::Attention => {
+                    let p = cmd.params::<AttnParams>();
+                    Some((p.kv_type, p.head_dim))
+                }
                 _ => None,
             };
-            if let Some(t) = kv_type
-                && t != self.kv as u32
-            {
-                return Err(invalid(
-                    table,
-                    i,
-                    format!(
-                        "KV cache type {t} on a backend whose kernels were compiled for {}",
-                        self.kv.name()
-                    ),
-                ));
+            if let Some((t, head_dim)) = kv {
+                if t != self.kv as u32 {
+                    return Err(invalid(
+                        table,
+                        i,
+                        format!(
+                            "KV cache type {t} on a backend whose kernels were compiled for {}",
+                            self.kv.name()
+                        ),
+                    ));
+                }
+                // Decode attention reads an f16 cache two dims at a time.
+                if self.kv == KvType::F16 && head_dim % 2 != 0 {
+                    return Err(invalid(
+                        table,
+                        i,
+                        format!(
+                            "an f16 KV cache needs an even head dimension, not {head_dim} \
+                             (use --kv-type f32)"
+                        ),
+                    ));
+                }
             }
             launch::check_patch(cmd).map_err(|why| invalid(table, i, why))?;
             repack::check_bindings(cmd, &|id| self.buffer(id).map(|b| (b.len, b.repacked)))

@@ -16,16 +16,23 @@ use akunu_core::synth::{Shape, SynthArch, SynthSpec, write_synthetic};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
+/// The CUDA backend with an f32 KV cache: the comparisons with the CPU at
+/// 1e-4 hold every kernel to f32 accuracy. With the default f16 cache a
+/// K or V element within a rounding step's width of an f16 midpoint may
+/// round differently on the two backends (their sums differ in the last
+/// bits), which alone moves the logits by up to about 2e-4;
+/// `f16_kv_cache_matches_cpu` and the persistent test take that cache.
 fn cuda() -> Box<dyn Backend> {
-    Box::new(akunu_cuda::CudaBackend::new(0, &mut |m| eprintln!("{m}")).expect("CUDA backend"))
+    cuda_kv(KvType::F32)
 }
 
-/// The CPU reference, with the CUDA backend's default f16 KV cache (K and
-/// V rounded to f16 when written, as the GPU rounds them).
+/// The CPU reference, with an f32 KV cache as `cuda()`.
 fn cpu() -> Box<dyn Backend> {
-    cpu_kv(KvType::F16)
+    cpu_kv(KvType::F32)
 }
 
+/// The CPU reference with a KV cache of `kv` (f16: K and V rounded to f16
+/// when written, as the GPU rounds them).
 fn cpu_kv(kv: KvType) -> Box<dyn Backend> {
     let mut be = akunu_cpu::CpuBackend::new(0);
     be.set_kv_type(kv);
@@ -334,41 +341,32 @@ fn logits_match_cpu_on_real_shapes() {
     }
 }
 
-/// The f32 KV cache (`--kv-type f32`): the cache kernels' other instance,
-/// against the CPU's f32 cache, on heads of 64 (SmolLM2, Llama-1B) and 128
-/// (Qwen3 on tiny-k), through prefill (a 300-token prompt in steps of 256),
-/// decode and the persistent decode. And the f16 cache's logits stay
-/// within 1e-2 of the f32 cache's (what the rounding costs).
+/// The default f16 KV cache against the CPU's f16 cache, within 1e-3 (see
+/// `cuda()`), on heads of 64 (SmolLM2, Llama-1B), 128 (Qwen3 on tiny-k)
+/// and 256 (Gemma 3 on tiny-k: sliding windows), through prefill (300-token
+/// prompts in steps of 256: the tensor-core and flash prefill attention),
+/// decode, and the persistent decode's f32 instance against the CPU's f32
+/// cache. And the f16 cache's logits stay within 1e-2 of the f32 cache's
+/// (what the rounding costs).
 #[test]
 #[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
-fn f32_kv_cache_matches_cpu() {
+fn f16_kv_cache_matches_cpu() {
+    let f16 = || cuda_kv(KvType::F16);
     let smol = synth(Shape::SmolLm2_135M, DType::Q4_1);
-    compare_with_cpu_on(
-        &smol,
-        "smollm2 q4_1, f32 KV",
-        1e-4,
-        300,
-        256,
-        cuda_kv(KvType::F32),
-    );
+    compare_with_cpu_on(&smol, "smollm2 q4_1, f16 KV", 1e-3, 300, 256, f16());
     let l1b = synth(Shape::Llama1B, DType::F16);
-    compare_with_cpu_on(
-        &l1b,
-        "llama-1b f16, f32 KV",
-        1e-4,
-        40,
-        16,
-        cuda_kv(KvType::F32),
-    );
-    let qwen = synth_arch(SynthArch::Qwen3, Shape::TinyK, DType::F16);
-    compare_with_cpu_on(
-        &qwen,
-        "qwen3 tiny-k f16, f32 KV",
-        1e-4,
-        300,
-        256,
-        cuda_kv(KvType::F32),
-    );
+    compare_with_cpu_on(&l1b, "llama-1b f16, f16 KV", 1e-3, 40, 16, f16());
+    for arch in [SynthArch::Qwen3, SynthArch::Gemma3] {
+        let m = synth_arch(arch, Shape::TinyK, DType::F16);
+        compare_with_cpu_on(
+            &m,
+            &format!("{arch:?} tiny-k f16, f16 KV"),
+            1e-3,
+            300,
+            256,
+            f16(),
+        );
+    }
     let opts = GenerateOptions {
         max_tokens: 48,
         ignore_eos: true,
@@ -385,7 +383,7 @@ fn f32_kv_cache_matches_cpu() {
 
     let p = prompt(300, smol.config.n_vocab);
     let mut a = engine(&smol, cuda_kv(KvType::F32), 16, 256);
-    let mut b = engine(&smol, cuda_kv(KvType::F16), 16, 256);
+    let mut b = engine(&smol, f16(), 16, 256);
     let e = rel_l2(&b.eval_logits(&p).unwrap(), &a.eval_logits(&p).unwrap());
     eprintln!("smollm2 q4_1: f16 against f32 KV cache, 300-token prefill logits rel-L2 {e:.2e}");
     assert!(e < 1e-2, "f16 KV cache moved the logits by {e:.2e}");
@@ -433,7 +431,8 @@ fn prefill_attention_matches_cpu_on_every_head_width() {
 /// A CUDA backend with cuBLAS prefill on or off, and its counter of
 /// commands run on cuBLAS.
 fn cuda_cublas(on: bool) -> (Box<dyn Backend>, Arc<std::sync::atomic::AtomicU64>) {
-    let mut be = akunu_cuda::CudaBackend::new(0, &mut |m| eprintln!("{m}")).expect("CUDA backend");
+    let mut be = akunu_cuda::CudaBackend::with_kv_type(0, KvType::F32, &mut |m| eprintln!("{m}"))
+        .expect("CUDA backend");
     be.set_cublas(on);
     let n = be.cublas_commands();
     (Box::new(be), n)
