@@ -148,7 +148,7 @@ engine_tests() {
     echo "== GPU tests (engine${ENGINE_FILTER:+ matching $ENGINE_FILTER} and sampling kernels, once)"
     { "$BIN/gpu-tests" --ignored --test-threads=1 ${ENGINE_FILTER:+"$ENGINE_FILTER"} 2>&1
       "$BIN/gpu-sampling-kernels-tests" --ignored --test-threads=1 2>&1; } | tee "$OUTDIR/engine-tests.log" |
-        grep -E "^test |test result|panicked" || true
+        grep -E "^test |test result|panicked|KV.*rel-L2|tokens equal" || true
 }
 
 # Greedy against sampled decode (the default model's sampling settings) on
@@ -251,6 +251,10 @@ sampled_runs() {
     local f=$STORE/smollm2-135m-q4_1.gguf r d
     synth_file smollm2-135m q4_1 "$f"
     for r in 1 2; do
+        # Greedy on the graph (the path sampled decode takes), then on the
+        # default path (the persistent kernel on sm_90).
+        AKUNU_CUDA_PERSIST=0 "$BIN/akunu" bench -m "$f" --device cuda -p 0 -n 128 -r 5 --no-bandwidth 2>&1 |
+            grep -E "tg[0-9]|error" | sed "s/^/greedy (graph) /" | sed 's/| akunu synthetic.*prefill//' || true
         "$BIN/akunu" bench -m "$f" --device cuda -p 0 -n 128 -r 5 --no-bandwidth 2>&1 |
             grep -E "tg[0-9]|error" | sed "s/^/greedy /" | sed 's/| akunu synthetic.*prefill//' || true
         for d in "$@"; do

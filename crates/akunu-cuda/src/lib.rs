@@ -169,11 +169,14 @@ pub struct CudaBackend {
     blas_scratch: Option<blas::Scratch>,
     /// Commands run on cuBLAS so far (tests check the path was taken).
     blas_commands: Arc<AtomicU64>,
-    /// Whether greedy chains may run as one persistent kernel
-    /// (`AKUNU_CUDA_PERSIST=1`, `set_persistent`), the plans (or why a
-    /// table has none) per table, the device memory the plans hold, and
-    /// the chains that ran persistent so far (tests check the path).
+    /// Whether greedy chains may run as one persistent kernel (on by
+    /// default on sm_90 and newer; `AKUNU_CUDA_PERSIST` 0 / 1,
+    /// `set_persistent`), whether a model that cannot is reported (when it
+    /// was asked for by name), the plans (or why a table has none) per
+    /// table, the device memory the plans hold, and the chains that ran
+    /// persistent so far (tests check the path).
     persist_on: bool,
+    persist_asked: bool,
     /// Element type of the K and V caches, which the cache kernels (main
     /// and persistent modules) were compiled for.
     pub(crate) kv: KvType,
@@ -243,6 +246,8 @@ impl CudaBackend {
         let chain = chain::ChainState::new()?;
         let pdl = info.cc.0 >= 9 && std::env::var("AKUNU_CUDA_PDL").map_or(true, |v| v != "0");
         let blas_on = blas::wanted();
+        let persist_env = std::env::var("AKUNU_CUDA_PERSIST").ok();
+        let sm90 = info.cc.0 >= 9;
         let blas = if blas_on {
             blas::Blas::new(stream)
         } else {
@@ -270,7 +275,12 @@ impl CudaBackend {
             blas_on,
             blas_scratch: None,
             blas_commands: Arc::new(AtomicU64::new(0)),
-            persist_on: std::env::var("AKUNU_CUDA_PERSIST").is_ok_and(|v| v == "1"),
+            persist_on: match persist_env.as_deref() {
+                Some("0") => false,
+                Some("1") => true,
+                _ => sm90,
+            },
+            persist_asked: persist_env.as_deref() == Some("1"),
             kv,
             persist_plans: HashMap::new(),
             persist_owned: persist::Owned::default(),
@@ -447,10 +457,13 @@ impl CudaBackend {
     /// kernel per chain while their positions stay under
     /// `persist::MAX_POS`, unless the chain asks for the table's order
     /// (`ChainRequest::table_order`: speculative decoding's plain runs).
-    /// Off by default (`AKUNU_CUDA_PERSIST=1` starts with it on): its
-    /// tokens can differ from the graph's where two logits nearly tie.
+    /// On by default on sm_90 and newer (`AKUNU_CUDA_PERSIST=0` starts
+    /// with it off, `=1` on everywhere); its tokens can differ from the
+    /// graph's where two logits nearly tie. Turned on here, a model the
+    /// kernel cannot run is reported on stderr.
     pub fn set_persistent(&mut self, on: bool) {
         self.persist_on = on;
+        self.persist_asked = on;
     }
 
     /// Greedy chains that ran on the persistent kernel so far (a counter
@@ -463,8 +476,9 @@ impl CudaBackend {
     /// The persistent plan for a chain of one-row steps from `first`, when
     /// it is on and the table and the first position allow it, with the
     /// number of the chain's steps it serves (those below its `max_pos`).
-    /// A table it cannot run is reported once (`AKUNU_CUDA_PERSIST` users
-    /// want to know why their model keeps the graph).
+    /// A table it cannot run is reported once where the path was asked for
+    /// by name (`AKUNU_CUDA_PERSIST=1` users want to know why their model
+    /// keeps the graph); by default the graph takes it silently.
     fn persist_plan(
         &mut self,
         table: &DispatchTable,
@@ -481,7 +495,7 @@ impl CudaBackend {
             self.persist_owned.mem.extend(owned.mem);
             self.persist_owned.modules.extend(owned.modules);
             let plan = plan?;
-            if let Err(why) = &plan {
+            if let (Err(why), true) = (&plan, self.persist_asked) {
                 // The sampled and grammar tables are not greedy: say nothing.
                 if !table
                     .commands

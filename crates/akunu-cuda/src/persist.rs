@@ -9,9 +9,12 @@
 //! paths read and write the same KV cache, so a chain may take either.
 //!
 //! The kernel adds in another order than the table's gemv kernels, so its
-//! tokens can differ from the graph's where two logits nearly tie; the
-//! switch is therefore the caller's (`CudaBackend::set_persistent`,
-//! `AKUNU_CUDA_PERSIST=1`), off by default.
+//! tokens can differ from the graph's where two logits nearly tie (as the
+//! CPU backend's can). It is on by default on sm_90 and newer, where it
+//! was measured (25-30% above the graph on the SmolLM2 shape: bench/
+//! RESULTS.md, sessions 19-20); `CudaBackend::set_persistent` and
+//! `AKUNU_CUDA_PERSIST` (0 / 1) switch it. Speculative decoding's plain
+//! runs keep the graph (`ChainRequest::table_order`).
 
 use crate::CudaBackend;
 use crate::device::{Dptr, alloc, check};

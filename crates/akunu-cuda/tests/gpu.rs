@@ -39,11 +39,15 @@ fn cpu_kv(kv: KvType) -> Box<dyn Backend> {
     Box::new(be)
 }
 
+/// The CUDA backend with a KV cache of `kv`, its greedy chains on the
+/// graph (the persistent decode, on by default on sm_90, has tests of its
+/// own: `persistent_chain_matches_cpu`), so that these tests keep covering
+/// the table's kernels.
 fn cuda_kv(kv: KvType) -> Box<dyn Backend> {
-    Box::new(
-        akunu_cuda::CudaBackend::with_kv_type(0, kv, &mut |m| eprintln!("{m}"))
-            .expect("CUDA backend"),
-    )
+    let mut be = akunu_cuda::CudaBackend::with_kv_type(0, kv, &mut |m| eprintln!("{m}"))
+        .expect("CUDA backend");
+    be.set_persistent(false);
+    Box::new(be)
 }
 
 /// The default model's vocabulary (a vocab-only GGUF kept in the repo), for
@@ -433,6 +437,7 @@ fn prefill_attention_matches_cpu_on_every_head_width() {
 fn cuda_cublas(on: bool) -> (Box<dyn Backend>, Arc<std::sync::atomic::AtomicU64>) {
     let mut be = akunu_cuda::CudaBackend::with_kv_type(0, KvType::F32, &mut |m| eprintln!("{m}"))
         .expect("CUDA backend");
+    be.set_persistent(false);
     be.set_cublas(on);
     let n = be.cublas_commands();
     (Box::new(be), n)
