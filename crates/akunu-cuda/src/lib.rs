@@ -170,7 +170,7 @@ pub struct CudaBackend {
     /// Commands run on cuBLAS so far (tests check the path was taken).
     blas_commands: Arc<AtomicU64>,
     /// Whether greedy chains may run as one persistent kernel (on by
-    /// default on sm_90 and newer; `AKUNU_CUDA_PERSIST` 0 / 1,
+    /// default on sm_90 (H100, H200); `AKUNU_CUDA_PERSIST` 0 / 1,
     /// `set_persistent`), whether a model that cannot is reported (when it
     /// was asked for by name), the plans (or why a table has none) per
     /// table, the device memory the plans hold, and the chains that ran
@@ -247,7 +247,9 @@ impl CudaBackend {
         let pdl = info.cc.0 >= 9 && std::env::var("AKUNU_CUDA_PDL").map_or(true, |v| v != "0");
         let blas_on = blas::wanted();
         let persist_env = std::env::var("AKUNU_CUDA_PERSIST").ok();
-        let sm90 = info.cc.0 >= 9;
+        // Measured on sm_90 (H100, H200) only: newer parts keep the graph
+        // unless asked (AKUNU_CUDA_PERSIST=1).
+        let sm90 = info.cc.0 == 9;
         let blas = if blas_on {
             blas::Blas::new(stream)
         } else {
@@ -457,7 +459,7 @@ impl CudaBackend {
     /// kernel per chain while their positions stay under
     /// `persist::MAX_POS`, unless the chain asks for the table's order
     /// (`ChainRequest::table_order`: speculative decoding's plain runs).
-    /// On by default on sm_90 and newer (`AKUNU_CUDA_PERSIST=0` starts
+    /// On by default on sm_90 (`AKUNU_CUDA_PERSIST=0` starts
     /// with it off, `=1` on everywhere); its tokens can differ from the
     /// graph's where two logits nearly tie. Turned on here, a model the
     /// kernel cannot run is reported on stderr.

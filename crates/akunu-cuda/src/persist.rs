@@ -10,7 +10,7 @@
 //!
 //! The kernel adds in another order than the table's gemv kernels, so its
 //! tokens can differ from the graph's where two logits nearly tie (as the
-//! CPU backend's can). It is on by default on sm_90 and newer, where it
+//! CPU backend's can). It is on by default on sm_90 (H100, H200), where it
 //! was measured (25-30% above the graph on the SmolLM2 shape: bench/
 //! RESULTS.md, sessions 19-20); `CudaBackend::set_persistent` and
 //! `AKUNU_CUDA_PERSIST` (0 / 1) switch it. Speculative decoding's plain
