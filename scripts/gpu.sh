@@ -326,6 +326,18 @@ sanitize() {
             fi
         done
     done
+    # The persistent greedy decode (the default on sm_90) of the SmolLM2
+    # shape: one cooperative kernel per chain, an f16 KV cache.
+    local ms=$STORE/smollm2-135m-q4_1.gguf
+    synth_file smollm2-135m q4_1 "$ms"
+    if timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
+        "$BIN/akunu" generate -m "$ms" --device cuda --prompt-ids 1,2,3,4,5 -n 6 --ignore-eos --chunk 6 \
+        >"$OUTDIR/sanitize-persist.log" 2>&1; then
+        echo "memcheck, persistent decode: $(grep -h 'ERROR SUMMARY' "$OUTDIR/sanitize-persist.log" | tail -1)"
+    else
+        echo "memcheck, persistent decode: FAILED or timed out"
+        tail -30 "$OUTDIR/sanitize-persist.log"
+    fi
     # A token limit inside a chunk: the chunk's remaining kernels return
     # early, the bulk-copy gemv after waiting for the copies it started.
     if compute-sanitizer --tool memcheck --error-exitcode 3 \
