@@ -539,7 +539,11 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
     a.nkv = PD_NKV;
 #endif
 #ifdef PD_TIMING
-    long long tm[6] = {0, 0, 0, 0, 0, 0}, t0 = clock64();
+    // Phases 0-5 (qkv's dot products and stores, attention, o, gate|up's
+    // dot products and stores, down, logits and token); 6-8 split qkv's
+    // start: its rows' arrival (bulk copies), its h words' arrival, the
+    // norm; 9-10 gate|up's: its h words' arrival, the norm.
+    long long tm[11] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}, t0 = clock64();
 #define PD_MARK(i)                                                   \
     do {                                                             \
         if (blockIdx.x == 0 && threadIdx.x == 0) {                   \
@@ -628,6 +632,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             // flight (below), so that they do not wait behind the issue.
             bool issue = threadIdx.x == 0;
             mbar_wait(&wbar[gl & 1], (gl >> 1) & 1);
+            PD_MARK(6);
             u8* const wb = wbuf[gl & 1];
             const PdBulk B = pd_bulk_areas(a);
 #else
@@ -662,7 +667,9 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
 #endif
                         pd_finish_tagged(v, w, Xp + X_H, e);
                     }
+                    PD_MARK(7);
                     pd_norm(xs, v, nw, a, red);
+                    PD_MARK(8);
                 }
 #if PD_BULK
                 // The first layer, or a block without q | k | v rows.
@@ -840,7 +847,9 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                     float v[PD_MAXPER], nw[PD_MAXPER];
                     pd_norm_weights(nw, L.ffn_norm, a.d);
                     pd_load_tagged(v, X + X_H, a.d, e);
+                    PD_MARK(9);
                     pd_norm(xs, v, nw, a, red);
+                    PD_MARK(10);
                 }
                 for (u32 it = warp; it < r.n; it += PD_WARPS) {
 #if PD_BULK
@@ -930,9 +939,12 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
 #ifdef PD_TIMING
             if (blockIdx.x == 0 && threadIdx.x == 0)
                 printf("persist timing: %u tokens from %u, block 0 cycles a token: qkv %lld attn %lld o %lld gu %lld "
-                       "down %lld logits+token %lld\n",
-                       t + 1, pos0, tm[0] / (t + 1), tm[1] / (t + 1), tm[2] / (t + 1), tm[3] / (t + 1),
-                       tm[4] / (t + 1), tm[5] / (t + 1));
+                       "down %lld logits+token %lld; qkv = rows %lld + h %lld + norm %lld + dots %lld; "
+                       "gu = h %lld + norm %lld + dots %lld\n",
+                       t + 1, pos0, (tm[6] + tm[7] + tm[8] + tm[0]) / (t + 1), tm[1] / (t + 1), tm[2] / (t + 1),
+                       (tm[9] + tm[10] + tm[3]) / (t + 1), tm[4] / (t + 1), tm[5] / (t + 1), tm[6] / (t + 1),
+                       tm[7] / (t + 1), tm[8] / (t + 1), tm[0] / (t + 1), tm[9] / (t + 1), tm[10] / (t + 1),
+                       tm[3] / (t + 1));
 #endif
             break;
         }
