@@ -15,6 +15,7 @@
 #                                 each WHAT of: tests, engine-tests (once,
 #                                 no reruns), sampled, sampled-ab (SMB_AB),
 #                                 persist, persist-model (needs the model),
+#                                 persist-blocks,
 #                                 sanitize, sanitize-sampled, bench, bench-ab,
 #                                 ab (AB_VAR, AB_VALUES, AB_ROUNDS), tcg-ab,
 #                                 profile, profile-big, trace, features,
@@ -203,6 +204,34 @@ persist() {
                 tail -1 | sed "s/^/kv=$k ${d:-_} /" || true
         done
     done
+}
+
+# Every block's phase ends in one layer of one token of the persistent
+# decode (-DPD_BLOCK_TIMES, persist.cu): for each mark, the earliest,
+# median and latest block (ns after the layer's first start) and the three
+# latest blocks. PERSIST_BT: extra defines (e.g. "-DPD_BT_LAYER=3").
+persist_blocks() {
+    echo "== persistent decode: every block's phase ends (one layer, one token)"
+    local f=$STORE/smollm2-135m-q4_1.gguf
+    synth_file smollm2-135m q4_1 "$f"
+    AKUNU_CUDA_PERSIST=1 AKUNU_CUDA_DEFINES="-DPD_BLOCK_TIMES ${PERSIST_BT:-}" timeout 120 "$BIN/akunu" bench \
+        -m "$f" --device cuda -p 0 -n 128 -r 1 --no-bandwidth >"$OUTDIR/persist-blocks.log" 2>&1 || true
+    python3 - "$OUTDIR/persist-blocks.log" <<'PY'
+import sys
+rows = [l.split()[1:] for l in open(sys.argv[1]) if l.startswith("bt ")]
+rows = [list(map(int, r)) for r in rows][-132:]
+if not rows:
+    print("no block times (did the chain reach the token?)"); sys.exit()
+names = ["start", "qkv rows", "qkv h", "qkv norm", "qkv end", "attn end", "o end",
+         "gu h", "gu norm", "gu end", "down end"]
+t0 = min(r[1] for r in rows)
+print(f"{len(rows)} blocks; ns after the layer's first start")
+for i, n in enumerate(names):
+    v = sorted((r[1 + i] - t0, r[0]) for r in rows)
+    med = v[len(v) // 2][0]
+    late = ", ".join(f"{b}:{t}" for t, b in v[-3:][::-1])
+    print(f"  {n:9s} min {v[0][0]:6d}  median {med:6d}  max {v[-1][0]:6d}  latest {late}")
+PY
 }
 
 # Greedy decode of the default model file (after model-part1..3) with the
@@ -879,6 +908,7 @@ run)
         sampled-ab) sampled_ab ;;
         persist) persist ;;
         persist-model) persist_model ;;
+        persist-blocks) persist_blocks ;;
         profile) profile ;;
         profile-big) profile_big ;;
         trace) trace ;;

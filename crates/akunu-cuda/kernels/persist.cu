@@ -538,6 +538,29 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
     a.nh = PD_NH;
     a.nkv = PD_NKV;
 #endif
+    // -DPD_BLOCK_TIMES: every block's thread 0 notes %globaltimer (ns, the
+    // same clock on every SM) at each mark of layer PD_BT_LAYER of token
+    // PD_BT_TOKEN (slot 11: the layer's start) and prints them once the
+    // token is done: which blocks end each phase last (gpu.sh
+    // persist-blocks summarises them). Timing builds only.
+#ifdef PD_BLOCK_TIMES
+#ifndef PD_BT_TOKEN
+#define PD_BT_TOKEN 64
+#endif
+#ifndef PD_BT_LAYER
+#define PD_BT_LAYER 15
+#endif
+    unsigned long long bt[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    bool bt_on = false;
+#define PD_BT(i)                                                                  \
+    do {                                                                          \
+        if (bt_on && threadIdx.x == 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(bt[i])); \
+    } while (0)
+#else
+#define PD_BT(i) \
+    do {         \
+    } while (0)
+#endif
 #ifdef PD_TIMING
     // Phases 0-5 (qkv's dot products and stores, attention, o, gate|up's
     // dot products and stores, down, logits and token); 6-8 split qkv's
@@ -546,6 +569,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
     long long tm[11] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}, t0 = clock64();
 #define PD_MARK(i)                                                   \
     do {                                                             \
+        PD_BT(i);                                                    \
         if (blockIdx.x == 0 && threadIdx.x == 0) {                   \
             const long long t1 = clock64();                          \
             tm[i] += t1 - t0;                                        \
@@ -553,9 +577,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
         }                                                            \
     } while (0)
 #else
-#define PD_MARK(i) \
-    do {           \
-    } while (0)
+#define PD_MARK(i) PD_BT(i)
 #endif
     extern __shared__ __align__(16) u8 smem[];
     const u32 rd = pd_rec(a.d);
@@ -625,6 +647,10 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             // barrier).
             const PdLayer& Ln = a.layers[(l + 1) % a.nl];
             gnext = gl + 1;
+#ifdef PD_BLOCK_TIMES
+            bt_on = t == PD_BT_TOKEN && l == PD_BT_LAYER;
+            PD_BT(11);
+#endif
 #if PD_BULK
             // Every warp left the other buffer (read by the layer before) at
             // the barrier that ended its last phase; thread 0 requests the
@@ -931,6 +957,11 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             __syncthreads();
         }
         PD_MARK(5);
+#ifdef PD_BLOCK_TIMES
+        if (t == PD_BT_TOKEN && threadIdx.x == 0)
+            printf("bt %u %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu\n", blockIdx.x, bt[11], bt[6],
+                   bt[7], bt[8], bt[0], bt[1], bt[2], bt[9], bt[10], bt[3], bt[4], bt[5]);
+#endif
         token = s_token;
         bool stop = s_cancel != 0u || t + 1 >= limit;
         const u32 ns = min(ctl->n_stop, (u32)MAX_STOP);
