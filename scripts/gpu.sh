@@ -224,13 +224,19 @@ if not rows:
     print("no block times (did the chain reach the token?)"); sys.exit()
 names = ["start", "qkv rows", "qkv h", "qkv norm", "qkv end", "attn end", "o end",
          "gu h", "gu norm", "gu end", "down end"]
-t0 = min(r[1] for r in rows)
-print(f"{len(rows)} blocks; ns after the layer's first start")
+# Blocks without q|k|v rows wait on nothing in the layer and run ahead:
+# they are left out (a mark a block did not reach reads 0).
+act = [r for r in rows if r[3]]
+t0 = min(r[1] for r in act)
+print(f"{len(act)} of {len(rows)} blocks with q|k|v rows; ns after the first one's layer start")
 for i, n in enumerate(names):
-    v = sorted((r[1 + i] - t0, r[0]) for r in rows)
-    med = v[len(v) // 2][0]
+    v = sorted((r[1 + i] - t0, r[0]) for r in act if r[1 + i])
+    if not v:
+        continue
+    q = lambda f: v[min(len(v) - 1, int(f * len(v)))][0]
     late = ", ".join(f"{b}:{t}" for t, b in v[-3:][::-1])
-    print(f"  {n:9s} min {v[0][0]:6d}  median {med:6d}  max {v[-1][0]:6d}  latest {late}")
+    print(f"  {n:9s} n {len(v):3d}  min {v[0][0]:6d}  p10 {q(0.1):6d}  median {q(0.5):6d}  "
+          f"p90 {q(0.9):6d}  max {v[-1][0]:6d}  latest {late}")
 PY
 }
 
