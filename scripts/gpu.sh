@@ -449,7 +449,7 @@ bench_ab() {
 }
 
 ncu_one() { # NAME FILE
-    timeout 240 ncu --clock-control none --kernel-name regex:'k_gemv' --launch-skip 200 \
+    AKUNU_CUDA_PERSIST=0 timeout 240 ncu --clock-control none --kernel-name regex:'k_gemv' --launch-skip 200 \
         --launch-count "${NCU_COUNT:-8}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --metrics smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_barrier_per_warp_active.pct,smsp__warp_issue_stalled_short_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_wait_per_warp_active.pct,smsp__warp_issue_stalled_lg_throttle_per_warp_active.pct,smsp__warp_issue_stalled_mio_throttle_per_warp_active.pct,smsp__warp_issue_stalled_math_pipe_throttle_per_warp_active.pct,smsp__warp_issue_stalled_no_instruction_per_warp_active.pct,smsp__warp_issue_stalled_membar_per_warp_active.pct,smsp__warp_issue_stalled_selected_per_warp_active.pct,smsp__warp_issue_stalled_sleeping_per_warp_active.pct,smsp__warp_issue_stalled_dispatch_stall_per_warp_active.pct,smsp__warp_issue_stalled_drain_per_warp_active.pct,smsp__warp_issue_stalled_imc_miss_per_warp_active.pct,smsp__warp_issue_stalled_misc_per_warp_active.pct,smsp__warp_issue_stalled_branch_resolving_per_warp_active.pct \
         --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats \
@@ -462,10 +462,11 @@ ncu_one() { # NAME FILE
 ncu_token_one() { # NAME FILE
     # One decode token's kernels, each timed alone (Nsight Compute
     # serializes them: no launch gaps, no overlap), summed by kernel.
-    local per=$(( $("$BIN/akunu" bench -m "$2" --device cuda -p 0 -n 8 -r 1 2>&1 |
-        sed -n 's/^kernels per token: //p') ))
-    timeout 300 ncu --clock-control none --launch-skip "${NCU_SKIP:-3000}" --launch-count "$per" \
-        --metrics gpu__time_duration.sum --csv \
+    # The graph's kernels: the persistent decode (the default on sm_90) off.
+    local per=$(( $(AKUNU_CUDA_PERSIST=0 "$BIN/akunu" bench -m "$2" --device cuda -p 0 -n 8 -r 1 2>&1 |
+        sed -n 's/^kernels per token: \([0-9]*\).*/\1/p') ))
+    AKUNU_CUDA_PERSIST=0 timeout 300 ncu --clock-control none --launch-skip "${NCU_SKIP:-3000}" \
+        --launch-count "$per" --metrics gpu__time_duration.sum --csv \
         "$BIN/akunu" generate -m "$2" --device cuda --prompt-ids 1,2,3 -n 120 --ignore-eos \
         --chunk 16 >"$OUTDIR/ncu-token-$1.csv" 2>/dev/null || echo "ncu failed (rc $?)"
     ncu_sum "$OUTDIR/ncu-token-$1.csv" "$1" "$per"

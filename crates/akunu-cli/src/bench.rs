@@ -343,6 +343,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
         )
     };
     let launches = engine.launches_per_token();
+    // Chains the backend ran as one kernel (the persistent decode) instead
+    // of `launches` kernels a token.
+    let single = engine.single_kernel_chains();
     let floor = bw.map(|b| b * 1e9 / weight_bytes as f64);
     let tg = figures
         .iter()
@@ -357,6 +360,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "bandwidth_gb_s": bw,
             "bandwidth_method": bw_what,
             "kernels_per_token": launches,
+            "single_kernel_chains": single,
             "floor_tok_s": floor,
             "share_of_floor": tg.zip(floor).map(|(t, f)| t / f),
             "figures": figures,
@@ -379,7 +383,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 f.runs.len()
             );
         }
-        println!("kernels per token: {launches}");
+        if single > 0 {
+            println!(
+                "kernels per token: {launches} on the graph; {single} greedy chains ran as one \
+                 persistent kernel each"
+            );
+        } else {
+            println!("kernels per token: {launches}");
+        }
         if let Some(sp) = &spec_summary {
             println!("speculative: {sp}");
         }

@@ -253,6 +253,12 @@ pub trait Backend: BufferRead + Send {
         false
     }
 
+    /// Decode chains run so far as one kernel for the whole chain instead
+    /// of the table's commands (the CUDA backend's persistent decode).
+    fn single_kernel_chains(&self) -> u64 {
+        0
+    }
+
     /// Kernel launches one step of `table` makes (some commands take more
     /// than one kernel on some devices).
     fn launches_per_step(&self, table: &DispatchTable) -> usize {

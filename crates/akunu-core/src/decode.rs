@@ -470,6 +470,12 @@ impl Engine {
         self.backend.launches_per_step(&self.table)
     }
 
+    /// Decode chains run so far as one kernel for the whole chain (the
+    /// CUDA backend's persistent decode) rather than the table's commands.
+    pub fn single_kernel_chains(&self) -> u64 {
+        self.backend.single_kernel_chains()
+    }
+
     /// The backend's measured memory bandwidth (bytes/s), if it measures one.
     pub fn measure_bandwidth(&mut self) -> Option<f64> {
         self.backend.measure_bandwidth()

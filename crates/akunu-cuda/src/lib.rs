@@ -914,6 +914,10 @@ impl Backend for CudaBackend {
         self.kv
     }
 
+    fn single_kernel_chains(&self) -> u64 {
+        self.persist_chains.load(Ordering::Relaxed)
+    }
+
     fn preferred_chunk(&self) -> u32 {
         // Early exit makes a long chunk cost nothing after a stop, and
         // streaming makes it cost no latency; graph size (commands x chunk)
