@@ -494,21 +494,14 @@ __device__ __forceinline__ void pd_norm_weights(float (&nw)[PD_MAXPER], const fl
 }
 
 // xs = rmsnorm(v) * nw (model.cu's rms_inv, finished in f64 as the CPU
-// does); ends synchronised. -DPD_NORM_F32=1 finishes it with rsqrtf
-// instead (A/B runs: the f64 steps sit on every norm's critical path).
-#ifndef PD_NORM_F32
-#define PD_NORM_F32 0
-#endif
+// does: rsqrtf instead saved about 120 cycles a norm and no tok/s,
+// bench/RESULTS.md session 20); ends synchronised.
 __device__ __forceinline__ void pd_norm(float* xs, const float (&v)[PD_MAXPER], const float (&nw)[PD_MAXPER],
                                         const PdArgs& a, float* red) {
     float ss = 0.0f;
 #pragma unroll
     for (int j = 0; j < PD_MAXPER; ++j) ss += v[j] * v[j];
-#if PD_NORM_F32
-    const float r = rsqrtf(pd_block_sum(ss, red) / (float)a.d + a.eps);
-#else
     const float r = rms_inv(pd_block_sum(ss, red), a.d, a.eps);
-#endif
 #pragma unroll
     for (int j = 0; j < PD_MAXPER; ++j) {
         const u32 i = threadIdx.x + j * PD_THREADS;
