@@ -255,16 +255,21 @@ __device__ __forceinline__ float f16_round(float x) {
 #ifndef KV_F16
 #define KV_F16 0
 #endif
+// The two f16 of a word, the first in the low half, as f32.
+__device__ __forceinline__ float2 f16x2_to_f32(u32 w) {
+    return make_float2(f16_to_f32((u16)w), f16_to_f32((u16)(w >> 16)));
+}
+// The four f16 of two words, as f32.
+__device__ __forceinline__ float4 f16x4_to_f32(uint2 w) {
+    const float2 a = f16x2_to_f32(w.x), b = f16x2_to_f32(w.y);
+    return make_float4(a.x, a.y, b.x, b.y);
+}
 // Element i of f32 or f16 (u16 bits) storage, as f32; elements i .. i + 3
 // (i a multiple of 4, 16- or 8-byte aligned) by one load.
 __device__ __forceinline__ float ld_f32(const float* p, u64 i) { return p[i]; }
 __device__ __forceinline__ float ld_f32(const u16* p, u64 i) { return f16_to_f32(p[i]); }
 __device__ __forceinline__ float4 ld4_f32(const float* p, u64 i) { return *(const float4*)(p + i); }
-__device__ __forceinline__ float4 ld4_f32(const u16* p, u64 i) {
-    const uint2 w = *(const uint2*)(p + i);
-    return make_float4(f16_to_f32((u16)w.x), f16_to_f32((u16)(w.x >> 16)), f16_to_f32((u16)w.y),
-                       f16_to_f32((u16)(w.y >> 16)));
-}
+__device__ __forceinline__ float4 ld4_f32(const u16* p, u64 i) { return f16x4_to_f32(*(const uint2*)(p + i)); }
 #if KV_F16
 typedef u16 kv_t;
 __device__ __forceinline__ kv_t kv_from(float x) { return f16_bits(x); }

@@ -1593,10 +1593,11 @@ __device__ __forceinline__ void attn_decode_body(const Bind& b, const AttnParams
                 const bool in = j < j1 && d < hd;
                 const u32 kw = in ? *(const u32*)(K + (u64)j * hd + d) : 0u;
                 const u32 vw = in ? *(const u32*)(V + (u64)j * hd + d) : 0u;
-                kk[t][i] = f16_to_f32((u16)kw);
-                kk[t][i + 1] = f16_to_f32((u16)(kw >> 16));
-                vv[t][i] = f16_to_f32((u16)vw);
-                vv[t][i + 1] = f16_to_f32((u16)(vw >> 16));
+                const float2 kf = f16x2_to_f32(kw), vf = f16x2_to_f32(vw);
+                kk[t][i] = kf.x;
+                kk[t][i + 1] = kf.y;
+                vv[t][i] = vf.x;
+                vv[t][i + 1] = vf.y;
             }
 #else
 #pragma unroll

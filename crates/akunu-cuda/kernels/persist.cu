@@ -164,9 +164,7 @@ __device__ __forceinline__ float pd_dot_word(uint4 w, const float* q) {
 // Cache elements 4 i .. 4 i + 3 of V, through the read-only path.
 __device__ __forceinline__ float4 pd_v4(const kv_t* V, u64 i) {
 #if KV_F16
-    const uint2 w = __ldg((const uint2*)V + i);
-    return make_float4(f16_to_f32((u16)w.x), f16_to_f32((u16)(w.x >> 16)), f16_to_f32((u16)w.y),
-                       f16_to_f32((u16)(w.y >> 16)));
+    return f16x4_to_f32(__ldg((const uint2*)V + i));
 #else
     return __ldg((const float4*)V + i);
 #endif
