@@ -482,7 +482,7 @@ ki, vi = head.index("Kernel Name"), head.index("Metric Value")
 unit = head.index("Metric Unit")
 tot = collections.OrderedDict()
 for r in rows:
-    v = float(r[vi].replace(",", "")) * {"nsecond": 1e-3, "msecond": 1e3}.get(r[unit], 1.0)
+    v = float(r[vi].replace(",", "")) * {"nsecond": 1e-3, "ns": 1e-3, "msecond": 1e3, "ms": 1e3}.get(r[unit], 1.0)
     n, s = tot.get(r[ki], (0, 0.0))
     tot[r[ki]] = (n + 1, s + v)
 all_us = sum(s for _, s in tot.values())
