@@ -12,6 +12,34 @@
 
 use crate::quant::x86::hsum;
 use core::arch::x86_64::*;
+use half::f16;
+
+/// A KV cache element [`head`] reads 8 at a time as f32: f32, or f16 (an
+/// f16 cache, widened by F16C's `vcvtph2ps`, exactly as `f16::to_f32`).
+pub(crate) trait KvLanes: Copy {
+    /// Elements `p .. p + 8` as f32.
+    ///
+    /// # Safety
+    /// 8 elements readable at `p`; called from [`head`] (AVX2, F16C).
+    unsafe fn load8(p: *const Self) -> __m256;
+}
+
+impl KvLanes for f32 {
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> __m256 {
+        // SAFETY: the caller's contract.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+}
+
+impl KvLanes for f16 {
+    #[inline(always)]
+    unsafe fn load8(p: *const f16) -> __m256 {
+        // SAFETY: the caller's contract (16 bytes readable; F16C enabled in
+        // the function this inlines into).
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    }
+}
 
 /// e^x in 8 lanes: `kernels::exp_fast`'s method (range reduction by
 /// Cody-Waite, degree-7 Taylor polynomial) with FMAs; relative error below
@@ -63,15 +91,15 @@ pub(crate) fn exp8(x: __m256) -> __m256 {
 /// (FMA chains over j per 8 output floats) times `1 / sum`.
 ///
 /// # Safety
-/// AVX2 and FMA available; `hd % 8 == 0`, `q.len() >= hd`,
-/// `o.len() >= hd`, `k` and `v` hold at least `(pos + 1) * hd` floats,
+/// AVX2, FMA and F16C available; `hd % 8 == 0`, `q.len() >= hd`,
+/// `o.len() >= hd`, `k` and `v` hold at least `(pos + 1) * hd` elements,
 /// `start <= pos`.
 #[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx2,fma")]
-pub(crate) unsafe fn head(
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn head<E: KvLanes>(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    k: &[E],
+    v: &[E],
     hd: usize,
     start: usize,
     pos: usize,
@@ -96,24 +124,16 @@ pub(crate) unsafe fn head(
             let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
             let mut i = 0;
             while i + 2 <= nv {
-                a0 = _mm256_fmadd_ps(
-                    _mm256_loadu_ps(qp.add(8 * i)),
-                    _mm256_loadu_ps(kr.add(8 * i)),
-                    a0,
-                );
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(8 * i)), E::load8(kr.add(8 * i)), a0);
                 a1 = _mm256_fmadd_ps(
                     _mm256_loadu_ps(qp.add(8 * i + 8)),
-                    _mm256_loadu_ps(kr.add(8 * i + 8)),
+                    E::load8(kr.add(8 * i + 8)),
                     a1,
                 );
                 i += 2;
             }
             if i < nv {
-                a0 = _mm256_fmadd_ps(
-                    _mm256_loadu_ps(qp.add(8 * i)),
-                    _mm256_loadu_ps(kr.add(8 * i)),
-                    a0,
-                );
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(8 * i)), E::load8(kr.add(8 * i)), a0);
             }
             let mut s = hsum(_mm256_add_ps(a0, a1)) * scale;
             if softcap > 0.0 {
@@ -151,12 +171,12 @@ pub(crate) unsafe fn head(
     let mut c = 0;
     while c + 8 <= nv {
         // SAFETY: vectors c..c+8 < nv of each row and of `o`.
-        unsafe { v_rows::<8>(vp, hd, start, n, sp, c, inv, o.as_mut_ptr()) };
+        unsafe { v_rows::<E, 8>(vp, hd, start, n, sp, c, inv, o.as_mut_ptr()) };
         c += 8;
     }
     while c < nv {
         // SAFETY: vector c < nv.
-        unsafe { v_rows::<1>(vp, hd, start, n, sp, c, inv, o.as_mut_ptr()) };
+        unsafe { v_rows::<E, 1>(vp, hd, start, n, sp, c, inv, o.as_mut_ptr()) };
         c += 1;
     }
 }
@@ -167,9 +187,9 @@ pub(crate) unsafe fn head(
 /// As for [`head`], with vectors `c..c + C` inside `hd` and `n` scores at `e`.
 #[allow(clippy::too_many_arguments)]
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn v_rows<const C: usize>(
-    v: *const f32,
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn v_rows<E: KvLanes, const C: usize>(
+    v: *const E,
     hd: usize,
     start: usize,
     n: usize,
@@ -185,7 +205,7 @@ unsafe fn v_rows<const C: usize>(
             let w = _mm256_set1_ps(*e.add(jj));
             let vr = v.add((start + jj) * hd + 8 * c);
             for (u, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr.add(8 * u)), *a);
+                *a = _mm256_fmadd_ps(w, E::load8(vr.add(8 * u)), *a);
             }
         }
     }
@@ -200,7 +220,9 @@ mod tests {
     use super::*;
 
     fn avx2() -> bool {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
     }
 
     #[test]

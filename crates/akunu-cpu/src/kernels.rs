@@ -835,8 +835,9 @@ fn attention(pool: &ThreadPool, p: &AttnParams, rows: usize, qkv: Ptr, kc: Ptr, 
     // The AVX2 kernel where the CPU has it (every level but the portable
     // ones; the level, and so the choice, is fixed per process).
     #[cfg(target_arch = "x86_64")]
-    let fast =
-        hd.is_multiple_of(8) && matches!(quant::level(), quant::Level::Avx2 | quant::Level::Avx512);
+    let fast = hd.is_multiple_of(8)
+        && matches!(quant::level(), quant::Level::Avx2 | quant::Level::Avx512)
+        && is_x86_feature_detected!("f16c");
     let f16_cache = p.kv_type == KvType::F16 as u32;
     let work = |item: usize, scores: &mut Vec<f32>, wide: &mut Vec<f32>| {
         let (t, h) = (item / nh, item % nh);
@@ -851,8 +852,31 @@ fn attention(pool: &ThreadPool, p: &AttnParams, rows: usize, qkv: Ptr, kc: Ptr, 
         // entries 0..kv_len were written by earlier RoPE/KV commands; the
         // output slot (t, h) belongs to this work item alone.
         let q = unsafe { slice(qkv.f32().add(t * p.qkv_stride as usize + h * hd), hd) };
-        // An f16 cache: the visible rows start..=pos widened into the
-        // thread's scratch, which then stands for the slab from `start` on.
+        #[cfg(target_arch = "x86_64")]
+        if fast {
+            let o = unsafe { slice_mut(out.f32().add(t * p.out_stride as usize + h * hd), hd) };
+            let at = g * cap * hd;
+            // SAFETY: AVX2, FMA and F16C available (`fast`); hd % 8 == 0;
+            // the slabs (of this kv_type's elements, validated) hold
+            // `cap > pos` positions of head g; start <= pos.
+            unsafe {
+                if f16_cache {
+                    let k = std::slice::from_raw_parts(kc.raw().cast::<f16>().add(at), cap * hd);
+                    let v = std::slice::from_raw_parts(vc.raw().cast::<f16>().add(at), cap * hd);
+                    crate::attn::head(q, k, v, hd, start, pos, p.scale, p.softcap, scores, o)
+                } else {
+                    let (k, v) = (
+                        slice(kc.f32().add(at), cap * hd),
+                        slice(vc.f32().add(at), cap * hd),
+                    );
+                    crate::attn::head(q, k, v, hd, start, pos, p.scale, p.softcap, scores, o)
+                }
+            };
+            return;
+        }
+        // An f16 cache on the portable path: the visible rows start..=pos
+        // widened into the thread's scratch, which then stands for the slab
+        // from `start` on.
         let (kbase, vbase, start, pos) = if f16_cache {
             let n = (pos + 1 - start) * hd;
             // SAFETY: as above; the slabs hold 2-byte elements (validated
@@ -879,18 +903,6 @@ fn attention(pool: &ThreadPool, p: &AttnParams, rows: usize, qkv: Ptr, kc: Ptr, 
                 )
             }
         };
-        #[cfg(target_arch = "x86_64")]
-        if fast {
-            let o = unsafe { slice_mut(out.f32().add(t * p.out_stride as usize + h * hd), hd) };
-            // SAFETY: AVX2 and FMA available (`fast`); hd % 8 == 0; the
-            // slabs hold `cap > pos` positions; start <= pos.
-            unsafe {
-                crate::attn::head(
-                    q, kbase, vbase, hd, start, pos, p.scale, p.softcap, scores, o,
-                )
-            };
-            return;
-        }
         scores.clear();
         let mut mx = f32::NEG_INFINITY;
         for j in start..=pos {

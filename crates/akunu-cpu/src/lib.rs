@@ -99,10 +99,10 @@ impl CpuBackend {
     }
 
     /// The element type of the K and V caches of engines made on this
-    /// backend from now on (default f32). f16 halves the cache; attention
-    /// then widens the rows it reads back to f32 (a copy per head and
-    /// step), so on the CPU it saves memory rather than time. The GPU tests
-    /// use it as the reference for the CUDA backend's f16 cache.
+    /// backend from now on (default f32). f16 halves the cache; the AVX2
+    /// attention reads it directly (F16C), the portable one widens the
+    /// rows it reads into a scratch. The GPU tests use it as the reference
+    /// for the CUDA backend's f16 cache.
     pub fn set_kv_type(&mut self, kv: KvType) {
         self.kv = kv;
     }
