@@ -5,6 +5,9 @@
 #                                 binary and the GPU test binary with the
 #                                 cuda feature and packs them into .gpu/
 #                                 (git-ignored) for the device tool to carry.
+#   scripts/gpu.sh build-base REV (here) packs the akunu binary of an
+#                                 earlier commit into .gpu-base/ (ignored)
+#                                 for base-ab.
 #   scripts/gpu.sh split-model    (here) splits the default model into
 #                                 .gpu-part{1,2,3}/: one call carries at most
 #                                 64 MiB with the working tree, the model is
@@ -15,7 +18,7 @@
 #                                 each WHAT of: tests, engine-tests (once,
 #                                 no reruns), sampled, sampled-ab (SMB_AB),
 #                                 persist, persist-model (needs the model),
-#                                 persist-blocks,
+#                                 persist-blocks, base-ab (with .gpu-base),
 #                                 sanitize, sanitize-sampled, bench, bench-ab,
 #                                 ab (AB_VAR, AB_VALUES, AB_ROUNDS), tcg-ab,
 #                                 profile, profile-big, trace, features,
@@ -57,6 +60,22 @@ for l in sys.stdin:
     { git rev-parse --short HEAD; git status --porcelain | grep -q . && echo "(+ uncommitted changes)"; } \
         >"$PACK/commit" || true
     ls -la "$PACK"
+}
+
+# The akunu binary of an earlier commit REV (default HEAD) into .gpu-base,
+# for `base-ab`: built in a worktree under target/, with its own target dir.
+build_base() { # REV
+    local rev=${1:-HEAD} wt=$ROOT/target/base-worktree
+    rm -rf "$wt"
+    git worktree prune
+    git worktree add -f --detach "$wt" "$rev" >/dev/null
+    (cd "$wt" && CARGO_TARGET_DIR=$ROOT/target/base-build cargo build --release -p akunu)
+    mkdir -p .gpu-base
+    cp target/base-build/release/akunu .gpu-base/akunu
+    strip .gpu-base/akunu 2>/dev/null || true
+    git rev-parse --short "$rev" >.gpu-base/commit
+    git worktree remove --force "$wt"
+    ls -la .gpu-base
 }
 
 split_model() {
@@ -206,6 +225,48 @@ persist() {
     done
 }
 
+# Decode on the default path, this build against .gpu-base's binary
+# (build-base), alternating, three rounds, on the synthetic SmolLM2 file
+# from positions 0 and 256: greedy, then the sampler's settings of the
+# default model. Run with carry [".gpu", ".gpu-base"].
+base_ab() {
+    echo "== this build against the base binary ($(cat .gpu-base/commit 2>/dev/null || echo missing))"
+    [ -x .gpu-base/akunu ] || { echo "no .gpu-base/akunu: run scripts/gpu.sh build-base REV here"; return 0; }
+    local f=$STORE/smollm2-135m-q4_1.gguf r p b s
+    synth_file smollm2-135m q4_1 "$f"
+    for s in greedy sampled; do
+        local extra=""
+        [ $s = sampled ] && extra="--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1"
+        for p in 0 256; do
+            for r in 1 2 3; do
+                for b in .gpu-base/akunu "$BIN/akunu"; do
+                    # shellcheck disable=SC2086
+                    timeout 120 "$b" bench -m "$f" --device cuda -p "$p" -n 128 -r 5 --no-bandwidth $extra 2>&1 |
+                        grep -E "tg[0-9]|error" | sed "s|^|$s p=$p $( [ "$b" = .gpu-base/akunu ] && echo base || echo this) |" |
+                        sed 's/| akunu synthetic.*prefill//' || true
+                done
+            done
+        done
+    done
+}
+
+# Block 0's cycles per phase kind (-DPD_TIMING) of one chain, greedy and
+# with each sampler mode of the kernel (dense, top-k with top-p).
+persist_timing() {
+    echo "== persistent decode: block 0's cycles a token, greedy and sampled"
+    local f=$STORE/smollm2-135m-q4_1.gguf s label defs args
+    synth_file smollm2-135m q4_1 "$f"
+    # label | extra defines | bench arguments
+    for s in "greedy||" "greedy-on-the-sampler-build|-DPD_GREEDY_ONLY=0|" \
+        "dense||--temperature 0.8 --seed 1" "topk||--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1"; do
+        IFS='|' read -r label defs args <<<"$s"
+        # shellcheck disable=SC2086
+        AKUNU_CUDA_DEFINES="-DPD_TIMING $defs ${PERSIST_DEFINES:-}" timeout 120 "$BIN/akunu" bench -m "$f" \
+            --device cuda -p 0 -n 128 -r 1 --no-bandwidth $args 2>&1 | grep -E "persist timing|error" | tail -1 |
+            sed "s/^/$label: /" || true
+    done
+}
+
 # Every block's phase ends in one layer of one token of the persistent
 # decode (-DPD_BLOCK_TIMES, persist.cu): for each mark, the earliest,
 # median and latest block (ns after the layer's first start) and the three
@@ -294,10 +355,18 @@ sampled_runs() {
             grep -E "tg[0-9]|error" | sed "s/^/greedy /" | sed 's/| akunu synthetic.*prefill//' || true
         for d in "$@"; do
             d=$(smb_defines "$d")
+            # The default path (the persistent kernel's sampler on sm_90),
+            # then the graph's sampler.
             AKUNU_CUDA_DEFINES="$d" "$BIN/akunu" bench -m "$f" --device cuda -p 0 -n 128 -r 5 \
                 --no-bandwidth --temperature 0.8 --top-k 40 --top-p 0.95 --seed 1 2>&1 |
-                grep -E "tg[0-9]|error" | sed "s/^/sampled ${d:-_} /" | sed 's/| akunu synthetic.*prefill//' || true
+                grep -E "tg[0-9]|error|persistent" | sed "s/^/sampled ${d:-_} /" | sed 's/| akunu synthetic.*prefill//' || true
+            AKUNU_CUDA_PERSIST=0 AKUNU_CUDA_DEFINES="$d" "$BIN/akunu" bench -m "$f" --device cuda -p 0 -n 128 -r 5 \
+                --no-bandwidth --temperature 0.8 --top-k 40 --top-p 0.95 --seed 1 2>&1 |
+                grep -E "tg[0-9]|error" | sed "s/^/sampled (graph) ${d:-_} /" | sed 's/| akunu synthetic.*prefill//' || true
         done
+        # Dense Gumbel-max (temperature alone) on the default path.
+        "$BIN/akunu" bench -m "$f" --device cuda -p 0 -n 128 -r 5 --no-bandwidth --temperature 0.8 --seed 1 2>&1 |
+            grep -E "tg[0-9]|error" | sed "s/^/sampled dense /" | sed 's/| akunu synthetic.*prefill//' || true
     done
 }
 
@@ -893,6 +962,7 @@ print("f16:  ", repr(d[1]["text"][:160]))' "$OUTDIR/generate-exact.json" "$OUTDI
 
 case "${1:-}" in
 build) build ;;
+build-base) build_base "${2:-HEAD}" ;;
 split-model) split_model ;;
 run)
     shift
@@ -916,6 +986,8 @@ run)
         persist) persist ;;
         persist-model) persist_model ;;
         persist-blocks) persist_blocks ;;
+        base-ab) base_ab ;;
+        persist-timing) persist_timing ;;
         profile) profile ;;
         profile-big) profile_big ;;
         trace) trace ;;

@@ -3,8 +3,8 @@
 
 Usage: tools/nvrtc_check.py [--arch sm_90] [--lib PATH/libnvrtc.so.13] FILE.cu...
 
-Each FILE is compiled as the backend compiles it: kernels/common.cuh
-prepended, no system headers, `-arch=sm_XX`, `-default-device`, `-std=c++17`.
+Each FILE is compiled as the backend compiles it: kernels/common.cuh and
+kernels/noise.cuh prepended, no system headers, `-arch=sm_XX`, `-default-device`, `-std=c++17`.
 Prints the compiler log and each kernel's register and spill report;
 exits non-zero on any error. NVRTC comes from the `nvidia-cuda-nvrtc`
 wheel (`pip download nvidia-cuda-nvrtc`), no driver needed.
@@ -20,7 +20,8 @@ p.add_argument("files", nargs="+")
 a = p.parse_args()
 lib = ctypes.CDLL(a.lib)
 here = os.path.dirname(os.path.abspath(__file__))
-common = open(os.path.join(here, "..", "crates", "akunu-cuda", "kernels", "common.cuh")).read()
+kdir = os.path.join(here, "..", "crates", "akunu-cuda", "kernels")
+common = "".join(f"#line 1 \"{h}\"\n" + open(os.path.join(kdir, h)).read() + "\n" for h in ("common.cuh", "noise.cuh"))
 ok = True
 for f in a.files:
     src = common + "\n#line 1 \"" + os.path.basename(f) + "\"\n" + open(f).read()

@@ -385,7 +385,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
         if single > 0 {
             println!(
-                "kernels per token: {launches} on the graph; {single} greedy chains ran as one \
+                "kernels per token: {launches} on the graph; {single} chains ran as one \
                  persistent kernel each"
             );
         } else {

@@ -79,7 +79,39 @@ struct PdArgs {
     u32 emb_q8, out_q8;    // 1: Q8_0, 0: Q4_1
     u32 max_pos;           // scores a block holds (shared memory)
     float eps, theta, freq_scale, scale;
+    // The in-kernel sampler (PD_SAMPLE_*; persist.rs SampleArgs): the
+    // sampled table's GumbelSample params, the recent-token buffer (header:
+    // chain start, count; then the ids) and the chain's conveyor base for
+    // the penalty window, and the blocks' published parts and candidates.
+    const u32* recent;
+    const u32* window_chain;
+    u64* samp;             // 2 sets (token parity): PD_PARTS words a block, then PD_CANDS keys a block
+    u32 mode;              // PD_SAMPLE_*
+    u32 top_k, repeat_last_n, seed_lo, seed_hi, recent_capacity;
+    float inv_t, top_p, min_p, penalty;
 };
+
+// What the logits phase does with the logits (persist.rs SampleMode):
+// GREEDY the argmax; PENALTY the argmax after the repetition penalty
+// (temperature 0, or one whose inverse is not a finite positive number);
+// DENSE Gumbel-max over every token, (l - max) / T + G; TOPK Gumbel-max
+// over the top-k (<= 64) tokens left by min-p and top-p. Each is what the
+// graph's GumbelSample then Argmax choose (sampling.cu), computed over the
+// blocks' slices of the vocabulary with one exchange between blocks.
+#ifndef PD_GREEDY_ONLY
+#define PD_GREEDY_ONLY 0
+#endif
+#define PD_SAMPLE_GREEDY 0
+#define PD_SAMPLE_PENALTY 1
+#define PD_SAMPLE_DENSE 2
+#define PD_SAMPLE_TOPK 3
+#define PD_PARTS 4   // a block's words: best key, mass (f64 bits), dense key, spare
+#define PD_CANDS 64  // a block's published top-k keys (top-k <= 64), room a block
+// Logits a thread holds in the sampler (a block's slice <= PD_VPT x PD_THREADS).
+#define PD_VPT 4
+// Keys a thread holds in the pick: every block's top-k, G top-k <= PD_PICK_KPT
+// x PD_THREADS (persist.rs checks).
+#define PD_PICK_KPT 24
 
 __device__ __forceinline__ float pd_warp_sum(float v) {
 #pragma unroll
@@ -527,6 +559,350 @@ __device__ __forceinline__ u64 pd_key(float v, u32 idx) {
     return ((u64)b << 32) | (u64)(0xffffffffu - idx);  // ties: the lower index
 }
 
+// ---------------------------------------------------------------------------
+// The in-kernel sampler (modes PD_SAMPLE_*): each block penalises, scores
+// and ranks its slice of the logits, publishes its part before the logits
+// flags, and after them every block takes the same token from all parts
+// (the graph's multi-block sampler, sampling.cu k_sample_select, does the
+// same work in two kernels and a merging block).
+// ---------------------------------------------------------------------------
+
+// The sampler's shared memory (persist.rs sample_smem): candidate keys,
+// the slice's logits, the penalty mask of the slice, the tokens this
+// launch chose, and a copy of the recent ids.
+struct PdSamp {
+    u64* cl;    // candidates: the slice's, then the merge's (cap keys)
+    float* lg;  // the slice's penalised logits
+    u32* mask;  // bit j: slice token j is in the penalty window
+    u32* hist;  // hist[s]: the token of this launch's step s
+    u32* rec;   // the recent ids (the header's count of them)
+    u32 cap;
+};
+
+// The candidates a block ranks: a slice's, or the pick's (about 100 for
+// the default sampler's top-40 on a 49,152 vocabulary; more take the
+// pick's slow path).
+#define PD_PICK_CAP 1024
+// -DPD_PICK_SLOW=1 (tests): every pick takes the slow path.
+#ifndef PD_PICK_SLOW
+#define PD_PICK_SLOW 0
+#endif
+
+__device__ __forceinline__ PdSamp pd_samp_areas(u8* base, const PdArgs& a) {
+    PdSamp s;
+    s.cap = max(pd_per(a.vocab), PD_PICK_CAP);
+    s.cl = (u64*)(((u64)base + 15) & ~(u64)15);
+    s.lg = (float*)(s.cl + s.cap);
+    s.mask = (u32*)(s.lg + pd_per(a.vocab));
+    s.hist = s.mask + (pd_per(a.vocab) + 31) / 32;
+    s.rec = s.hist + a.max_pos;
+    return s;
+}
+
+__device__ __forceinline__ float pd_penalised(float l, float pen) {
+    return l > 0.0f ? __fdiv_rn(l, pen) : __fmul_rn(l, pen);
+}
+
+// Block max of a u64 (every thread gets it); red holds PD_WARPS words.
+// Ends synchronised.
+__device__ __forceinline__ u64 pd_block_max(u64 v, u64* red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(FULL_MASK, v, o));
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    u64 m = 0;
+#pragma unroll
+    for (int i = 0; i < PD_WARPS; ++i) m = max(m, red[i]);
+    __syncthreads();
+    return m;
+}
+
+// Block sum of a double in a fixed order (every block that sums the same
+// values gets the same bits); red holds PD_WARPS doubles. Ends
+// synchronised.
+__device__ __forceinline__ double pd_block_sum_f64(double v, double* red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    double s = 0.0;
+#pragma unroll
+    for (int i = 0; i < PD_WARPS; ++i) s += red[i];
+    __syncthreads();
+    return s;
+}
+
+// Largest m such that at least k (<= 6) lanes hold v >= m, or 0 when fewer
+// than k lanes hold a nonzero v. Every lane calls it.
+__device__ __forceinline__ u32 pd_warp_kth(u32 v, u32 k) {
+    u32 seen = 0, m = 0;
+    for (u32 r = 0; r < k && seen < k; ++r) {
+        m = __reduce_max_sync(FULL_MASK, v);
+        if (m == 0u) return 0u;
+        seen += (u32)__popc(__ballot_sync(FULL_MASK, v == m));
+        if (v == m) v = 0u;
+    }
+    return m;
+}
+
+// out[r] = the candidate of rank r (candidates larger) for r < k: the k
+// best of the C distinct nonzero keys cl[0..C), descending. out is zeroed
+// and published before. Every thread calls it; ends synchronised.
+__device__ __forceinline__ void pd_rank(const u64* cl, u32 C, u32 k, u64* out) {
+    for (u32 q = threadIdx.x; q < C; q += PD_THREADS) {
+        const u64 x = cl[q];
+        u32 r = 0;
+        for (u32 j0 = 0; j0 < C; j0 += 8) {  // eight loads in flight
+            u64 z[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) z[i] = j0 + i < C ? cl[j0 + i] : 0ull;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) r += (u32)(z[i] > x);
+        }
+        if (r < k) out[r] = x;
+    }
+    __syncthreads();
+}
+
+// Appends `key` to list[0..cap) at counter *n when `take`: one shared
+// atomic per warp. Every lane of the warp calls it.
+__device__ __forceinline__ void pd_append(bool take, u64 key, u32* n, u64* list, u32 cap) {
+    const u32 m = __ballot_sync(FULL_MASK, take);
+    if (m == 0u) return;
+    const u32 lane = threadIdx.x & 31, leader = (u32)__ffs((int)m) - 1u;
+    u32 q = 0;
+    if (lane == leader) q = atomicAdd(n, (u32)__popc(m));
+    q = __shfl_sync(FULL_MASK, q, leader) + (u32)__popc(m & ((1u << lane) - 1u));
+    if (take && q < cap) list[q] = key;
+}
+
+// The penalty window's tokens in this block's slice [lo, lo + n), as bits
+// of sp.mask (each token once, however often it recurs): the last
+// repeat_last_n entries of the recent ids ++ the chain's tokens, as
+// sampling.cu's penalise_window reads them. The chain's tokens this launch
+// chose come from sp.hist (every block knows them), earlier ones from the
+// conveyor. Ends synchronised.
+__device__ void pd_window_mask(const PdSamp& sp, const PdArgs& a, u32 lo, u32 n, u32 kv_len, u32 t, u32 tok0,
+                               u32 chain_start, u32 nr) {
+    for (u32 w = threadIdx.x; w < (n + 31) / 32; w += PD_THREADS) sp.mask[w] = 0u;
+    __syncthreads();
+    const u32 sch = kv_len > chain_start ? kv_len - chain_start : 0u;
+    const u32 total = nr + sch, W = min(total, a.repeat_last_n), c0 = total - W;
+    for (u32 j = threadIdx.x; j < W; j += PD_THREADS) {
+        const u32 c = c0 + j;
+        u32 id;
+        if (c < nr) {
+            id = sp.rec[c];
+        } else {
+            const u32 slot = 1u + (c - nr);  // the conveyor slot (sampling.cu: chain = conveyor + 1)
+            id = slot > tok0 && slot - tok0 - 1u < t ? sp.hist[slot - tok0 - 1u] : __ldcg(a.window_chain + slot);
+        }
+        const u32 j2 = id - lo;
+        if (j2 < n) atomicOr(&sp.mask[j2 >> 5], 1u << (j2 & 31));
+    }
+    __syncthreads();
+}
+
+// Shared scalars of the sampler.
+struct PdSampShared {
+    u64 top[PD_CANDS];
+    u64 ured[PD_WARPS];
+    double dred[PD_WARPS];
+    u32 bound, nc;
+};
+
+// DENSE and TOPK, before the logits flags: this block's part. sp.lg holds
+// the slice's penalised logits; bkey is the slice's best (pd_key).
+// DENSE: the best (l - max_b) / T + G of the slice (max_b its own max;
+// pd_sample_pick moves it to the global max). TOPK: the slice's mass
+// sum exp((l - max_b) / T) over finite logits, and its min(top-k, n) best
+// rank keys, descending, 0-padded to top-k.
+__device__ void pd_sample_publish(const PdSamp& sp, PdSampShared& ss, const PdArgs& a, u64* set, u32 lo, u32 n,
+                                  u64 bkey, u32 base) {
+    const float mxb = rank_logit(bkey);
+    const u32 tid = threadIdx.x;
+    u64* part = set + (u64)blockIdx.x * PD_PARTS;
+    if (a.mode == PD_SAMPLE_DENSE) {
+        u64 best = 0;
+        for (u32 j = tid; j < n; j += PD_THREADS) {
+            const float l = sp.lg[j];
+            if (l > NEG_INF) {
+                const float g = gumbel_from_hash(pcg_hash(base ^ (lo + j)));
+                best = max(best, pd_key(__fadd_rn(__fmul_rn(__fsub_rn(l, mxb), a.inv_t), g), lo + j));
+            }
+        }
+        best = pd_block_max(best, ss.ured);
+        if (tid == 0) {
+            part[0] = bkey;
+            part[2] = best;
+        }
+        return;
+    }
+    // TOPK: keys (0: -inf or NaN, never drawn), the mass, the lane bests.
+    u64 key[PD_VPT];
+    double mass = 0.0;
+    u32 lane_best = 0;
+#pragma unroll
+    for (int v = 0; v < PD_VPT; ++v) {
+        const u32 j = tid + v * PD_THREADS;
+        key[v] = 0;
+        if (j < n) {
+            const float l = sp.lg[j];
+            if (l > NEG_INF) {
+                mass += (double)expf(__fmul_rn(__fsub_rn(l, mxb), a.inv_t));
+                key[v] = rank_key(l, lo + j);
+                lane_best = max(lane_best, (u32)(key[v] >> 32));
+            }
+        }
+    }
+    const u32 k = min(a.top_k, n);
+    if (tid == 0) {
+        ss.bound = ~0u;
+        ss.nc = 0;
+    }
+    if (tid < PD_CANDS) ss.top[tid] = 0;
+    mass = pd_block_sum_f64(mass, ss.dred);  // its barriers publish the fields above
+    // A bound with at least k keys at or above it: the smallest over the
+    // warps of each warp's ceil(k / PD_WARPS)-th largest lane best (0, all
+    // keys, when a warp has too few).
+    const u32 kb = pd_warp_kth(lane_best, (k + PD_WARPS - 1) / PD_WARPS);
+    if ((tid & 31) == 0) atomicMin(&ss.bound, kb);
+    __syncthreads();
+    const u32 bound = ss.bound;
+#pragma unroll
+    for (int v = 0; v < PD_VPT; ++v) pd_append(key[v] != 0 && (u32)(key[v] >> 32) >= bound, key[v], &ss.nc, sp.cl, sp.cap);
+    __syncthreads();
+    pd_rank(sp.cl, ss.nc, k, ss.top);
+    u64* cand = set + (u64)gridDim.x * PD_PARTS + (u64)blockIdx.x * a.top_k;
+    if (tid < a.top_k) cand[tid] = ss.top[tid];
+    if (tid == 0) {
+        part[0] = bkey;
+        part[1] = (u64)__double_as_longlong(mass);
+    }
+}
+
+// DENSE and TOPK, after the logits flags: the token, the same in every
+// block (the same loads and the same arithmetic in the same order); with
+// TOPK only warp 0 returns it. Every thread calls it.
+__device__ u32 pd_sample_pick(const PdSamp& sp, PdSampShared& ss, const PdArgs& a, const u64* set, u32 base) {
+    const u32 tid = threadIdx.x, G = gridDim.x;
+    // One round of loads: the blocks' parts (G <= PD_THREADS) and, for
+    // TOPK, every block's list of top-k keys.
+    const u64* part = set + (u64)tid * PD_PARTS;
+    const u64 bk = tid < G ? __ldcg(part) : 0ull;
+    const u64 pw = tid < G ? __ldcg(part + (a.mode == PD_SAMPLE_DENSE ? 2 : 1)) : 0ull;
+    const u32 K = a.top_k, total = a.mode == PD_SAMPLE_TOPK ? G * K : 0u;
+    const u64* cand = set + (u64)G * PD_PARTS;
+    u64 y[PD_PICK_KPT];
+#pragma unroll
+    for (int i = 0; i < PD_PICK_KPT; ++i) {
+        const u32 q = tid + i * PD_THREADS;
+        y[i] = q < total ? __ldcg(cand + q) : 0ull;
+    }
+    // The global max (lowest id on ties) from the blocks' bests.
+    const u64 m = pd_block_max(bk, ss.ured);
+    const float mx = rank_logit(m);
+    // Not finite: the argmax (every token -inf gives id 0, as the CPU).
+    if (!(fabsf(mx) < POS_INF)) return ~(u32)m;
+    if (a.mode == PD_SAMPLE_DENSE) {
+        // Each block's best, moved from its own max to the global one.
+        u64 best = 0;
+        if (pw != 0) {
+            const float shift = __fmul_rn(__fsub_rn(mx, rank_logit(bk)), a.inv_t);
+            best = pd_key(__fsub_rn(rank_logit(pw), shift), ~(u32)pw);
+        }
+        return ~(u32)pd_block_max(best, ss.ured);
+    }
+    // TOPK. The total mass, every block's moved to the global max.
+    const double mb = __longlong_as_double((long long)pw);
+    double mass = mb > 0.0 ? mb * exp(((double)rank_logit(bk) - (double)mx) * (double)a.inv_t) : 0.0;
+    u32 lane_best = 0;
+#pragma unroll
+    for (int i = 0; i < PD_PICK_KPT; ++i) lane_best = max(lane_best, (u32)(y[i] >> 32));
+    if (tid == 0) {
+        ss.bound = ~0u;
+        ss.nc = 0;
+    }
+    if (tid < PD_CANDS) ss.top[tid] = 0;
+    mass = pd_block_sum_f64(mass, ss.dred);  // its barriers publish the fields above
+    // The top-k of all keys, as the slice's in pd_sample_publish: a bound
+    // with at least K keys at or above it, then the rank of each key above.
+    const u32 kb = pd_warp_kth(lane_best, (K + PD_WARPS - 1) / PD_WARPS);
+    if ((tid & 31) == 0) atomicMin(&ss.bound, kb);
+    __syncthreads();
+    const u32 bound = ss.bound;
+#pragma unroll
+    for (int i = 0; i < PD_PICK_KPT; ++i)
+        pd_append(y[i] != 0 && (u32)(y[i] >> 32) >= bound, y[i], &ss.nc, sp.cl, sp.cap);
+    __syncthreads();
+    if (!PD_PICK_SLOW && ss.nc <= sp.cap) {
+        pd_rank(sp.cl, ss.nc, K, ss.top);
+    } else {
+        // Too many at the bound (a warp with too few keys: short lists):
+        // the K best one at a time (keys are distinct).
+        for (u32 r = 0; r < K; ++r) {
+            u64 b = 0;
+#pragma unroll
+            for (int i = 0; i < PD_PICK_KPT; ++i) b = max(b, y[i]);
+            b = pd_block_max(b, ss.ured);
+            if (b == 0) break;
+            if (tid == 0) ss.top[r] = b;
+#pragma unroll
+            for (int i = 0; i < PD_PICK_KPT; ++i) y[i] = y[i] == b ? 0ull : y[i];
+        }
+        __syncthreads();
+    }
+    // The cuts, in warp 0 over the ranked keys (K <= 64: two a lane): min-p
+    // (a prefix: weights fall with rank), top-k, and top-p (the first rank
+    // where the running mass reaches top-p of the total), then Gumbel-max
+    // over the kept ones: ln p + G, ln p = (l - max) / T - ln(kept mass).
+    if (tid >= 32) return 0;
+    const u32 lane = tid;
+    const float min_w = a.min_p > 0.0f ? fminf(a.min_p, 1.0f) : 0.0f;
+    const double target = a.top_p < 1.0f ? (double)fmaxf(a.top_p, 0.0f) * mass : -1.0;
+    float sc[2];
+    double w[2];
+    bool in[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u32 r = 2 * lane + h;
+        const u64 key = r < K ? ss.top[r] : 0;
+        sc[h] = key ? __fmul_rn(__fsub_rn(rank_logit(key), mx), a.inv_t) : NEG_INF;
+        const float e = key ? expf(sc[h]) : 0.0f;
+        in[h] = key != 0 && (min_w <= 0.0f || e >= min_w);
+        w[h] = in[h] ? (double)e : 0.0;
+    }
+    // Inclusive running mass at each rank (a scan over the lanes' pairs).
+    double run = w[0] + w[1];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const double y = __shfl_up_sync(FULL_MASK, run, o);
+        if (lane >= (u32)o) run += y;
+    }
+    const double incl1 = run, incl0 = run - w[1];
+    // Kept: pool members up to and including the first that reaches the
+    // target (rank 0 always, being the max).
+    const bool hit0 = in[0] && target >= 0.0 && incl0 >= target, hit1 = in[1] && target >= 0.0 && incl1 >= target;
+    const u32 first_hit = __reduce_min_sync(FULL_MASK, hit0 ? 2 * lane : hit1 ? 2 * lane + 1 : NONE32);
+    const u32 pool = __popc(__ballot_sync(FULL_MASK, in[0])) + __popc(__ballot_sync(FULL_MASK, in[1]));
+    const u32 L = first_hit == NONE32 ? pool : min(pool, first_hit + 1);
+    const double kept = __shfl_sync(FULL_MASK, (L - 1) % 2 ? incl1 : incl0, (L - 1) / 2);
+    const double ln_sum = log(kept);
+    u64 best = 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u32 r = 2 * lane + h;
+        if (r < L) {
+            const u32 id = ~(u32)ss.top[r];
+            const float ln_p = __double2float_rn((double)sc[h] - ln_sum);
+            best = max(best, pd_key(__fadd_rn(ln_p, gumbel_from_hash(pcg_hash(base ^ id))), id));
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(FULL_MASK, best, o));
+    return ~(u32)best;
+}
+
 extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdArgs a) {
 #ifdef PD_D
     // The model's shape as constants (persist.rs compiles one module per
@@ -537,6 +913,10 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
     a.ff = PD_FF;
     a.nh = PD_NH;
     a.nkv = PD_NKV;
+#endif
+#if PD_GREEDY_ONLY
+    // A greedy table's module (persist.rs): the sampler compiled out.
+    a.mode = PD_SAMPLE_GREEDY;
 #endif
     // -DPD_BLOCK_TIMES: every block's thread 0 notes %globaltimer (ns, the
     // same clock on every SM) at each mark of layer PD_BT_LAYER of token
@@ -566,18 +946,27 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
     // dot products and stores, down, logits and token); 6-8 split qkv's
     // start: its rows' arrival (bulk copies), its h words' arrival, the
     // norm; 9-10 gate|up's: its h words' arrival, the norm.
-    long long tm[11] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}, t0 = clock64();
-#define PD_MARK(i)                                                   \
+    long long tm[14] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}, t0 = clock64();
+// (PD_TMARK: a timing mark only; 11-13 split logits and token: the dot
+// products, the sampler's part, the wait on the flags, then the pick.)
+#define PD_TMARK(i)                                                  \
     do {                                                             \
-        PD_BT(i);                                                    \
         if (blockIdx.x == 0 && threadIdx.x == 0) {                   \
             const long long t1 = clock64();                          \
             tm[i] += t1 - t0;                                        \
             t0 = t1;                                                 \
         }                                                            \
     } while (0)
+#define PD_MARK(i)  \
+    do {            \
+        PD_BT(i);   \
+        PD_TMARK(i); \
+    } while (0)
 #else
 #define PD_MARK(i) PD_BT(i)
+#define PD_TMARK(i) \
+    do {            \
+    } while (0)
 #endif
     extern __shared__ __align__(16) u8 smem[];
     const u32 rd = pd_rec(a.d);
@@ -594,6 +983,15 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
     float* part = red + PD_WARPS;             // PD_WARPS x 64 partials, then q, k, v of the head
     __shared__ u64 wbest[PD_WARPS];
     __shared__ u32 s_token, s_cancel;
+    // The sampler (a.mode != PD_SAMPLE_GREEDY): its shared memory after the
+    // attention partials (the areas are recomputed where they are used, so
+    // that no register holds them through the layers), its scalars, the
+    // slice's best key, the penalty window's header.
+#define PD_SAMP_AREAS() pd_samp_areas((u8*)(part + (PD_WARPS + 3) * PD_HD), a)
+#define PD_PENALTY_ON (a.mode != PD_SAMPLE_GREEDY && a.penalty != 1.0f)
+    __shared__ PdSampShared ss;
+    __shared__ u64 s_bkey;
+    __shared__ u32 s_wstart, s_wn;
     __shared__ float2 rope[PD_HD / 2];
     // PD_BULK: the two row buffers' mbarriers. Buffer b is filled for the
     // layers gl = 2n + b counted over the chain; fill n completes phase n,
@@ -627,6 +1025,17 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
     pd_prefetch(wbuf[0], a, a.layers[0]);
 #endif
     u32 gnext = 0;  // the layer (counted over the chain) of the copies last requested
+    // The penalty window's recent ids, copied once (published by the first
+    // layer's barriers); the host wrote them before the launch.
+    if (PD_PENALTY_ON) {
+        const PdSamp sp = PD_SAMP_AREAS();
+        const u32 nr = min(__ldg(a.recent + 1), a.recent_capacity);
+        if (threadIdx.x == 0) {
+            s_wstart = __ldg(a.recent);
+            s_wn = nr;
+        }
+        for (u32 i = threadIdx.x; i < nr; i += PD_THREADS) sp.rec[i] = __ldg(a.recent + 2 + i);
+    }
     for (u32 t = 0; t < limit; ++t) {
         const u32 pos = pos0 + t;
         if (own >= 0) hreg = pd_elem(a.emb, a.emb_q8, a.vocab, a.d, token, own);
@@ -912,11 +1321,28 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
         }
         // ---- logits: the output norm, this block's rows of the output
         // weight, its best; block 0 also reads the host's cancel word.
+        // With the sampler, the repetition penalty (tokens of the window,
+        // sp.mask) applies to each logit as it is computed, and DENSE and
+        // TOPK keep the slice's logits (sp.lg) for their part.
+        const u32 sbase = a.mode >= PD_SAMPLE_DENSE ? position_base(a.seed_lo, a.seed_hi, pos + 1) : 0u;
+        const PdSamp sp = PD_SAMP_AREAS();
+        const bool pen = PD_PENALTY_ON;
+        // Two sets of parts, by the token's parity: a block can reach the
+        // next token's logits while another still reads this token's parts
+        // (blocks without rows of a layer wait on no one), but not the
+        // logits after (the flags).
+        u64* sset = a.samp + (u64)(t & 1) * gridDim.x * (PD_PARTS + PD_CANDS);
         {
             const u64* Xl = a.x + (u64)((t * a.nl + a.nl - 1) & 1) * xw;
             float v[PD_MAXPER], nw[PD_MAXPER];
+            u64 wv[PD_MAXPER];
             pd_norm_weights(nw, a.out_norm, a.d);
-            pd_load_tagged(v, Xl + X_H, a.d, e);
+            pd_request_tagged(wv, Xl + X_H, a.d, e);
+            if (pen) {
+                const PdRange r = pd_items(a.vocab);
+                pd_window_mask(sp, a, r.lo, r.n, pos + 1, t, tok0, s_wstart, s_wn);
+            }
+            pd_finish_tagged(v, wv, Xl + X_H, e);
             pd_norm(xs, v, nw, a, red);
             const PdRange r = pd_items(a.vocab);
             u64 best = 0;
@@ -924,8 +1350,15 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                 float s[PD_ROWS];
                 pd_dot_rows(s, a.out, a.out_q8, a.vocab, a.d, r.lo + it, PD_WARPS, r.lo + r.n, xs, lane);
 #pragma unroll
-                for (int u = 0; u < PD_ROWS; ++u)
-                    if (it + u * PD_WARPS < r.n) best = max(best, pd_key(s[u], r.lo + it + u * PD_WARPS));
+                for (int u = 0; u < PD_ROWS; ++u) {
+                    const u32 j = it + u * PD_WARPS;
+                    if (j < r.n) {
+                        float l = s[u];
+                        if (pen && ((sp.mask[j >> 5] >> (j & 31)) & 1u)) l = pd_penalised(l, a.penalty);
+                        if (a.mode >= PD_SAMPLE_DENSE && lane == 0) sp.lg[j] = l;
+                        best = max(best, pd_key(l, r.lo + j));
+                    }
+                }
             }
             if (lane == 0) wbest[warp] = best;
             __syncthreads();
@@ -933,14 +1366,32 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                 u64 mx = 0;
                 for (int i = 0; i < PD_WARPS; ++i) mx = max(mx, wbest[i]);
                 a.best[blockIdx.x] = mx;
+                s_bkey = mx;
                 if (blockIdx.x == 0) a.best[gridDim.x] = *(volatile const u32*)&ctl->done;
             }
+            PD_TMARK(11);
+            if (a.mode >= PD_SAMPLE_DENSE) {
+                __syncthreads();
+                pd_sample_publish(sp, ss, a, sset, r.lo, r.n, s_bkey, sbase);
+            }
+            PD_TMARK(12);
             pd_end_flags(a.flags, ++e);
         }
         // ---- the token: every block takes the argmax of the bests (and
-        // the cancel word), so that all agree on it and on stopping.
+        // the cancel word), or the sampler's pick from every block's part,
+        // so that all agree on it and on stopping.
         pd_wait_flags(a.flags, e);
-        {
+        PD_TMARK(13);
+        if (a.mode >= PD_SAMPLE_DENSE) {
+            const u32 tok = pd_sample_pick(sp, ss, a, sset, sbase);
+            if (threadIdx.x == 0) {
+                s_token = tok;
+                s_cancel = (u32)__ldcg(a.best + gridDim.x);
+                sp.hist[t] = tok;
+                if (blockIdx.x == 0) publish_token(a.conveyor, tok0 + 1 + t, tok, ctl);
+            }
+            __syncthreads();
+        } else {
             u64 b = 0;
             for (u32 i = threadIdx.x; i < gridDim.x; i += PD_THREADS) b = max(b, __ldcg(a.best + i));
 #pragma unroll
@@ -952,6 +1403,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                 for (int i = 0; i < PD_WARPS; ++i) mx = max(mx, wbest[i]);
                 s_token = 0xffffffffu - (u32)mx;
                 s_cancel = (u32)__ldcg(a.best + gridDim.x);
+                if (pen) sp.hist[t] = s_token;
                 if (blockIdx.x == 0) publish_token(a.conveyor, tok0 + 1 + t, s_token, ctl);
             }
             __syncthreads();
@@ -971,11 +1423,12 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             if (blockIdx.x == 0 && threadIdx.x == 0)
                 printf("persist timing: %u tokens from %u, block 0 cycles a token: qkv %lld attn %lld o %lld gu %lld "
                        "down %lld logits+token %lld; qkv = rows %lld + h %lld + norm %lld + dots %lld; "
-                       "gu = h %lld + norm %lld + dots %lld\n",
+                       "gu = h %lld + norm %lld + dots %lld; logits+token = dots %lld + part %lld + wait %lld + "
+                       "pick %lld\n",
                        t + 1, pos0, (tm[6] + tm[7] + tm[8] + tm[0]) / (t + 1), tm[1] / (t + 1), tm[2] / (t + 1),
-                       (tm[9] + tm[10] + tm[3]) / (t + 1), tm[4] / (t + 1), tm[5] / (t + 1), tm[6] / (t + 1),
+                       (tm[9] + tm[10] + tm[3]) / (t + 1), tm[4] / (t + 1), (tm[11] + tm[12] + tm[13] + tm[5]) / (t + 1), tm[6] / (t + 1),
                        tm[7] / (t + 1), tm[8] / (t + 1), tm[0] / (t + 1), tm[9] / (t + 1), tm[10] / (t + 1),
-                       tm[3] / (t + 1));
+                       tm[3] / (t + 1), tm[11] / (t + 1), tm[12] / (t + 1), tm[13] / (t + 1), tm[5] / (t + 1));
 #endif
             break;
         }

@@ -12,8 +12,9 @@ use std::ffi::{CStr, CString};
 use std::path::PathBuf;
 
 /// The kernel sources, in the order they are concatenated.
-pub const SOURCES: [(&str, &str); 4] = [
+pub const SOURCES: [(&str, &str); 5] = [
     ("common.cuh", include_str!("../kernels/common.cuh")),
+    ("noise.cuh", include_str!("../kernels/noise.cuh")),
     ("model.cu", include_str!("../kernels/model.cu")),
     ("gemv_tc.cu", include_str!("../kernels/gemv_tc.cu")),
     ("sampling.cu", include_str!("../kernels/sampling.cu")),
@@ -21,8 +22,9 @@ pub const SOURCES: [(&str, &str); 4] = [
 
 /// The persistent decode kernel (`persist.rs`): its own module, compiled
 /// per model shape.
-pub const PERSIST_SOURCES: [(&str, &str); 2] = [
+pub const PERSIST_SOURCES: [(&str, &str); 3] = [
     ("common.cuh", include_str!("../kernels/common.cuh")),
+    ("noise.cuh", include_str!("../kernels/noise.cuh")),
     ("persist.cu", include_str!("../kernels/persist.cu")),
 ];
 
@@ -294,15 +296,18 @@ mod tests {
         opts.extend(crate::persist::shape_defines(576, 576, 192, 1536, 9, 3));
         let bin = super::compile(&super::persist_source(), &opts).unwrap_or_else(|e| panic!("{e}"));
         assert!(bin.len() > 1000);
-        // Its bulk-copy form (PD_BULK, a developer switch), with each KV
-        // cache type.
+        // Its bulk-copy form (sm_90's), with each KV cache type, with the
+        // sampler (a sampled table's module) and without (a greedy one's).
         opts.push("-DPD_BULK=1".into());
         for kv in [super::KvType::F16, super::KvType::F32] {
-            let mut o = opts.clone();
-            o.push(super::kv_define(kv));
-            let bin =
-                super::compile(&super::persist_source(), &o).unwrap_or_else(|e| panic!("{e}"));
-            assert!(bin.len() > 1000);
+            for greedy_only in ["-DPD_GREEDY_ONLY=0", "-DPD_GREEDY_ONLY=1"] {
+                let mut o = opts.clone();
+                o.push(super::kv_define(kv));
+                o.push(greedy_only.into());
+                let bin = super::compile(&super::persist_source(), &o)
+                    .unwrap_or_else(|e| panic!("{e}"));
+                assert!(bin.len() > 1000);
+            }
         }
     }
 

@@ -33,7 +33,7 @@ use akunu_core::backend::{
 use akunu_core::dtype::DType;
 use akunu_core::gguf::{GgufFile, TensorInfo};
 use akunu_core::ops::{AttnParams, KernelId, KvType, RopeParams};
-use akunu_core::table::{BufferId, DispatchTable, StepInfo};
+use akunu_core::table::{BufferId, DispatchCmd, DispatchTable, StepInfo};
 use cudarc::driver::sys;
 use device::{Dptr, Event, check};
 use std::collections::HashMap;
@@ -490,7 +490,10 @@ impl CudaBackend {
         if !self.persist_on || first.rows != 1 || self.profile.is_some() {
             return Ok(None);
         }
-        let hash = table_hash(table);
+        // One plan a table layout: a sampled table's params are read per
+        // chain (`Plan::for_chain`), so that a new seed or temperature
+        // neither compiles nor allocates.
+        let hash = table_hash_with(table, |c| c.kernel != KernelId::GumbelSample);
         if !self.persist_plans.contains_key(&hash) {
             let mut owned = persist::Owned::default();
             let plan = persist::plan(self, table, &mut owned);
@@ -498,19 +501,24 @@ impl CudaBackend {
             self.persist_owned.modules.extend(owned.modules);
             let plan = plan?;
             if let (Err(why), true) = (&plan, self.persist_asked) {
-                // The sampled and grammar tables are not greedy: say nothing.
+                // Grammar tables end at the logits: say nothing of them.
                 if !table
                     .commands
                     .iter()
-                    .any(|c| matches!(c.kernel, KernelId::GumbelSample | KernelId::GrammarBitmask))
+                    .any(|c| c.kernel == KernelId::GrammarBitmask)
                 {
-                    eprintln!("akunu: greedy decode keeps the graph path: {why}");
+                    eprintln!("akunu: decode keeps the graph path: {why}");
                 }
             }
             self.persist_plans.insert(hash, plan);
         }
         Ok(match &self.persist_plans[&hash] {
-            Ok(p) if first.pos < p.max_pos => Some((*p, steps.min(p.max_pos - first.pos))),
+            Ok(p) if first.pos < p.max_pos => match p.for_chain(table) {
+                Ok(p) => Some((p, steps.min(p.max_pos - first.pos))),
+                // A sampling configuration the kernel's sampler does not
+                // take keeps the graph.
+                Err(_) => None,
+            },
             _ => None,
         })
     }
@@ -1283,6 +1291,15 @@ impl CudaBackend {
 /// Graph cache key: a hash of the table's commands (the sampled table's
 /// parameters change with the sampling configuration).
 pub(crate) fn table_hash(table: &DispatchTable) -> u64 {
+    table_hash_with(table, |_| true)
+}
+
+/// `table_hash` with the params of the commands `params_count` rejects
+/// left out.
+pub(crate) fn table_hash_with(
+    table: &DispatchTable,
+    params_count: impl Fn(&DispatchCmd) -> bool,
+) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
     for c in &table.commands {
@@ -1292,7 +1309,9 @@ pub(crate) fn table_hash(table: &DispatchTable) -> u64 {
         for b in c.bindings() {
             (b.buffer, b.offset).hash(&mut h);
         }
-        c.params.hash(&mut h);
+        if params_count(c) {
+            c.params.hash(&mut h);
+        }
     }
     h.finish()
 }

@@ -8,9 +8,19 @@
 //! size the kernel does not take) gets no plan and keeps the graph. Both
 //! paths read and write the same KV cache, so a chain may take either.
 //!
+//! A sampled table (the greedy one with `GumbelSample` before the argmax)
+//! runs on the same kernel compiled with its sampler (persist.cu
+//! `pd_sample_publish` / `pd_sample_pick`): repetition penalty, then
+//! greedy, dense Gumbel-max, or Gumbel-max over top-k (<= 64) with min-p
+//! and top-p, all inside the launch, so that sampled decode costs what
+//! greedy does. A sampling configuration it does not take (top-p or min-p
+//! without top-k, top-k above 64) keeps the graph ([`sample_mode`]).
+//!
 //! The kernel adds in another order than the table's gemv kernels, so its
 //! tokens can differ from the graph's where two logits nearly tie (as the
-//! CPU backend's can). It is on by default on sm_90 (H100, H200), where it
+//! CPU backend's can); the sampler's dense mode also moves each block's
+//! best from the block's own maximum to the global one, which rounds
+//! differently from the graph's single subtraction. It is on by default on sm_90 (H100, H200), where it
 //! was measured (25-30% above the graph on the SmolLM2 shape: bench/
 //! RESULTS.md, sessions 19-20); `CudaBackend::set_persistent` and
 //! `AKUNU_CUDA_PERSIST` (0 / 1) switch it. Speculative decoding's plain
@@ -19,10 +29,11 @@
 use crate::CudaBackend;
 use crate::device::{Dptr, alloc, check};
 use akunu_core::backend::BackendError;
+use akunu_core::builder::RECENT_CAPACITY;
 use akunu_core::dtype::DType;
 use akunu_core::ops::{
     ACT_NONE, ACT_SWIGLU, AttnParams, EmbedParams, GemvParams, KernelId, NormParams, ROPE_NORM,
-    RopeParams,
+    RopeParams, SampleParams,
 };
 use akunu_core::table::DispatchTable;
 use bytemuck::{Pod, Zeroable};
@@ -33,9 +44,15 @@ const WARPS: u32 = 12;
 /// Values of a row a thread holds (persist.cu `PD_MAXPER`).
 const MAXPER: u32 = 4;
 const HEAD: u32 = 64;
-/// Static shared memory of the kernel (ptxas: 368 bytes, 384 with
-/// `PD_BULK`'s two mbarriers), rounded up.
-pub(crate) const STATIC_SMEM: u32 = 512;
+/// Static shared memory of the kernel (ptxas: 384 bytes greedy, 1,104 with
+/// the sampler's scalars), rounded up.
+pub(crate) const STATIC_SMEM: u32 = 1280;
+/// The sampler's words a block publishes (persist.cu `PD_PARTS`) and its
+/// top-k keys (`PD_CANDS`, the largest top-k the kernel takes).
+const PARTS: u32 = 4;
+const CANDS: u32 = 64;
+/// Logits of a block's slice a thread holds in the sampler (`PD_VPT`).
+const VPT: u32 = 4;
 /// Most cache positions a chain may reach on this path: its attention runs
 /// on one block per head, which loses to the graph's split attention after
 /// a few hundred positions (bench/RESULTS.md, session 18: 1,636 tok/s from
@@ -82,6 +99,60 @@ pub(crate) struct PdArgs {
     theta: f32,
     freq_scale: f32,
     scale: f32,
+    recent: u64,
+    window_chain: u64,
+    samp: u64,
+    mode: u32,
+    top_k: u32,
+    repeat_last_n: u32,
+    seed_lo: u32,
+    seed_hi: u32,
+    recent_capacity: u32,
+    inv_t: f32,
+    top_p: f32,
+    min_p: f32,
+    penalty: f32,
+}
+
+// The kernel's parameter block: persist.cu's PdArgs, 200 bytes.
+const _: () = assert!(std::mem::size_of::<PdArgs>() == 200);
+
+/// What the kernel's logits phase does (persist.cu `PD_SAMPLE_*`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum SampleMode {
+    /// The argmax.
+    Greedy = 0,
+    /// The argmax of the penalised logits (temperature 0, or one whose
+    /// inverse is not a finite positive number).
+    Penalty = 1,
+    /// Gumbel-max over every token (no top-k, top-p or min-p).
+    Dense = 2,
+    /// Gumbel-max over the top-k (1..=64) left by min-p and top-p.
+    TopK = 3,
+}
+
+/// The kernel's mode for a sampler's params, as the graph's
+/// `k_gumbel_sample` / `k_sample_select` branch on them, or why the kernel
+/// does not take them (the chain then keeps the graph).
+pub(crate) fn sample_mode(p: &SampleParams) -> Result<SampleMode, String> {
+    let inv_t = 1.0 / p.temperature;
+    if p.temperature == 0.0 || !(inv_t > 0.0 && inv_t.is_finite()) {
+        return Ok(if p.repeat_penalty != 1.0 {
+            SampleMode::Penalty
+        } else {
+            SampleMode::Greedy
+        });
+    }
+    if p.top_k == 0 && p.top_p >= 1.0 && p.min_p <= 0.0 {
+        return Ok(SampleMode::Dense);
+    }
+    if (1..=CANDS).contains(&p.top_k) {
+        return Ok(SampleMode::TopK);
+    }
+    Err(format!(
+        "top-k {} with top-p {} and min-p {}: the kernel's sampler takes top-k 1..={CANDS}, or no filter",
+        p.top_k, p.top_p, p.min_p
+    ))
 }
 
 /// A table's persistent plan: the kernel (compiled for the model's shape),
@@ -98,6 +169,9 @@ pub(crate) struct Plan {
     pub smem: u32,
     /// Positions the plan serves (`pos + steps <= max_pos`).
     pub max_pos: u32,
+    /// The sampled table's `GumbelSample` command (its params are read at
+    /// each chain: [`Plan::for_chain`]).
+    sampler: Option<usize>,
     /// Device bytes of the tagged words, bests and flags, zeroed per chain.
     scratch: (Dptr, u64),
 }
@@ -136,6 +210,25 @@ fn bulk_layer_smem(d: u32, qd: u32, kvd: u32, ff: u32, blocks: u32) -> u64 {
         + scales(no, ff)
 }
 
+/// Candidates a block ranks in the pick (persist.cu `PD_PICK_CAP`).
+const PICK_CAP: u32 = 1024;
+/// Keys a thread holds in the pick (persist.cu `PD_PICK_KPT`): every
+/// block's top-k, so grid x top-k <= PICK_KPT x threads.
+const PICK_KPT: u32 = 24;
+
+/// Shared memory of the sampler (persist.cu `pd_samp_areas`): 16 bytes of
+/// alignment, the candidates, the slice's logits, its penalty mask, a
+/// token a step, the recent ids.
+fn sample_smem(vocab: u32, g: u32, max_pos: u32) -> u64 {
+    let per = vocab.div_ceil(g);
+    let cap = per.max(PICK_CAP);
+    16 + 8 * cap as u64
+        + 4 * per as u64
+        + 4 * per.div_ceil(32) as u64
+        + 4 * max_pos as u64
+        + 4 * RECENT_CAPACITY as u64
+}
+
 /// What the plans hold on the device, released with the backend.
 #[derive(Default)]
 pub(crate) struct Owned {
@@ -159,15 +252,22 @@ pub(crate) fn shape_defines(d: u32, qd: u32, kvd: u32, ff: u32, nh: u32, nkv: u3
 }
 
 /// The kernel compiled for the shape of `a` (disk-cached like the main
-/// module), its module pushed to `owned`.
+/// module), with its sampler for a sampled table, its module pushed to
+/// `owned`.
 fn kernel_for(
     be: &CudaBackend,
     a: &PdArgs,
+    sampled: bool,
     owned: &mut Owned,
 ) -> Result<sys::CUfunction, BackendError> {
     let arch = format!("sm_{}{}", be.info.cc.0, be.info.cc.1);
     let mut defs = shape_defines(a.d, a.qd, a.kvd, a.ff, a.nh, a.nkv);
     defs.push(crate::compile::kv_define(be.kv));
+    if !sampled && !crate::compile::developer_defines_name("PD_GREEDY_ONLY") {
+        // A greedy table's kernel has no use for the sampler's code
+        // (-DPD_GREEDY_ONLY=0 keeps it, to time the layers with it).
+        defs.push("-DPD_GREEDY_ONLY=1".into());
+    }
     // Bulk copies (sm_90's copy engine) bring the next layer's rows where
     // the device has them, unless a developer switch names PD_BULK.
     if be.info.cc.0 >= 9 && !crate::compile::developer_defines_name("PD_BULK") {
@@ -227,6 +327,7 @@ pub(crate) fn plan(
     let Shape {
         layers,
         args: mut a,
+        sampler,
     } = shape;
     let grid = be.sm_count();
     if grid * WARPS < a.d || grid < a.nh || grid > WARPS * 32 {
@@ -239,7 +340,17 @@ pub(crate) fn plan(
     let fixed = 2 * lb + 4 * (a.d.max(a.qd).max(a.ff) + WARPS + (WARPS + 3) * HEAD) as u64;
     let budget = be.smem_optin().saturating_sub(STATIC_SMEM) as u64;
     let max_pos = MAX_POS.min(a.capacity);
-    let smem = fixed + 4 * max_pos as u64;
+    let mut smem = fixed + 4 * max_pos as u64;
+    if sampler.is_some() {
+        if a.vocab.div_ceil(grid) > VPT * WARPS * 32 {
+            return Ok(Err(format!(
+                "a vocabulary of {} over {grid} blocks: the sampler takes {} logits a block",
+                a.vocab,
+                VPT * WARPS * 32
+            )));
+        }
+        smem += sample_smem(a.vocab, grid, max_pos);
+    }
     if smem > budget {
         return Ok(Err(format!(
             "{smem} bytes of shared memory a block needed, {budget} available"
@@ -248,7 +359,7 @@ pub(crate) fn plan(
     a.max_pos = max_pos;
     // A kernel that does not compile or load (an older toolkit, say) leaves
     // the model on the graph path, with the reason on stderr.
-    let f = match kernel_for(be, &a, owned) {
+    let f = match kernel_for(be, &a, sampler.is_some(), owned) {
         Ok(f) => f,
         Err(e) => return Ok(Err(format!("the persistent kernel is not available: {e}"))),
     };
@@ -269,35 +380,97 @@ pub(crate) fn plan(
         "writing the persistent decode layer table",
     )?;
     a.layers = lp;
-    // Tagged words (two sets), bests (+ the cancel word), flags.
+    // Tagged words (two sets), bests (+ the cancel word), flags, and the
+    // sampler's parts and candidates (every word written before it is
+    // read, each token).
     let xw = (a.d + a.qd + 2 * a.kvd + a.qd + a.ff) as u64;
     let x_bytes = 2 * xw * 8;
     let best_bytes = (grid as u64 + 1) * 8;
-    let total = x_bytes + best_bytes + grid as u64 * 4;
-    let scratch = alloc(total, "persistent decode scratch")?;
+    let flag_bytes = (grid as u64 * 4).next_multiple_of(8);
+    let samp_bytes = if sampler.is_some() {
+        2 * grid as u64 * (PARTS + CANDS) as u64 * 8
+    } else {
+        0
+    };
+    let zeroed = x_bytes + best_bytes + flag_bytes;
+    let scratch = alloc(zeroed + samp_bytes, "persistent decode scratch")?;
     owned.mem.push(scratch);
     a.x = scratch;
     a.best = scratch + x_bytes;
     a.flags = scratch + x_bytes + best_bytes;
+    if samp_bytes > 0 {
+        a.samp = scratch + zeroed;
+    }
     Ok(Ok(Plan {
         func: f as u64,
         args: a,
         grid,
         smem: smem as u32,
         max_pos,
-        scratch: (scratch, total),
+        sampler,
+        scratch: (scratch, zeroed),
     }))
+}
+
+impl Plan {
+    /// The plan with the sampler's settings of this chain: the sampled
+    /// table's `GumbelSample` params (which the engine rewrites when the
+    /// configuration changes), or why the kernel does not take them.
+    pub(crate) fn for_chain(mut self, table: &DispatchTable) -> Result<Plan, String> {
+        let Some(i) = self.sampler else {
+            return Ok(self);
+        };
+        let c = table
+            .commands
+            .get(i)
+            .filter(|c| c.kernel == KernelId::GumbelSample)
+            .ok_or("the sampled table changed shape")?;
+        let p: SampleParams = c.params();
+        let mode = sample_mode(&p)?;
+        if mode == SampleMode::TopK && p.top_k * self.grid > PICK_KPT * WARPS * 32 {
+            return Err(format!(
+                "top-k {} over {} blocks: the kernel's pick holds {} keys",
+                p.top_k,
+                self.grid,
+                PICK_KPT * WARPS * 32
+            ));
+        }
+        if p.recent_capacity > RECENT_CAPACITY {
+            return Err(format!(
+                "a recent-token window of {} ids (the kernel holds {RECENT_CAPACITY})",
+                p.recent_capacity
+            ));
+        }
+        let a = &mut self.args;
+        a.mode = mode as u32;
+        a.top_k = p.top_k;
+        a.repeat_last_n = p.repeat_last_n;
+        a.seed_lo = p.seed_lo;
+        a.seed_hi = p.seed_hi;
+        a.recent_capacity = p.recent_capacity;
+        a.inv_t = 1.0 / p.temperature;
+        a.top_p = p.top_p;
+        a.min_p = p.min_p;
+        a.penalty = p.repeat_penalty;
+        Ok(self)
+    }
 }
 
 struct Shape {
     layers: Vec<PdLayer>,
     args: PdArgs,
+    /// The index of a sampled table's `GumbelSample` command.
+    sampler: Option<usize>,
 }
 
-/// The model read off a greedy llama table, or why the kernel cannot run it.
+/// The model read off a greedy (or sampled) llama table, or why the kernel
+/// cannot run it.
 fn read_shape(be: &CudaBackend, table: &DispatchTable) -> Result<Shape, String> {
     let c = &table.commands;
-    let n = c.len();
+    // A sampled table: the greedy layout with its sampler before the argmax.
+    let sampler =
+        (c.len() >= 2 && c[c.len() - 2].kernel == KernelId::GumbelSample).then(|| c.len() - 2);
+    let n = c.len() - sampler.map_or(0, |_| 1);
     if n < 12 || !(n - 4).is_multiple_of(8) {
         return Err("not the plain llama layout".into());
     }
@@ -481,7 +654,14 @@ fn read_shape(be: &CudaBackend, table: &DispatchTable) -> Result<Shape, String> 
     }
     let lg = n - 2;
     want(lg, KernelId::Gemv, "logits")?;
-    want(lg + 1, KernelId::Argmax, "argmax")?;
+    want(c.len() - 1, KernelId::Argmax, "argmax")?;
+    if let Some(i) = sampler {
+        want(i, KernelId::GumbelSample, "gumbel_sample")?;
+        // Its window: the recent-token buffer, and the conveyor the chain's
+        // tokens join it from.
+        a.recent = ptr(i, 1)?;
+        a.window_chain = ptr(i, 2)?;
+    }
     let lp: GemvParams = c[lg].params();
     if lp.n_seg != 1 || lp.k != d || lp.bias != 0 || lp.softcap != 0.0 {
         return Err("the logits product has a bias or a soft-cap".into());
@@ -508,7 +688,11 @@ fn read_shape(be: &CudaBackend, table: &DispatchTable) -> Result<Shape, String> 
     if emb.n_vocab != a.vocab {
         return Err("the embedding and the logits have different vocabularies".into());
     }
-    Ok(Shape { layers, args: a })
+    Ok(Shape {
+        layers,
+        args: a,
+        sampler,
+    })
 }
 
 /// Launches the plan's kernel on `stream`: the chain's tokens from the
