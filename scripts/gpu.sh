@@ -227,16 +227,17 @@ persist() {
 
 # Decode on the default path, this build against .gpu-base's binary
 # (build-base), alternating, three rounds, on the synthetic SmolLM2 file
-# from positions 0 and 256: greedy, then the sampler's settings of the
-# default model. Run with carry [".gpu", ".gpu-base"].
+# from positions 0 and 256: greedy, the sampler's settings of the default
+# model (top-k 40, top-p 0.95), and temperature alone (dense). Run with carry [".gpu", ".gpu-base"].
 base_ab() {
     echo "== this build against the base binary ($(cat .gpu-base/commit 2>/dev/null || echo missing))"
     [ -x .gpu-base/akunu ] || { echo "no .gpu-base/akunu: run scripts/gpu.sh build-base REV here"; return 0; }
     local f=$STORE/smollm2-135m-q4_1.gguf r p b s
     synth_file smollm2-135m q4_1 "$f"
-    for s in greedy sampled; do
+    for s in greedy sampled dense; do
         local extra=""
         [ $s = sampled ] && extra="--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1"
+        [ $s = dense ] && extra="--temperature 0.8 --seed 1"
         for p in 0 256; do
             for r in 1 2 3; do
                 for b in .gpu-base/akunu "$BIN/akunu"; do
@@ -262,7 +263,7 @@ persist_timing() {
         IFS='|' read -r label defs args <<<"$s"
         # shellcheck disable=SC2086
         AKUNU_CUDA_DEFINES="-DPD_TIMING $defs ${PERSIST_DEFINES:-}" timeout 120 "$BIN/akunu" bench -m "$f" \
-            --device cuda -p 0 -n 128 -r 1 --no-bandwidth $args 2>&1 | grep -E "persist timing|error" | tail -1 |
+            --device cuda -p 0 -n 128 -r 1 --no-bandwidth $args 2>&1 | grep -E "persist timing|persist sampler|error" | tail -2 |
             sed "s/^/$label: /" || true
     done
 }
@@ -442,6 +443,19 @@ sanitize() {
         echo "memcheck, persistent decode: FAILED or timed out"
         tail -30 "$OUTDIR/sanitize-persist.log"
     fi
+    # Its sampler: top-k with top-p and the repetition penalty, then dense.
+    local sp
+    for sp in "--top-k 40 --top-p 0.95 --repeat-penalty 1.1" ""; do
+        # shellcheck disable=SC2086
+        if timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
+            "$BIN/akunu" generate -m "$ms" --device cuda --prompt-ids 1,2,3,4,5 -n 6 --ignore-eos --chunk 6 \
+            --temperature 0.8 --seed 3 $sp >"$OUTDIR/sanitize-persist-sampled.log" 2>&1; then
+            echo "memcheck, persistent sampled decode (${sp:-dense}): $(grep -h 'ERROR SUMMARY' "$OUTDIR/sanitize-persist-sampled.log" | tail -1)"
+        else
+            echo "memcheck, persistent sampled decode (${sp:-dense}): FAILED or timed out"
+            tail -30 "$OUTDIR/sanitize-persist-sampled.log"
+        fi
+    done
     # A token limit inside a chunk: the chunk's remaining kernels return
     # early, the bulk-copy gemv after waiting for the copies it started.
     if compute-sanitizer --tool memcheck --error-exitcode 3 \

@@ -567,6 +567,25 @@ __device__ __forceinline__ u64 pd_key(float v, u32 idx) {
 // same work in two kernels and a merging block).
 // ---------------------------------------------------------------------------
 
+// -DPD_TIMING: block 0's cycles in the sampler's steps (PD_PT(i) adds the
+// cycles since the last mark to pd_pt[i]; printed with the phase cycles).
+#ifdef PD_TIMING
+__shared__ long long pd_pt[12];
+__shared__ long long pd_pt_t0;
+#define PD_PT(i)                                           \
+    do {                                                   \
+        if (blockIdx.x == 0 && threadIdx.x == 0) {         \
+            const long long t1_ = clock64();               \
+            if ((i) >= 0) pd_pt[(i) < 0 ? 0 : (i)] += t1_ - pd_pt_t0;   \
+            pd_pt_t0 = t1_;                                \
+        }                                                  \
+    } while (0)
+#else
+#define PD_PT(i) \
+    do {         \
+    } while (0)
+#endif
+
 // The sampler's shared memory (persist.rs sample_smem): candidate keys,
 // the slice's logits, the penalty mask of the slice, the tokens this
 // launch chose, and a copy of the recent ids.
@@ -646,34 +665,57 @@ __device__ __forceinline__ u32 pd_warp_kth(u32 v, u32 k) {
 }
 
 // out[r] = the candidate of rank r (candidates larger) for r < k: the k
-// best of the C distinct nonzero keys cl[0..C), descending. out is zeroed
-// and published before. Every thread calls it; ends synchronised.
-__device__ __forceinline__ void pd_rank(const u64* cl, u32 C, u32 k, u64* out) {
+// best of the C distinct nonzero keys cl[0..C), descending, and with
+// `noise` noise[r] its Gumbel noise at hash base `base` (computed by the
+// threads in parallel). A thread ranks a candidate (eight loads in flight;
+// a warp a candidate measured slower: bench/RESULTS.md, session 21). out
+// is zeroed and published before. Every thread calls it; ends
+// synchronised.
+__device__ __forceinline__ void pd_rank(const u64* cl, u32 C, u32 k, u64* out, float* noise = nullptr,
+                                        u32 base = 0) {
     for (u32 q = threadIdx.x; q < C; q += PD_THREADS) {
         const u64 x = cl[q];
         u32 r = 0;
-        for (u32 j0 = 0; j0 < C; j0 += 8) {  // eight loads in flight
+        for (u32 j0 = 0; j0 < C; j0 += 8) {
             u64 z[8];
 #pragma unroll
             for (int i = 0; i < 8; ++i) z[i] = j0 + i < C ? cl[j0 + i] : 0ull;
 #pragma unroll
             for (int i = 0; i < 8; ++i) r += (u32)(z[i] > x);
         }
-        if (r < k) out[r] = x;
+        if (r < k) {
+            out[r] = x;
+            if (noise) noise[r] = gumbel_from_hash(pcg_hash(base ^ ~(u32)x));
+        }
     }
     __syncthreads();
 }
 
-// Appends `key` to list[0..cap) at counter *n when `take`: one shared
-// atomic per warp. Every lane of the warp calls it.
-__device__ __forceinline__ void pd_append(bool take, u64 key, u32* n, u64* list, u32 cap) {
-    const u32 m = __ballot_sync(FULL_MASK, take);
-    if (m == 0u) return;
-    const u32 lane = threadIdx.x & 31, leader = (u32)__ffs((int)m) - 1u;
+// Appends this thread's nonzero keys of v whose ordered logit is at least
+// `bound` to list[0..cap) at counter *n: a warp's counts are scanned, and
+// its last lane takes the warp's room with one shared atomic (one a key
+// queued behind each other on the counter). Every lane of the warp calls it.
+template <int N>
+__device__ __forceinline__ void pd_append_above(const u64 (&v)[N], u32 bound, u32* n, u64* list, u32 cap) {
+    u32 c = 0;
+#pragma unroll
+    for (int i = 0; i < N; ++i) c += (u32)(v[i] != 0 && (u32)(v[i] >> 32) >= bound);
+    const u32 lane = threadIdx.x & 31;
+    u32 incl = c;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const u32 y = __shfl_up_sync(FULL_MASK, incl, o);
+        if (lane >= (u32)o) incl += y;
+    }
     u32 q = 0;
-    if (lane == leader) q = atomicAdd(n, (u32)__popc(m));
-    q = __shfl_sync(FULL_MASK, q, leader) + (u32)__popc(m & ((1u << lane) - 1u));
-    if (take && q < cap) list[q] = key;
+    if (lane == 31 && incl != 0) q = atomicAdd(n, incl);
+    q = __shfl_sync(FULL_MASK, q, 31) + incl - c;
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+        if (v[i] != 0 && (u32)(v[i] >> 32) >= bound) {
+            if (q < cap) list[q] = v[i];
+            ++q;
+        }
 }
 
 // The penalty window's tokens in this block's slice [lo, lo + n), as bits
@@ -706,6 +748,7 @@ __device__ void pd_window_mask(const PdSamp& sp, const PdArgs& a, u32 lo, u32 n,
 // Shared scalars of the sampler.
 struct PdSampShared {
     u64 top[PD_CANDS];
+    float noise[PD_CANDS];  // the pick's: top[r]'s Gumbel noise
     u64 ured[PD_WARPS];
     double dred[PD_WARPS];
     u32 bound, nc;
@@ -739,6 +782,7 @@ __device__ void pd_sample_publish(const PdSamp& sp, PdSampShared& ss, const PdAr
         return;
     }
     // TOPK: keys (0: -inf or NaN, never drawn), the mass, the lane bests.
+    PD_PT(-1);
     u64 key[PD_VPT];
     double mass = 0.0;
     u32 lane_best = 0;
@@ -762,6 +806,7 @@ __device__ void pd_sample_publish(const PdSamp& sp, PdSampShared& ss, const PdAr
     }
     if (tid < PD_CANDS) ss.top[tid] = 0;
     mass = pd_block_sum_f64(mass, ss.dred);  // its barriers publish the fields above
+    PD_PT(0);
     // A bound with at least k keys at or above it: the smallest over the
     // warps of each warp's ceil(k / PD_WARPS)-th largest lane best (0, all
     // keys, when a warp has too few).
@@ -769,10 +814,11 @@ __device__ void pd_sample_publish(const PdSamp& sp, PdSampShared& ss, const PdAr
     if ((tid & 31) == 0) atomicMin(&ss.bound, kb);
     __syncthreads();
     const u32 bound = ss.bound;
-#pragma unroll
-    for (int v = 0; v < PD_VPT; ++v) pd_append(key[v] != 0 && (u32)(key[v] >> 32) >= bound, key[v], &ss.nc, sp.cl, sp.cap);
+    pd_append_above(key, bound, &ss.nc, sp.cl, sp.cap);
     __syncthreads();
+    PD_PT(1);
     pd_rank(sp.cl, ss.nc, k, ss.top);
+    PD_PT(2);
     u64* cand = set + (u64)gridDim.x * PD_PARTS + (u64)blockIdx.x * a.top_k;
     if (tid < a.top_k) cand[tid] = ss.top[tid];
     if (tid == 0) {
@@ -786,6 +832,7 @@ __device__ void pd_sample_publish(const PdSamp& sp, PdSampShared& ss, const PdAr
 // TOPK only warp 0 returns it. Every thread calls it.
 __device__ u32 pd_sample_pick(const PdSamp& sp, PdSampShared& ss, const PdArgs& a, const u64* set, u32 base) {
     const u32 tid = threadIdx.x, G = gridDim.x;
+    PD_PT(-1);
     // One round of loads: the blocks' parts (G <= PD_THREADS) and, for
     // TOPK, every block's list of top-k keys.
     const u64* part = set + (u64)tid * PD_PARTS;
@@ -801,6 +848,7 @@ __device__ u32 pd_sample_pick(const PdSamp& sp, PdSampShared& ss, const PdArgs& 
     }
     // The global max (lowest id on ties) from the blocks' bests.
     const u64 m = pd_block_max(bk, ss.ured);
+    PD_PT(3);
     const float mx = rank_logit(m);
     // Not finite: the argmax (every token -inf gives id 0, as the CPU).
     if (!(fabsf(mx) < POS_INF)) return ~(u32)m;
@@ -815,7 +863,7 @@ __device__ u32 pd_sample_pick(const PdSamp& sp, PdSampShared& ss, const PdArgs& 
     }
     // TOPK. The total mass, every block's moved to the global max.
     const double mb = __longlong_as_double((long long)pw);
-    double mass = mb > 0.0 ? mb * exp(((double)rank_logit(bk) - (double)mx) * (double)a.inv_t) : 0.0;
+    double mass = mb > 0.0 ? mb * (double)expf(__fmul_rn(__fsub_rn(rank_logit(bk), mx), a.inv_t)) : 0.0;
     u32 lane_best = 0;
 #pragma unroll
     for (int i = 0; i < PD_PICK_KPT; ++i) lane_best = max(lane_best, (u32)(y[i] >> 32));
@@ -825,18 +873,21 @@ __device__ u32 pd_sample_pick(const PdSamp& sp, PdSampShared& ss, const PdArgs& 
     }
     if (tid < PD_CANDS) ss.top[tid] = 0;
     mass = pd_block_sum_f64(mass, ss.dred);  // its barriers publish the fields above
+    PD_PT(4);
     // The top-k of all keys, as the slice's in pd_sample_publish: a bound
     // with at least K keys at or above it, then the rank of each key above.
     const u32 kb = pd_warp_kth(lane_best, (K + PD_WARPS - 1) / PD_WARPS);
     if ((tid & 31) == 0) atomicMin(&ss.bound, kb);
     __syncthreads();
     const u32 bound = ss.bound;
-#pragma unroll
-    for (int i = 0; i < PD_PICK_KPT; ++i)
-        pd_append(y[i] != 0 && (u32)(y[i] >> 32) >= bound, y[i], &ss.nc, sp.cl, sp.cap);
+    pd_append_above(y, bound, &ss.nc, sp.cl, sp.cap);
     __syncthreads();
+    PD_PT(5);
+#ifdef PD_TIMING
+    if (blockIdx.x == 0 && tid == 0) pd_pt[10] += ss.nc;
+#endif
     if (!PD_PICK_SLOW && ss.nc <= sp.cap) {
-        pd_rank(sp.cl, ss.nc, K, ss.top);
+        pd_rank(sp.cl, ss.nc, K, ss.top, ss.noise, base);
     } else {
         // Too many at the bound (a warp with too few keys: short lists):
         // the K best one at a time (keys are distinct).
@@ -846,12 +897,16 @@ __device__ u32 pd_sample_pick(const PdSamp& sp, PdSampShared& ss, const PdArgs& 
             for (int i = 0; i < PD_PICK_KPT; ++i) b = max(b, y[i]);
             b = pd_block_max(b, ss.ured);
             if (b == 0) break;
-            if (tid == 0) ss.top[r] = b;
+            if (tid == 0) {
+                ss.top[r] = b;
+                ss.noise[r] = gumbel_from_hash(pcg_hash(base ^ ~(u32)b));
+            }
 #pragma unroll
             for (int i = 0; i < PD_PICK_KPT; ++i) y[i] = y[i] == b ? 0ull : y[i];
         }
         __syncthreads();
     }
+    PD_PT(6);
     // The cuts, in warp 0 over the ranked keys (K <= 64: two a lane): min-p
     // (a prefix: weights fall with rank), top-k, and top-p (the first rank
     // where the running mass reaches top-p of the total), then Gumbel-max
@@ -887,19 +942,16 @@ __device__ u32 pd_sample_pick(const PdSamp& sp, PdSampShared& ss, const PdArgs& 
     const u32 pool = __popc(__ballot_sync(FULL_MASK, in[0])) + __popc(__ballot_sync(FULL_MASK, in[1]));
     const u32 L = first_hit == NONE32 ? pool : min(pool, first_hit + 1);
     const double kept = __shfl_sync(FULL_MASK, (L - 1) % 2 ? incl1 : incl0, (L - 1) / 2);
-    const double ln_sum = log(kept);
+    const float ln_sum = logf((float)kept);
     u64 best = 0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const u32 r = 2 * lane + h;
-        if (r < L) {
-            const u32 id = ~(u32)ss.top[r];
-            const float ln_p = __double2float_rn((double)sc[h] - ln_sum);
-            best = max(best, pd_key(__fadd_rn(ln_p, gumbel_from_hash(pcg_hash(base ^ id))), id));
-        }
+        if (r < L) best = max(best, pd_key(__fadd_rn(__fsub_rn(sc[h], ln_sum), ss.noise[r]), ~(u32)ss.top[r]));
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(FULL_MASK, best, o));
+    PD_PT(7);
     return ~(u32)best;
 }
 
@@ -947,6 +999,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
     // start: its rows' arrival (bulk copies), its h words' arrival, the
     // norm; 9-10 gate|up's: its h words' arrival, the norm.
     long long tm[14] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}, t0 = clock64();
+    if (threadIdx.x < 12) pd_pt[threadIdx.x] = 0;
 // (PD_TMARK: a timing mark only; 11-13 split logits and token: the dot
 // products, the sampler's part, the wait on the flags, then the pick.)
 #define PD_TMARK(i)                                                  \
@@ -1429,6 +1482,12 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                        (tm[9] + tm[10] + tm[3]) / (t + 1), tm[4] / (t + 1), (tm[11] + tm[12] + tm[13] + tm[5]) / (t + 1), tm[6] / (t + 1),
                        tm[7] / (t + 1), tm[8] / (t + 1), tm[0] / (t + 1), tm[9] / (t + 1), tm[10] / (t + 1),
                        tm[3] / (t + 1), tm[11] / (t + 1), tm[12] / (t + 1), tm[13] / (t + 1), tm[5] / (t + 1));
+            if (blockIdx.x == 0 && threadIdx.x == 0 && a.mode >= PD_SAMPLE_DENSE)
+                printf("persist sampler: part = mass %lld + bound %lld + rank %lld; pick = loads+max %lld + mass %lld "
+                       "+ bound %lld + rank %lld + cuts %lld; pick candidates %lld\n",
+                       pd_pt[0] / (t + 1), pd_pt[1] / (t + 1), pd_pt[2] / (t + 1), pd_pt[3] / (t + 1),
+                       pd_pt[4] / (t + 1), pd_pt[5] / (t + 1), pd_pt[6] / (t + 1), pd_pt[7] / (t + 1),
+                       pd_pt[10] / (t + 1));
 #endif
             break;
         }

@@ -304,8 +304,8 @@ mod tests {
                 let mut o = opts.clone();
                 o.push(super::kv_define(kv));
                 o.push(greedy_only.into());
-                let bin = super::compile(&super::persist_source(), &o)
-                    .unwrap_or_else(|e| panic!("{e}"));
+                let bin =
+                    super::compile(&super::persist_source(), &o).unwrap_or_else(|e| panic!("{e}"));
                 assert!(bin.len() > 1000);
             }
         }
