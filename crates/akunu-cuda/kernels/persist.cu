@@ -1,6 +1,6 @@
 // ---------------------------------------------------------------------------
-// Persistent greedy decode (persist.rs): a whole chain of greedy tokens of a
-// llama model in one cooperative launch, one block per SM.
+// Persistent decode (persist.rs): a whole chain of greedy or sampled tokens
+// of a llama model in one cooperative launch, one block per SM.
 // ---------------------------------------------------------------------------
 //
 // The graph of one kernel per command pays a dependent launch boundary
@@ -14,7 +14,10 @@
 //   down  h += Wd act;
 // then the logits (each block keeps its best) and, behind per-block flags,
 // the argmax over the blocks' bests, which every block computes, so that all
-// of them agree on the next token, on a stop token and on the limit.
+// of them agree on the next token, on a stop token and on the limit. With the
+// sampler (a sampled table's module), each block publishes a part of the
+// draw before the flags and every block computes the same pick after them
+// (pd_sample_publish, pd_sample_pick).
 //
 // Phases hand their values over as 64-bit words: the float in the low half,
 // the number of the phase that wrote it in the high half. A consumer reloads
@@ -73,7 +76,7 @@ struct PdArgs {
     u32* conveyor;         // token ids: input at ctl->tok0, outputs after it
     Ctl* ctl;
     u64* x;                // 2 sets of tagged words (persist.rs x_words)
-    u64* best;             // blocks + 1: each block's best key, then cancel
+    u64* best;             // 2 sets (token parity) of blocks + 1: each block's best key, then cancel
     u32* flags;            // blocks: the last phase each block finished
     u32 nl, d, qd, kvd, nh, nkv, ff, vocab, capacity;
     u32 emb_q8, out_q8;    // 1: Q8_0, 0: Q4_1
@@ -1385,6 +1388,8 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
         // (blocks without rows of a layer wait on no one), but not the
         // logits after (the flags).
         u64* sset = a.samp + (u64)(t & 1) * gridDim.x * (PD_PARTS + PD_CANDS);
+        // The bests and the cancel word likewise.
+        u64* bset = a.best + (u64)(t & 1) * (gridDim.x + 1);
         {
             const u64* Xl = a.x + (u64)((t * a.nl + a.nl - 1) & 1) * xw;
             float v[PD_MAXPER], nw[PD_MAXPER];
@@ -1418,9 +1423,9 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             if (threadIdx.x == 0) {
                 u64 mx = 0;
                 for (int i = 0; i < PD_WARPS; ++i) mx = max(mx, wbest[i]);
-                a.best[blockIdx.x] = mx;
+                bset[blockIdx.x] = mx;
                 s_bkey = mx;
-                if (blockIdx.x == 0) a.best[gridDim.x] = *(volatile const u32*)&ctl->done;
+                if (blockIdx.x == 0) bset[gridDim.x] = *(volatile const u32*)&ctl->done;
             }
             PD_TMARK(11);
             if (a.mode >= PD_SAMPLE_DENSE) {
@@ -1439,14 +1444,14 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             const u32 tok = pd_sample_pick(sp, ss, a, sset, sbase);
             if (threadIdx.x == 0) {
                 s_token = tok;
-                s_cancel = (u32)__ldcg(a.best + gridDim.x);
+                s_cancel = (u32)__ldcg(bset + gridDim.x);
                 sp.hist[t] = tok;
                 if (blockIdx.x == 0) publish_token(a.conveyor, tok0 + 1 + t, tok, ctl);
             }
             __syncthreads();
         } else {
             u64 b = 0;
-            for (u32 i = threadIdx.x; i < gridDim.x; i += PD_THREADS) b = max(b, __ldcg(a.best + i));
+            for (u32 i = threadIdx.x; i < gridDim.x; i += PD_THREADS) b = max(b, __ldcg(bset + i));
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) b = max(b, __shfl_xor_sync(0xffffffffu, b, o));
             if (lane == 0) wbest[warp] = b;
@@ -1455,7 +1460,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                 u64 mx = 0;
                 for (int i = 0; i < PD_WARPS; ++i) mx = max(mx, wbest[i]);
                 s_token = 0xffffffffu - (u32)mx;
-                s_cancel = (u32)__ldcg(a.best + gridDim.x);
+                s_cancel = (u32)__ldcg(bset + gridDim.x);
                 if (pen) sp.hist[t] = s_token;
                 if (blockIdx.x == 0) publish_token(a.conveyor, tok0 + 1 + t, s_token, ctl);
             }

@@ -370,7 +370,7 @@ fn calibrate(be: &CudaBackend, origin: Instant) -> Result<(i64, u64), BackendErr
     Ok(best)
 }
 
-/// A greedy chain: chunk graphs of the table, or with `persist` the
+/// A chain: chunk graphs of the table, or with `persist` the
 /// persistent kernel (`persist.rs`), one launch for the whole chain. Both
 /// publish tokens through the control block and the mapped slots, which
 /// this function polls and hands to the sink.

@@ -169,7 +169,7 @@ pub struct CudaBackend {
     blas_scratch: Option<blas::Scratch>,
     /// Commands run on cuBLAS so far (tests check the path was taken).
     blas_commands: Arc<AtomicU64>,
-    /// Whether greedy chains may run as one persistent kernel (on by
+    /// Whether greedy and sampled chains may run as one persistent kernel (on by
     /// default on sm_90 (H100, H200); `AKUNU_CUDA_PERSIST` 0 / 1,
     /// `set_persistent`), whether a model that cannot is reported (when it
     /// was asked for by name), the plans (or why a table has none) per
@@ -454,7 +454,8 @@ impl CudaBackend {
         }
     }
 
-    /// Whether greedy chains of a model the persistent kernel takes (plain
+    /// Whether greedy and sampled chains (`persist::sample_mode`) of a model
+    /// the persistent kernel takes (plain
     /// llama layers, Q4_1 matrices, heads of 64: `persist.rs`) run as one
     /// kernel per chain while their positions stay under
     /// `persist::MAX_POS`, unless the chain asks for the table's order
@@ -468,7 +469,7 @@ impl CudaBackend {
         self.persist_asked = on;
     }
 
-    /// Greedy chains that ran on the persistent kernel so far (a counter
+    /// Chains that ran on the persistent kernel so far (a counter
     /// that outlives moving the backend into an engine: tests check the
     /// path was taken).
     pub fn persistent_chains(&self) -> Arc<AtomicU64> {

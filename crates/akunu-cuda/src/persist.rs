@@ -1,4 +1,4 @@
-//! Persistent greedy decode: a whole greedy chain of a small llama model as
+//! Persistent decode: a whole greedy (or sampled) chain of a small llama model as
 //! one cooperative kernel (`kernels/persist.cu`), in place of the chain's
 //! graph of one kernel per command.
 //!
@@ -380,12 +380,12 @@ pub(crate) fn plan(
         "writing the persistent decode layer table",
     )?;
     a.layers = lp;
-    // Tagged words (two sets), bests (+ the cancel word), flags, and the
+    // Tagged words (two sets), bests (+ the cancel word; two sets), flags, and the
     // sampler's parts and candidates (every word written before it is
     // read, each token).
     let xw = (a.d + a.qd + 2 * a.kvd + a.qd + a.ff) as u64;
     let x_bytes = 2 * xw * 8;
-    let best_bytes = (grid as u64 + 1) * 8;
+    let best_bytes = 2 * (grid as u64 + 1) * 8;
     let flag_bytes = (grid as u64 * 4).next_multiple_of(8);
     let samp_bytes = if sampler.is_some() {
         2 * grid as u64 * (PARTS + CANDS) as u64 * 8
