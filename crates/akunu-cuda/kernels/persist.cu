@@ -757,6 +757,22 @@ struct PdSampShared {
     u32 bound, nc;
 };
 
+// The candidates for the top k of the keys v of every thread (lane_best:
+// the largest ordered logit among a thread's), into sp.cl at ss.nc: the
+// keys at or above a bound that at least k keys reach, the smallest over the
+// warps of each warp's ceil(k / PD_WARPS)-th largest lane best (0, all keys,
+// when a warp has too few). ss.bound (~0) and ss.nc (0) are set and
+// published before. Every thread calls it; ends synchronised.
+template <int N>
+__device__ __forceinline__ void pd_candidates(const u64 (&v)[N], u32 lane_best, u32 k, PdSampShared& ss,
+                                              const PdSamp& sp) {
+    const u32 kb = pd_warp_kth(lane_best, (k + PD_WARPS - 1) / PD_WARPS);
+    if ((threadIdx.x & 31) == 0) atomicMin(&ss.bound, kb);
+    __syncthreads();
+    pd_append_above(v, ss.bound, &ss.nc, sp.cl, sp.cap);
+    __syncthreads();
+}
+
 // DENSE and TOPK, before the logits flags: this block's part. sp.lg holds
 // the slice's penalised logits; bkey is the slice's best (pd_key).
 // DENSE: the best (l - max_b) / T + G of the slice (max_b its own max;
@@ -810,15 +826,7 @@ __device__ void pd_sample_publish(const PdSamp& sp, PdSampShared& ss, const PdAr
     if (tid < PD_CANDS) ss.top[tid] = 0;
     mass = pd_block_sum_f64(mass, ss.dred);  // its barriers publish the fields above
     PD_PT(0);
-    // A bound with at least k keys at or above it: the smallest over the
-    // warps of each warp's ceil(k / PD_WARPS)-th largest lane best (0, all
-    // keys, when a warp has too few).
-    const u32 kb = pd_warp_kth(lane_best, (k + PD_WARPS - 1) / PD_WARPS);
-    if ((tid & 31) == 0) atomicMin(&ss.bound, kb);
-    __syncthreads();
-    const u32 bound = ss.bound;
-    pd_append_above(key, bound, &ss.nc, sp.cl, sp.cap);
-    __syncthreads();
+    pd_candidates(key, lane_best, k, ss, sp);
     PD_PT(1);
     pd_rank(sp.cl, ss.nc, k, ss.top);
     PD_PT(2);
@@ -877,14 +885,8 @@ __device__ u32 pd_sample_pick(const PdSamp& sp, PdSampShared& ss, const PdArgs& 
     if (tid < PD_CANDS) ss.top[tid] = 0;
     mass = pd_block_sum_f64(mass, ss.dred);  // its barriers publish the fields above
     PD_PT(4);
-    // The top-k of all keys, as the slice's in pd_sample_publish: a bound
-    // with at least K keys at or above it, then the rank of each key above.
-    const u32 kb = pd_warp_kth(lane_best, (K + PD_WARPS - 1) / PD_WARPS);
-    if ((tid & 31) == 0) atomicMin(&ss.bound, kb);
-    __syncthreads();
-    const u32 bound = ss.bound;
-    pd_append_above(y, bound, &ss.nc, sp.cl, sp.cap);
-    __syncthreads();
+    // The top-k of all keys, as the slice's in pd_sample_publish.
+    pd_candidates(y, lane_best, K, ss, sp);
     PD_PT(5);
 #ifdef PD_TIMING
     if (blockIdx.x == 0 && tid == 0) pd_pt[10] += ss.nc;

@@ -629,7 +629,6 @@ fn persistent_against_cpu_kv(
 #[test]
 #[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
 fn persistent_chain_matches_cpu() {
-    use std::sync::atomic::Ordering;
     let q41 = synth(Shape::SmolLm2_135M, DType::Q4_1);
     let q80 = synth(Shape::SmolLm2_135M, DType::Q8_0);
     let emb8 = mixed(&q41, &q80, &["token_embd.weight"], "q4_1-emb-q8_0");
@@ -761,10 +760,27 @@ fn persistent_chain_matches_cpu() {
         },
         ..opts.clone()
     };
-    let gen_spec = |be: Box<dyn Backend>| {
-        let mut e = engine(&q41, be, 16, 64);
+    let with = keeps_the_graph(&q41, &p, &spec, 16, "speculative decoding");
+    eprintln!(
+        "speculative with the switch on: {} tokens, graph path only",
+        with.len()
+    );
+}
+
+/// Generates with the persistent switch on, checks that no chain took the
+/// kernel and that the tokens are those with the switch off; returns them.
+fn keeps_the_graph(
+    m: &Arc<Model>,
+    p: &[u32],
+    opts: &GenerateOptions,
+    chunk: u32,
+    what: &str,
+) -> Vec<u32> {
+    use std::sync::atomic::Ordering;
+    let generate = |be: Box<dyn Backend>| {
+        let mut e = engine(m, be, chunk, 64);
         let mut ids = Vec::new();
-        e.generate(&p, &spec, &mut |id, _| {
+        e.generate(p, opts, &mut |id, _| {
             ids.push(id);
             true
         })
@@ -772,21 +788,18 @@ fn persistent_chain_matches_cpu() {
         ids
     };
     let (be, chains) = cuda_persistent();
-    let with = gen_spec(be);
+    let with = generate(be);
     assert_eq!(
         chains.load(Ordering::Relaxed),
         0,
-        "speculative plain runs took the persistent kernel"
+        "{what}: a chain took the persistent kernel"
     );
     assert_eq!(
         with,
-        gen_spec(cuda()),
-        "speculative tokens, switch on and off"
+        generate(cuda()),
+        "{what}: tokens with the switch on and off"
     );
-    eprintln!(
-        "speculative with the switch on: {} tokens, graph path only",
-        with.len()
-    );
+    with
 }
 
 /// The persistent kernel's sampled tokens against the CPU's sampled ones
@@ -883,28 +896,7 @@ fn persistent_sampled_chain_matches_cpu() {
         },
         ..Default::default()
     };
-    let generate = |be: Box<dyn Backend>| {
-        let mut e = engine(&m, be, 64, 64);
-        let mut ids = Vec::new();
-        e.generate(&p, &opts, &mut |id, _| {
-            ids.push(id);
-            true
-        })
-        .unwrap();
-        ids
-    };
-    let (be, chains) = cuda_persistent();
-    let with = generate(be);
-    assert_eq!(
-        chains.load(Ordering::Relaxed),
-        0,
-        "top-p alone took the persistent kernel"
-    );
-    assert_eq!(
-        with,
-        generate(cuda()),
-        "top-p alone: tokens with the switch on and off"
-    );
+    keeps_the_graph(&m, &p, &opts, 64, "top-p without top-k");
     eprintln!("top-p without top-k keeps the graph");
 }
 
