@@ -601,9 +601,10 @@ struct PdSamp {
     u32 cap;
 };
 
-// The candidates a block ranks: a slice's, or the pick's (about 100 for
-// the default sampler's top-40 on a 49,152 vocabulary; more take the
-// pick's slow path).
+// The candidates a block ranks: a slice's, or the pick's (128 a token,
+// measured for the default sampler's top-40 on the SmolLM2 shape's 49,152
+// tokens over 132 blocks: bench/RESULTS.md, session 21; more than the cap
+// take the pick's slow path).
 #define PD_PICK_CAP 1024
 // -DPD_PICK_SLOW=1 (tests): every pick takes the slow path.
 #ifndef PD_PICK_SLOW
