@@ -318,6 +318,14 @@ pub struct SampleParams {
     pub _pad: u32,
 }
 
+impl SampleParams {
+    /// No top-k, top-p or min-p: every token is a candidate (the samplers'
+    /// dense Gumbel-max; a NaN top-p or min-p is not this case).
+    pub fn no_filter(&self) -> bool {
+        self.top_k == 0 && self.top_p >= 1.0 && self.min_p <= 0.0
+    }
+}
+
 #[derive(Copy, Clone, Debug, Pod, Zeroable)]
 #[repr(C)]
 pub struct TopKParams {

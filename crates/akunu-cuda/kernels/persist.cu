@@ -108,7 +108,7 @@ struct PdArgs {
 #define PD_SAMPLE_PENALTY 1
 #define PD_SAMPLE_DENSE 2
 #define PD_SAMPLE_TOPK 3
-#define PD_PARTS 4   // a block's words: best key, mass (f64 bits), dense key, spare
+#define PD_PARTS 3   // a block's words: best key, mass (f64 bits), dense key
 #define PD_CANDS 64  // a block's published top-k keys (top-k <= 64), room a block
 // Logits a thread holds in the sampler (a block's slice <= PD_VPT x PD_THREADS).
 #define PD_VPT 4
@@ -758,6 +758,16 @@ struct PdSampShared {
     u32 bound, nc;
 };
 
+// Resets the selection's fields (bound, count, ranked keys) for
+// pd_candidates and pd_rank; published by the caller's next barrier.
+__device__ __forceinline__ void pd_select_begin(PdSampShared& ss) {
+    if (threadIdx.x == 0) {
+        ss.bound = ~0u;
+        ss.nc = 0;
+    }
+    if (threadIdx.x < PD_CANDS) ss.top[threadIdx.x] = 0;
+}
+
 // The candidates for the top k of the keys v of every thread (lane_best:
 // the largest ordered logit among a thread's), into sp.cl at ss.nc: the
 // keys at or above a bound that at least k keys reach, the smallest over the
@@ -820,11 +830,7 @@ __device__ void pd_sample_publish(const PdSamp& sp, PdSampShared& ss, const PdAr
         }
     }
     const u32 k = min(a.top_k, n);
-    if (tid == 0) {
-        ss.bound = ~0u;
-        ss.nc = 0;
-    }
-    if (tid < PD_CANDS) ss.top[tid] = 0;
+    pd_select_begin(ss);
     mass = pd_block_sum_f64(mass, ss.dred);  // its barriers publish the fields above
     PD_PT(0);
     pd_candidates(key, lane_best, k, ss, sp);
@@ -879,11 +885,7 @@ __device__ u32 pd_sample_pick(const PdSamp& sp, PdSampShared& ss, const PdArgs& 
     u32 lane_best = 0;
 #pragma unroll
     for (int i = 0; i < PD_PICK_KPT; ++i) lane_best = max(lane_best, (u32)(y[i] >> 32));
-    if (tid == 0) {
-        ss.bound = ~0u;
-        ss.nc = 0;
-    }
-    if (tid < PD_CANDS) ss.top[tid] = 0;
+    pd_select_begin(ss);
     mass = pd_block_sum_f64(mass, ss.dred);  // its barriers publish the fields above
     PD_PT(4);
     // The top-k of all keys, as the slice's in pd_sample_publish.

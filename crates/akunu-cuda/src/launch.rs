@@ -487,7 +487,7 @@ pub fn sample_grid(p: &SampleParams) -> Option<(u32, u32)> {
         return None;
     }
     let greedy = p.temperature == 0.0;
-    let no_filter = p.top_k == 0 && p.top_p >= 1.0 && p.min_p <= 0.0;
+    let no_filter = p.no_filter();
     SMB_SLICES.iter().find_map(|&slice| {
         let g = n.div_ceil(slice);
         let fits = greedy
@@ -567,9 +567,8 @@ pub fn sampler_picks(be: &CudaBackend, table: &DispatchTable, i: usize) -> bool 
         return false;
     }
     let p: SampleParams = s.params();
-    let no_filter = p.top_k == 0 && p.top_p >= 1.0 && p.min_p <= 0.0;
     p.temperature != 0.0
-        && !no_filter
+        && !p.no_filter()
         && be.sample_multi_block()
         && be.sample_scratch().is_some()
         && sample_grid(&p).is_some()

@@ -49,7 +49,7 @@ const HEAD: u32 = 64;
 pub(crate) const STATIC_SMEM: u32 = 2048;
 /// The sampler's words a block publishes (persist.cu `PD_PARTS`) and its
 /// top-k keys (`PD_CANDS`, the largest top-k the kernel takes).
-const PARTS: u32 = 4;
+const PARTS: u32 = 3;
 const CANDS: u32 = 64;
 /// Logits of a block's slice a thread holds in the sampler (`PD_VPT`).
 const VPT: u32 = 4;
@@ -143,7 +143,7 @@ pub(crate) fn sample_mode(p: &SampleParams) -> Result<SampleMode, String> {
             SampleMode::Greedy
         });
     }
-    if p.top_k == 0 && p.top_p >= 1.0 && p.min_p <= 0.0 {
+    if p.no_filter() {
         return Ok(SampleMode::Dense);
     }
     if (1..=CANDS).contains(&p.top_k) {
