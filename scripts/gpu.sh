@@ -18,7 +18,9 @@
 #                                 each WHAT of: tests, engine-tests (once,
 #                                 no reruns), sampled, sampled-ab (SMB_AB),
 #                                 persist, persist-model (needs the model),
-#                                 persist-blocks, base-ab (with .gpu-base),
+#                                 persist-blocks, persist-timing,
+#                                 persist-clock, pd-ab (PERSIST_AB),
+#                                 base-ab (with .gpu-base),
 #                                 sanitize, sanitize-sampled, bench, bench-ab,
 #                                 ab (AB_VAR, AB_VALUES, AB_ROUNDS), tcg-ab,
 #                                 profile, profile-big, trace, features,
@@ -265,6 +267,61 @@ persist_timing() {
         AKUNU_CUDA_DEFINES="-DPD_TIMING $defs ${PERSIST_DEFINES:-}" timeout 120 "$BIN/akunu" bench -m "$f" \
             --device cuda -p 0 -n 128 -r 1 --no-bandwidth $args 2>&1 | grep -E "persist timing|persist sampler|error" | tail -2 |
             sed "s/^/$label: /" || true
+    done
+}
+
+# The persistent decode kernel's compile-time variants on one binary:
+# greedy and sampled (the default model's settings) tg128 from position 0
+# for each define set of PERSIST_AB (as in persist), the sets alternating
+# within each of PD_AB_ROUNDS rounds (default 2); each set's module is
+# compiled by a short warm-up run first.
+pd_ab() {
+    echo "== persistent decode variants: greedy and sampled tg128, sets alternating"
+    local f=$STORE/smollm2-135m-q4_1.gguf r d s extra
+    synth_file smollm2-135m q4_1 "$f"
+    for d in ${PERSIST_AB:-_}; do
+        AKUNU_CUDA_DEFINES="$(smb_defines "$d")" timeout 120 "$BIN/akunu" bench -m "$f" --device cuda -p 0 -n 16 \
+            -r 1 --no-bandwidth >/dev/null 2>&1 || echo "$d: warm-up failed"
+    done
+    for r in $(seq "${PD_AB_ROUNDS:-2}"); do
+        for s in greedy sampled; do
+            extra=""
+            [ $s = sampled ] && extra="--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1"
+            for d in ${PERSIST_AB:-_}; do
+                # shellcheck disable=SC2086
+                AKUNU_CUDA_DEFINES="$(smb_defines "$d")" timeout 120 "$BIN/akunu" bench -m "$f" --device cuda -p 0 \
+                    -n 128 -r 5 --no-bandwidth $extra 2>&1 | grep -E "tg[0-9]|error" |
+                    sed "s/^/$s $d /" | sed 's/| akunu synthetic.*prefill//' || true
+            done
+        done
+    done
+}
+
+# Whether the persistent greedy decode's two speeds (runs of about 2,42x or
+# 2,51x tok/s on the H100, session 21) follow the SM clock or block 0's SM:
+# CLOCK_RUNS processes (default 10) of tg128, each printing its median and,
+# per launch (-DPD_CLOCK), the ns a token, the SM clock rate and block 0's SM.
+persist_clock() {
+    echo "== persistent decode: speed against SM clock and placement, one line a process"
+    local f=$STORE/smollm2-135m-q4_1.gguf i
+    synth_file smollm2-135m q4_1 "$f"
+    for i in $(seq "${CLOCK_RUNS:-10}"); do
+        AKUNU_CUDA_DEFINES="-DPD_CLOCK ${PERSIST_DEFINES:-}" timeout 120 "$BIN/akunu" bench -m "$f" --device cuda \
+            -p 0 -n 128 -r 3 --no-bandwidth 2>&1 | python3 -c '
+import re, sys, statistics as st
+tg, ns, mhz, sm = None, [], [], []
+for l in sys.stdin:
+    m = re.search(r"(\d+) tokens, ([\d.]+) ns a token, ([\d.]+) MHz, block 0 on SM (\d+)", l)
+    if m and int(m.group(1)) > 8:
+        ns.append(float(m.group(2))); mhz.append(float(m.group(3))); sm.append(int(m.group(4)))
+    elif "tg" in l and "|" in l:
+        tg = l.strip()
+if not ns:
+    print("no clock lines:", tg); sys.exit()
+print(f"launches {len(ns)}  ns/token median {st.median(ns):.0f} (min {min(ns):.0f} max {max(ns):.0f})  "
+      f"MHz median {st.median(mhz):.0f} (min {min(mhz):.0f} max {max(mhz):.0f})  block-0 SMs {sorted(set(sm))}")
+print("   ", re.sub(r"\s+", " ", tg or "no tg line")[:160])
+' || true
     done
 }
 
@@ -1002,6 +1059,8 @@ run)
         persist-blocks) persist_blocks ;;
         base-ab) base_ab ;;
         persist-timing) persist_timing ;;
+        persist-clock) persist_clock ;;
+        pd-ab) pd_ab ;;
         profile) profile ;;
         profile-big) profile_big ;;
         trace) trace ;;

@@ -104,6 +104,35 @@ struct PdArgs {
 #ifndef PD_GREEDY_ONLY
 #define PD_GREEDY_ONLY 0
 #endif
+// The block that publishes each token to the host (publish_token): the
+// last, which has the fewest rows in a layer (pd_items fills blocks from
+// the first; on the SmolLM2 shape it has none), so that the publish's
+// system-scope fences delay no phase. -DPD_PUBLISHER=0: block 0, as
+// before session 22 (A/B runs).
+#ifndef PD_PUBLISHER
+#define PD_PUBLISHER (gridDim.x - 1)
+#endif
+// A block's role (its rows, head, flag and parts): its index, or with
+// -DPD_SMID_ROLES=1 the index of the SM it runs on, where the SMs are
+// numbered 0..G-1 (%nsmid == G: the launch puts one block on each), so
+// that each role sits on the same SM in every launch (the launch's own
+// placement varies; bench/RESULTS.md, session 22).
+#ifndef PD_SMID_ROLES
+#define PD_SMID_ROLES 0
+#endif
+__device__ __forceinline__ u32 pd_bid() {
+#if PD_SMID_ROLES
+    u32 s, n;
+    asm("mov.u32 %0, %%smid;" : "=r"(s));
+    asm("mov.u32 %0, %%nsmid;" : "=r"(n));
+    return n == gridDim.x ? s : blockIdx.x;
+#else
+    return blockIdx.x;
+#endif
+}
+#ifndef PD_WBUF_ARRAY
+#define PD_WBUF_ARRAY 0
+#endif
 #define PD_SAMPLE_GREEDY 0
 #define PD_SAMPLE_PENALTY 1
 #define PD_SAMPLE_DENSE 2
@@ -145,7 +174,7 @@ __device__ __forceinline__ void pd_wait_flags(const u32* flags, u32 e) {
 // This block has finished phase e: barrier, then thread 0's release.
 __device__ __forceinline__ void pd_end_flags(u32* flags, u32 e) {
     __syncthreads();
-    if (threadIdx.x == 0) asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flags + blockIdx.x), "r"(e) : "memory");
+    if (threadIdx.x == 0) asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flags + pd_bid()), "r"(e) : "memory");
 }
 
 __device__ __forceinline__ void pd_cp16(void* s, const void* g) {
@@ -333,7 +362,7 @@ struct PdRange {
 };
 __device__ __forceinline__ PdRange pd_items(u32 items) {
     const u32 per = (items + gridDim.x - 1) / gridDim.x;
-    const u32 lo = min(items, blockIdx.x * per);
+    const u32 lo = min(items, pd_bid() * per);
     return {lo, min(items, lo + per) - lo};
 }
 __device__ __forceinline__ u32 pd_per(u32 items) { return (items + gridDim.x - 1) / gridDim.x; }
@@ -577,7 +606,7 @@ __shared__ long long pd_pt[12];
 __shared__ long long pd_pt_t0;
 #define PD_PT(i)                                           \
     do {                                                   \
-        if (blockIdx.x == 0 && threadIdx.x == 0) {         \
+        if (pd_bid() == 0 && threadIdx.x == 0) {         \
             const long long t1_ = clock64();               \
             if ((i) >= 0) pd_pt[(i) < 0 ? 0 : (i)] += t1_ - pd_pt_t0;   \
             pd_pt_t0 = t1_;                                \
@@ -614,7 +643,10 @@ struct PdSamp {
 __device__ __forceinline__ PdSamp pd_samp_areas(u8* base, const PdArgs& a) {
     PdSamp s;
     s.cap = max(pd_per(a.vocab), PD_PICK_CAP);
-    s.cl = (u64*)(((u64)base + 15) & ~(u64)15);
+    // Rounded up to 16 bytes by an offset to base, not by casting an
+    // integer back to a pointer, so that the compiler still knows these
+    // areas are shared memory (ld.shared rather than generic loads).
+    s.cl = (u64*)(base + ((16u - (u32)(u64)base) & 15u));
     s.lg = (float*)(s.cl + s.cap);
     s.mask = (u32*)(s.lg + pd_per(a.vocab));
     s.hist = s.mask + (pd_per(a.vocab) + 31) / 32;
@@ -640,21 +672,6 @@ __device__ __forceinline__ u64 pd_block_max(u64 v, u64* red) {
     return m;
 }
 
-// Block sum of a double in a fixed order (every block that sums the same
-// values gets the same bits); red holds PD_WARPS doubles. Ends
-// synchronised.
-__device__ __forceinline__ double pd_block_sum_f64(double v, double* red) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-    __syncthreads();
-    double s = 0.0;
-#pragma unroll
-    for (int i = 0; i < PD_WARPS; ++i) s += red[i];
-    __syncthreads();
-    return s;
-}
-
 // Largest m such that at least k (<= 6) lanes hold v >= m, or 0 when fewer
 // than k lanes hold a nonzero v. Every lane calls it.
 __device__ __forceinline__ u32 pd_warp_kth(u32 v, u32 k) {
@@ -670,24 +687,39 @@ __device__ __forceinline__ u32 pd_warp_kth(u32 v, u32 k) {
 
 // out[r] = the candidate of rank r (candidates larger) for r < k: the k
 // best of the C distinct nonzero keys cl[0..C), descending, and with
-// `noise` noise[r] its Gumbel noise at hash base `base` (computed by the
-// threads in parallel). A thread ranks a candidate (eight loads in flight;
-// a warp a candidate measured slower: bench/RESULTS.md, session 21). out
-// is zeroed and published before. Every thread calls it; ends
-// synchronised.
+// `noise` noise[r] its Gumbel noise at hash base `base`. S adjacent lanes
+// rank a candidate (S a power of two, at most PD_RANK_LANES, with S C <=
+// PD_THREADS), each counting the larger keys in every S-th pair of the
+// list, four 16-byte loads in flight, and their counts add up by
+// shuffles. (One thread a candidate with eight 8-byte loads took 5.0k
+// cycles for the pick's 128 candidates; a warp a candidate, with its
+// reduction, measured slower still: bench/RESULTS.md, session 21.) cl is
+// 16-byte aligned; out is zeroed and published before. Every thread calls
+// it; ends synchronised.
+#ifndef PD_RANK_LANES
+#define PD_RANK_LANES 8
+#endif
 __device__ __forceinline__ void pd_rank(const u64* cl, u32 C, u32 k, u64* out, float* noise = nullptr,
                                         u32 base = 0) {
-    for (u32 q = threadIdx.x; q < C; q += PD_THREADS) {
-        const u64 x = cl[q];
+    u32 S = 1;
+    while (S < PD_RANK_LANES && 2 * S * C <= PD_THREADS) S *= 2;
+    const u32 s = threadIdx.x & (S - 1), P = (C + 1) / 2;  // pairs; the last may hold one key
+    const ulonglong2* c2 = (const ulonglong2*)cl;
+    for (u32 q = threadIdx.x / S; q - threadIdx.x / S < C; q += PD_THREADS / S) {
+        const u64 x = q < C ? cl[q] : ~0ull;
         u32 r = 0;
-        for (u32 j0 = 0; j0 < C; j0 += 8) {
-            u64 z[8];
+        for (u32 j = s; j < P; j += 4 * S) {
+            ulonglong2 z[4];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) z[i] = j0 + i < C ? cl[j0 + i] : 0ull;
+            for (int i = 0; i < 4; ++i) z[i] = j + i * S < P ? c2[j + i * S] : make_ulonglong2(0ull, 0ull);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) r += (u32)(z[i] > x);
+            for (int i = 0; i < 4; ++i) {
+                const u32 e = 2 * (j + i * S) + 1;  // the pair's second key, past C when C is odd
+                r += (u32)(z[i].x > x) + (u32)(e < C && z[i].y > x);
+            }
         }
-        if (r < k) {
+        for (u32 o = 1; o < S; o <<= 1) r += __shfl_xor_sync(FULL_MASK, r, o);
+        if (s == 0 && q < C && r < k) {
             out[r] = x;
             if (noise) noise[r] = gumbel_from_hash(pcg_hash(base ^ ~(u32)x));
         }
@@ -753,13 +785,14 @@ __device__ void pd_window_mask(const PdSamp& sp, const PdArgs& a, u32 lo, u32 n,
 struct PdSampShared {
     u64 top[PD_CANDS];
     float noise[PD_CANDS];  // the pick's: top[r]'s Gumbel noise
-    u64 ured[PD_WARPS];
+    u64 ured[PD_WARPS], ured2[PD_WARPS];
     double dred[PD_WARPS];
     u32 bound, nc;
 };
 
 // Resets the selection's fields (bound, count, ranked keys) for
-// pd_candidates and pd_rank; published by the caller's next barrier.
+// pd_bound and pd_rank. The part calls it in the logits phase and the
+// pick at the end of the part, each published by barriers before its use.
 __device__ __forceinline__ void pd_select_begin(PdSampShared& ss) {
     if (threadIdx.x == 0) {
         ss.bound = ~0u;
@@ -768,20 +801,30 @@ __device__ __forceinline__ void pd_select_begin(PdSampShared& ss) {
     if (threadIdx.x < PD_CANDS) ss.top[threadIdx.x] = 0;
 }
 
-// The candidates for the top k of the keys v of every thread (lane_best:
-// the largest ordered logit among a thread's), into sp.cl at ss.nc: the
-// keys at or above a bound that at least k keys reach, the smallest over the
-// warps of each warp's ceil(k / PD_WARPS)-th largest lane best (0, all keys,
-// when a warp has too few). ss.bound (~0) and ss.nc (0) are set and
-// published before. Every thread calls it; ends synchronised.
-template <int N>
-__device__ __forceinline__ void pd_candidates(const u64 (&v)[N], u32 lane_best, u32 k, PdSampShared& ss,
-                                              const PdSamp& sp) {
+// The first half of the candidates for the top k of the keys of every
+// thread (lane_best: the largest ordered logit among a thread's): this
+// warp's bound into ss.bound, which the caller's barrier publishes. The
+// bound is the smallest over the warps of each warp's ceil(k / PD_WARPS)-th
+// largest lane best (0, all keys, when a warp has too few), so at least k
+// keys reach it. Every lane of every warp calls it.
+__device__ __forceinline__ void pd_bound(u32 lane_best, u32 k, PdSampShared& ss) {
     const u32 kb = pd_warp_kth(lane_best, (k + PD_WARPS - 1) / PD_WARPS);
     if ((threadIdx.x & 31) == 0) atomicMin(&ss.bound, kb);
-    __syncthreads();
-    pd_append_above(v, ss.bound, &ss.nc, sp.cl, sp.cap);
-    __syncthreads();
+}
+
+// A warp's f64 sum into red[warp] (lane 0), for pd_red_sum after a barrier:
+// a block sum in a fixed order (every block that sums the same values gets
+// the same bits), with no barrier of its own.
+__device__ __forceinline__ void pd_warp_sum_f64(double v, double* red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+}
+__device__ __forceinline__ double pd_red_sum(const double* red) {
+    double s = 0.0;
+#pragma unroll
+    for (int i = 0; i < PD_WARPS; ++i) s += red[i];
+    return s;
 }
 
 // DENSE and TOPK, before the logits flags: this block's part. sp.lg holds
@@ -789,12 +832,15 @@ __device__ __forceinline__ void pd_candidates(const u64 (&v)[N], u32 lane_best, 
 // DENSE: the best (l - max_b) / T + G of the slice (max_b its own max;
 // pd_sample_pick moves it to the global max). TOPK: the slice's mass
 // sum exp((l - max_b) / T) over finite logits, and its min(top-k, n) best
-// rank keys, descending, 0-padded to top-k.
+// rank keys, descending, 0-padded to top-k. The selection's fields were
+// reset and published before (the logits phase); this resets them for
+// the pick. Three barriers: the bound and the mass, the appends, the
+// ranks.
 __device__ void pd_sample_publish(const PdSamp& sp, PdSampShared& ss, const PdArgs& a, u64* set, u32 lo, u32 n,
                                   u64 bkey, u32 base) {
     const float mxb = rank_logit(bkey);
     const u32 tid = threadIdx.x;
-    u64* part = set + (u64)blockIdx.x * PD_PARTS;
+    u64* part = set + (u64)pd_bid() * PD_PARTS;
     if (a.mode == PD_SAMPLE_DENSE) {
         u64 best = 0;
         for (u32 j = tid; j < n; j += PD_THREADS) {
@@ -830,19 +876,24 @@ __device__ void pd_sample_publish(const PdSamp& sp, PdSampShared& ss, const PdAr
         }
     }
     const u32 k = min(a.top_k, n);
-    pd_select_begin(ss);
-    mass = pd_block_sum_f64(mass, ss.dred);  // its barriers publish the fields above
+    pd_bound(lane_best, k, ss);
+    pd_warp_sum_f64(mass, ss.dred);
+    __syncthreads();
     PD_PT(0);
-    pd_candidates(key, lane_best, k, ss, sp);
+    pd_append_above(key, ss.bound, &ss.nc, sp.cl, sp.cap);
+    __syncthreads();
     PD_PT(1);
     pd_rank(sp.cl, ss.nc, k, ss.top);
     PD_PT(2);
-    u64* cand = set + (u64)gridDim.x * PD_PARTS + (u64)blockIdx.x * a.top_k;
+    u64* cand = set + (u64)gridDim.x * PD_PARTS + (u64)pd_bid() * a.top_k;
     if (tid < a.top_k) cand[tid] = ss.top[tid];
     if (tid == 0) {
         part[0] = bkey;
-        part[1] = (u64)__double_as_longlong(mass);
+        part[1] = (u64)__double_as_longlong(pd_red_sum(ss.dred));
     }
+    // Every thread has read ss.nc (pd_rank's barrier), and each thread
+    // below top_k reads its own ss.top word before zeroing it.
+    pd_select_begin(ss);
 }
 
 // DENSE and TOPK, after the logits flags: the token, the same in every
@@ -864,35 +915,48 @@ __device__ u32 pd_sample_pick(const PdSamp& sp, PdSampShared& ss, const PdArgs& 
         const u32 q = tid + i * PD_THREADS;
         y[i] = q < total ? __ldcg(cand + q) : 0ull;
     }
-    // The global max (lowest id on ties) from the blocks' bests.
-    const u64 m = pd_block_max(bk, ss.ured);
+    // The global max (lowest id on ties) from the blocks' bests and, for
+    // TOPK, the candidates' bound (pd_bound over every key), published by
+    // one barrier.
+    u64 wm = bk;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) wm = max(wm, __shfl_xor_sync(FULL_MASK, wm, o));
+    if ((tid & 31) == 0) ss.ured[tid >> 5] = wm;
+    if (a.mode == PD_SAMPLE_TOPK) {
+        u32 lane_best = 0;
+#pragma unroll
+        for (int i = 0; i < PD_PICK_KPT; ++i) lane_best = max(lane_best, (u32)(y[i] >> 32));
+        pd_bound(lane_best, K, ss);
+    }
+    __syncthreads();
+    u64 m = 0;
+#pragma unroll
+    for (int i = 0; i < PD_WARPS; ++i) m = max(m, ss.ured[i]);
     PD_PT(3);
     const float mx = rank_logit(m);
     // Not finite: the argmax (every token -inf gives id 0, as the CPU).
     if (!(fabsf(mx) < POS_INF)) return ~(u32)m;
     if (a.mode == PD_SAMPLE_DENSE) {
-        // Each block's best, moved from its own max to the global one.
+        // Each block's best, moved from its own max to the global one
+        // (ured2: other warps may still be reading ured).
         u64 best = 0;
         if (pw != 0) {
             const float shift = __fmul_rn(__fsub_rn(mx, rank_logit(bk)), a.inv_t);
             best = pd_key(__fsub_rn(rank_logit(pw), shift), ~(u32)pw);
         }
-        return ~(u32)pd_block_max(best, ss.ured);
+        return ~(u32)pd_block_max(best, ss.ured2);
     }
-    // TOPK. The total mass, every block's moved to the global max.
+    // TOPK. The total mass, every block's moved to the global max (summed
+    // by warp 0 for the cuts), and the keys at or above the bound appended
+    // as candidates: one barrier.
     const double mb = __longlong_as_double((long long)pw);
-    double mass = mb > 0.0 ? mb * (double)expf(__fmul_rn(__fsub_rn(rank_logit(bk), mx), a.inv_t)) : 0.0;
-    u32 lane_best = 0;
-#pragma unroll
-    for (int i = 0; i < PD_PICK_KPT; ++i) lane_best = max(lane_best, (u32)(y[i] >> 32));
-    pd_select_begin(ss);
-    mass = pd_block_sum_f64(mass, ss.dred);  // its barriers publish the fields above
+    const double mass_b = mb > 0.0 ? mb * (double)expf(__fmul_rn(__fsub_rn(rank_logit(bk), mx), a.inv_t)) : 0.0;
+    pd_warp_sum_f64(mass_b, ss.dred);
+    pd_append_above(y, ss.bound, &ss.nc, sp.cl, sp.cap);
+    __syncthreads();
     PD_PT(4);
-    // The top-k of all keys, as the slice's in pd_sample_publish.
-    pd_candidates(y, lane_best, K, ss, sp);
-    PD_PT(5);
 #ifdef PD_TIMING
-    if (blockIdx.x == 0 && tid == 0) pd_pt[10] += ss.nc;
+    if (pd_bid() == 0 && tid == 0) pd_pt[10] += ss.nc;
 #endif
     if (!PD_PICK_SLOW && ss.nc <= sp.cap) {
         pd_rank(sp.cl, ss.nc, K, ss.top, ss.noise, base);
@@ -921,6 +985,7 @@ __device__ u32 pd_sample_pick(const PdSamp& sp, PdSampShared& ss, const PdArgs& 
     // over the kept ones: ln p + G, ln p = (l - max) / T - ln(kept mass).
     if (tid >= 32) return 0;
     const u32 lane = tid;
+    const double mass = pd_red_sum(ss.dred);
     const float min_w = a.min_p > 0.0f ? fminf(a.min_p, 1.0f) : 0.0f;
     const double target = a.top_p < 1.0f ? (double)fmaxf(a.top_p, 0.0f) * mass : -1.0;
     float sc[2];
@@ -1006,13 +1071,14 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
     // dot products and stores, down, logits and token); 6-8 split qkv's
     // start: its rows' arrival (bulk copies), its h words' arrival, the
     // norm; 9-10 gate|up's: its h words' arrival, the norm.
-    long long tm[14] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}, t0 = clock64();
+    long long tm[15] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}, t0 = clock64();
     if (threadIdx.x < 12) pd_pt[threadIdx.x] = 0;
-// (PD_TMARK: a timing mark only; 11-13 split logits and token: the dot
-// products, the sampler's part, the wait on the flags, then the pick.)
+// (PD_TMARK: a timing mark only; 14 and 11-13 split logits and token: the
+// h words and the norm, the dot products, the sampler's part, the wait on
+// the flags, then the pick.)
 #define PD_TMARK(i)                                                  \
     do {                                                             \
-        if (blockIdx.x == 0 && threadIdx.x == 0) {                   \
+        if (pd_bid() == 0 && threadIdx.x == 0) {                   \
             const long long t1 = clock64();                          \
             tm[i] += t1 - t0;                                        \
             t0 = t1;                                                 \
@@ -1029,6 +1095,14 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
     do {            \
     } while (0)
 #endif
+    // -DPD_CLOCK: block 0 prints each launch's SM clock rate (cycles over
+    // %globaltimer ns), its ns a token and its SM: whether runs that differ
+    // in speed differ in clock or in placement (gpu.sh persist-clock).
+#ifdef PD_CLOCK
+    long long ck_c0 = clock64();
+    unsigned long long ck_t0;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ck_t0));
+#endif
     extern __shared__ __align__(16) u8 smem[];
     const u32 rd = pd_rec(a.d);
 #if PD_BULK
@@ -1037,7 +1111,17 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
     const u64 lb = (u64)pd_per((a.qd + 2 * a.kvd) / 2) * 2 * rd + (u64)pd_per(a.d) * pd_rec(a.qd) +
                    (u64)pd_per(a.ff) * 2 * rd + (u64)pd_per(a.d) * pd_rec(a.ff);
 #endif
-    u8* wbuf[2] = {smem, smem + lb};
+    // The two row buffers, by offset from smem rather than from a local
+    // array of two pointers: an array indexed by a run-time parity lives
+    // in the stack frame, and pointers loaded from it are generic, so
+    // every weight load from the buffers was a generic load rather than
+    // ld.shared. -DPD_WBUF_ARRAY=1: the array (A/B runs).
+#if PD_WBUF_ARRAY
+    u8* wbuf_a[2] = {smem, smem + lb};
+#define wbuf(i) wbuf_a[(i) & 1]
+#else
+#define wbuf(i) (smem + (u64)((i) & 1) * lb)
+#endif
     float* xs = (float*)(smem + 2 * lb);      // max(d, qd, ff) floats
     float* sc = xs + max(max(a.d, a.qd), a.ff);  // max_pos scores
     float* red = sc + a.max_pos;              // PD_WARPS floats
@@ -1081,9 +1165,9 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-    if (threadIdx.x == 0) pd_prefetch_bulk(wbuf[0], a, a.layers[0], &wbar[0]);
+    if (threadIdx.x == 0) pd_prefetch_bulk(wbuf(0), a, a.layers[0], &wbar[0]);
 #else
-    pd_prefetch(wbuf[0], a, a.layers[0]);
+    pd_prefetch(wbuf(0), a, a.layers[0]);
 #endif
     u32 gnext = 0;  // the layer (counted over the chain) of the copies last requested
     // The penalty window's recent ids, copied once (published by the first
@@ -1129,13 +1213,13 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             bool issue = threadIdx.x == 0;
             mbar_wait(&wbar[gl & 1], (gl >> 1) & 1);
             PD_MARK(6);
-            u8* const wb = wbuf[gl & 1];
+            u8* const wb = wbuf(gl);
             const PdBulk B = pd_bulk_areas(a);
 #else
             asm volatile("cp.async.wait_group 0;" ::: "memory");
             __syncthreads();
-            if (!PD_PREFETCH_LATE) pd_prefetch(wbuf[(gl + 1) & 1], a, Ln);
-            const PdAreas ws = pd_areas(wbuf[gl & 1], a);
+            if (!PD_PREFETCH_LATE) pd_prefetch(wbuf(gl + 1), a, Ln);
+            const PdAreas ws = pd_areas(wbuf(gl), a);
 #endif
             u64* X = a.x + (u64)(gl & 1) * xw;        // this layer's values
             u64* Xp = a.x + (u64)((gl + 1) & 1) * xw;  // the layer before's (its h)
@@ -1157,7 +1241,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                         pd_request_tagged(w, Xp + X_H, a.d, e);
 #if PD_BULK
                         if (issue) {
-                            pd_prefetch_bulk(wbuf[gnext & 1], a, Ln, &wbar[gnext & 1]);
+                            pd_prefetch_bulk(wbuf(gnext), a, Ln, &wbar[gnext & 1]);
                             issue = false;
                         }
 #endif
@@ -1169,7 +1253,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                 }
 #if PD_BULK
                 // The first layer, or a block without q | k | v rows.
-                if (issue) pd_prefetch_bulk(wbuf[gnext & 1], a, Ln, &wbar[gnext & 1]);
+                if (issue) pd_prefetch_bulk(wbuf(gnext), a, Ln, &wbar[gnext & 1]);
 #endif
                 for (u32 it = warp; it < r.n; it += PD_WARPS) {
 #if PD_BULK
@@ -1205,14 +1289,14 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                         }
                     }
                 }
-                if (PD_PREFETCH_LATE && blockIdx.x >= a.nh) pd_prefetch(wbuf[(gl + 1) & 1], a, Ln);
+                if (PD_PREFETCH_LATE && pd_bid() >= a.nh) pd_prefetch(wbuf(gl + 1), a, Ln);
                 ++e;
                 __syncthreads();
                 PD_MARK(0);
             }
             // ---- attention: block j < nh takes query head j
-            if (blockIdx.x < a.nh) {
-                const u32 hq = blockIdx.x, g = hq / (a.nh / a.nkv);
+            if (pd_bid() < a.nh) {
+                const u32 hq = pd_bid(), g = hq / (a.nh / a.nkv);
                 float* qs = part + PD_WARPS * PD_HD;  // q, then the new k and v
                 float* kn = qs + PD_HD;
                 float* vn = kn + PD_HD;
@@ -1318,7 +1402,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                     pd_st_tag(X + X_ATT + hq * PD_HD + threadIdx.x, o / z, e + 1);
                 }
             }
-            if (PD_PREFETCH_LATE && blockIdx.x < a.nh) pd_prefetch(wbuf[(gl + 1) & 1], a, Ln);
+            if (PD_PREFETCH_LATE && pd_bid() < a.nh) pd_prefetch(wbuf(gl + 1), a, Ln);
             ++e;
             __syncthreads();
             PD_MARK(1);
@@ -1401,12 +1485,18 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             u64 wv[PD_MAXPER];
             pd_norm_weights(nw, a.out_norm, a.d);
             pd_request_tagged(wv, Xl + X_H, a.d, e);
+            // The host's cancel word, read at the phase's start so that its
+            // round trip does not delay block 0's best (and so every
+            // block's flags wait).
+            u32 done = 0;
+            if (pd_bid() == 0 && threadIdx.x == 0) done = *(volatile const u32*)&ctl->done;
             if (pen) {
                 const PdRange r = pd_items(a.vocab);
                 pd_window_mask(sp, a, r.lo, r.n, pos + 1, t, tok0, s_wstart, s_wn);
             }
             pd_finish_tagged(v, wv, Xl + X_H, e);
             pd_norm(xs, v, nw, a, red);
+            PD_TMARK(14);
             const PdRange r = pd_items(a.vocab);
             u64 best = 0;
             for (u32 it = warp; it < r.n; it += PD_ROWS * PD_WARPS) {
@@ -1424,13 +1514,16 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                 }
             }
             if (lane == 0) wbest[warp] = best;
+            // The part's selection fields, published by this barrier (the
+            // part resets them for the pick).
+            if (a.mode == PD_SAMPLE_TOPK) pd_select_begin(ss);
             __syncthreads();
             if (threadIdx.x == 0) {
                 u64 mx = 0;
                 for (int i = 0; i < PD_WARPS; ++i) mx = max(mx, wbest[i]);
-                bset[blockIdx.x] = mx;
+                bset[pd_bid()] = mx;
                 s_bkey = mx;
-                if (blockIdx.x == 0) bset[gridDim.x] = *(volatile const u32*)&ctl->done;
+                if (pd_bid() == 0) bset[gridDim.x] = done;
             }
             PD_TMARK(11);
             if (a.mode >= PD_SAMPLE_DENSE) {
@@ -1445,14 +1538,23 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
         // so that all agree on it and on stopping.
         pd_wait_flags(a.flags, e);
         PD_TMARK(13);
+        // The cancel word, requested beside the bests (or the sampler's
+        // parts) rather than after them: its round trip is off the path.
+        u32 cancel = 0;
+        if (threadIdx.x == PD_THREADS - 1) cancel = (u32)__ldcg(bset + gridDim.x);
+        // The token goes to the host from the publisher block, not from a
+        // block with rows in the next token's first layer: publish_token's
+        // system-scope fences would delay that block's q|k|v rows, which
+        // every attention block waits on.
+        const bool publisher = pd_bid() == PD_PUBLISHER;
         if (a.mode >= PD_SAMPLE_DENSE) {
             const u32 tok = pd_sample_pick(sp, ss, a, sset, sbase);
             if (threadIdx.x == 0) {
                 s_token = tok;
-                s_cancel = (u32)__ldcg(bset + gridDim.x);
                 sp.hist[t] = tok;
-                if (blockIdx.x == 0) publish_token(a.conveyor, tok0 + 1 + t, tok, ctl);
+                if (publisher) publish_token(a.conveyor, tok0 + 1 + t, tok, ctl);
             }
+            if (threadIdx.x == PD_THREADS - 1) s_cancel = cancel;
             __syncthreads();
         } else {
             u64 b = 0;
@@ -1460,21 +1562,21 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) b = max(b, __shfl_xor_sync(0xffffffffu, b, o));
             if (lane == 0) wbest[warp] = b;
+            if (threadIdx.x == PD_THREADS - 1) s_cancel = cancel;
             __syncthreads();
             if (threadIdx.x == 0) {
                 u64 mx = 0;
                 for (int i = 0; i < PD_WARPS; ++i) mx = max(mx, wbest[i]);
                 s_token = 0xffffffffu - (u32)mx;
-                s_cancel = (u32)__ldcg(bset + gridDim.x);
                 if (pen) sp.hist[t] = s_token;
-                if (blockIdx.x == 0) publish_token(a.conveyor, tok0 + 1 + t, s_token, ctl);
+                if (publisher) publish_token(a.conveyor, tok0 + 1 + t, s_token, ctl);
             }
             __syncthreads();
         }
         PD_MARK(5);
 #ifdef PD_BLOCK_TIMES
         if (t == PD_BT_TOKEN && threadIdx.x == 0)
-            printf("bt %u %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu\n", blockIdx.x, bt[11], bt[6],
+            printf("bt %u %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu\n", pd_bid(), bt[11], bt[6],
                    bt[7], bt[8], bt[0], bt[1], bt[2], bt[9], bt[10], bt[3], bt[4], bt[5]);
 #endif
         token = s_token;
@@ -1482,22 +1584,33 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
         const u32 ns = min(ctl->n_stop, (u32)MAX_STOP);
         for (u32 j = 0; j < ns; ++j) stop |= ctl->stop[j] == token;
         if (stop) {
+#ifdef PD_CLOCK
+            if (pd_bid() == 0 && threadIdx.x == 0) {
+                unsigned long long ck_t1;
+                asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ck_t1));
+                const long long ck_c1 = clock64();
+                u32 smid;
+                asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+                printf("persist clock: %u tokens, %.1f ns a token, %.1f MHz, block 0 on SM %u\n", t + 1,
+                       (double)(ck_t1 - ck_t0) / (t + 1), 1e3 * (double)(ck_c1 - ck_c0) / (double)(ck_t1 - ck_t0), smid);
+            }
+#endif
 #ifdef PD_TIMING
-            if (blockIdx.x == 0 && threadIdx.x == 0)
+            if (pd_bid() == 0 && threadIdx.x == 0)
                 printf("persist timing: %u tokens from %u, block 0 cycles a token: qkv %lld attn %lld o %lld gu %lld "
                        "down %lld logits+token %lld; qkv = rows %lld + h %lld + norm %lld + dots %lld; "
-                       "gu = h %lld + norm %lld + dots %lld; logits+token = dots %lld + part %lld + wait %lld + "
-                       "pick %lld\n",
+                       "gu = h %lld + norm %lld + dots %lld; logits+token = h+norm %lld + dots %lld + part %lld + "
+                       "wait %lld + pick %lld\n",
                        t + 1, pos0, (tm[6] + tm[7] + tm[8] + tm[0]) / (t + 1), tm[1] / (t + 1), tm[2] / (t + 1),
-                       (tm[9] + tm[10] + tm[3]) / (t + 1), tm[4] / (t + 1), (tm[11] + tm[12] + tm[13] + tm[5]) / (t + 1), tm[6] / (t + 1),
-                       tm[7] / (t + 1), tm[8] / (t + 1), tm[0] / (t + 1), tm[9] / (t + 1), tm[10] / (t + 1),
-                       tm[3] / (t + 1), tm[11] / (t + 1), tm[12] / (t + 1), tm[13] / (t + 1), tm[5] / (t + 1));
-            if (blockIdx.x == 0 && threadIdx.x == 0 && a.mode >= PD_SAMPLE_DENSE)
-                printf("persist sampler: part = mass %lld + bound %lld + rank %lld; pick = loads+max %lld + mass %lld "
-                       "+ bound %lld + rank %lld + cuts %lld; pick candidates %lld\n",
+                       (tm[9] + tm[10] + tm[3]) / (t + 1), tm[4] / (t + 1),
+                       (tm[14] + tm[11] + tm[12] + tm[13] + tm[5]) / (t + 1), tm[6] / (t + 1), tm[7] / (t + 1),
+                       tm[8] / (t + 1), tm[0] / (t + 1), tm[9] / (t + 1), tm[10] / (t + 1), tm[3] / (t + 1),
+                       tm[14] / (t + 1), tm[11] / (t + 1), tm[12] / (t + 1), tm[13] / (t + 1), tm[5] / (t + 1));
+            if (pd_bid() == 0 && threadIdx.x == 0 && a.mode >= PD_SAMPLE_DENSE)
+                printf("persist sampler: part = bound+mass %lld + appends %lld + rank %lld; pick = loads+max+bound "
+                       "%lld + mass+appends %lld + rank %lld + cuts %lld; pick candidates %lld\n",
                        pd_pt[0] / (t + 1), pd_pt[1] / (t + 1), pd_pt[2] / (t + 1), pd_pt[3] / (t + 1),
-                       pd_pt[4] / (t + 1), pd_pt[5] / (t + 1), pd_pt[6] / (t + 1), pd_pt[7] / (t + 1),
-                       pd_pt[10] / (t + 1));
+                       pd_pt[4] / (t + 1), pd_pt[6] / (t + 1), pd_pt[7] / (t + 1), pd_pt[10] / (t + 1));
 #endif
             break;
         }

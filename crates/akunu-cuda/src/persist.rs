@@ -44,8 +44,8 @@ const WARPS: u32 = 12;
 /// Values of a row a thread holds (persist.cu `PD_MAXPER`).
 const MAXPER: u32 = 4;
 const HEAD: u32 = 64;
-/// Static shared memory of the kernel (ptxas: 384 bytes greedy, 1,360
-/// with the sampler's scalars, 1,472 in a -DPD_TIMING build), rounded up.
+/// Static shared memory of the kernel (ptxas: 384 bytes greedy, 1,456
+/// with the sampler's scalars, 1,568 in a -DPD_TIMING build), rounded up.
 pub(crate) const STATIC_SMEM: u32 = 2048;
 /// The sampler's words a block publishes (persist.cu `PD_PARTS`) and its
 /// top-k keys (`PD_CANDS`, the largest top-k the kernel takes).
