@@ -141,6 +141,16 @@ synth_file() { # SHAPE TYPE FILE
         --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$3" 2>&1 | tail -1
 }
 
+# The synthetic SmolLM2 file the persistent decode steps bench, created on
+# first use; its path on stdout. SMOL_EMB=q8_0: the default model's type mix
+# (Q4_1 matrices, a Q8_0 embedding) instead of Q4_1 throughout.
+smol_file() {
+    local f=$STORE/smollm2-135m-q4_1${SMOL_EMB:+-emb-$SMOL_EMB}.gguf
+    [ -f "$f" ] || "$BIN/akunu" synth --shape smollm2-135m --type q4_1 ${SMOL_EMB:+--embedding-type "$SMOL_EMB"} \
+        --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$f" 2>&1 | tail -1 >&2
+    echo "$f"
+}
+
 tests() {
     echo "== GPU tests"
     # The second engine run lifts the launcher's preference for the register
@@ -234,8 +244,8 @@ persist() {
 base_ab() {
     echo "== this build against the base binary ($(cat .gpu-base/commit 2>/dev/null || echo missing))"
     [ -x .gpu-base/akunu ] || { echo "no .gpu-base/akunu: run scripts/gpu.sh build-base REV here"; return 0; }
-    local f=$STORE/smollm2-135m-q4_1.gguf r p b s
-    synth_file smollm2-135m q4_1 "$f"
+    local f r p b s
+    f=$(smol_file)
     for s in greedy sampled dense; do
         local extra=""
         [ $s = sampled ] && extra="--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1"
@@ -257,8 +267,8 @@ base_ab() {
 # with each sampler mode of the kernel (dense, top-k with top-p).
 persist_timing() {
     echo "== persistent decode: block 0's cycles a token, greedy and sampled"
-    local f=$STORE/smollm2-135m-q4_1.gguf s label defs args
-    synth_file smollm2-135m q4_1 "$f"
+    local f s label defs args
+    f=$(smol_file)
     # label | extra defines | bench arguments
     for s in "greedy||" "greedy-on-the-sampler-build|-DPD_GREEDY_ONLY=0|" \
         "dense||--temperature 0.8 --seed 1" "topk||--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1"; do
@@ -277,8 +287,8 @@ persist_timing() {
 # compiled by a short warm-up run first.
 pd_ab() {
     echo "== persistent decode variants: greedy and sampled tg128, sets alternating"
-    local f=$STORE/smollm2-135m-q4_1.gguf r d s extra
-    synth_file smollm2-135m q4_1 "$f"
+    local f r d s extra
+    f=$(smol_file)
     for d in ${PERSIST_AB:-_}; do
         AKUNU_CUDA_DEFINES="$(smb_defines "$d")" timeout 120 "$BIN/akunu" bench -m "$f" --device cuda -p 0 -n 16 \
             -r 1 --no-bandwidth >/dev/null 2>&1 || echo "$d: warm-up failed"
@@ -300,14 +310,15 @@ pd_ab() {
 # Whether the persistent greedy decode's two speeds (runs of about 2,42x or
 # 2,51x tok/s on the H100, session 21) follow the SM clock or block 0's SM:
 # CLOCK_RUNS processes (default 10) of tg128, each printing its median and,
-# per launch (-DPD_CLOCK), the ns a token, the SM clock rate and block 0's SM.
+# per launch (-DPD_CLOCK), the ns a token, the SM clock rate and block 0's SM;
+# every block's SM per launch goes to $OUTDIR/persist-clock.log.
 persist_clock() {
     echo "== persistent decode: speed against SM clock and placement, one line a process"
-    local f=$STORE/smollm2-135m-q4_1.gguf i
-    synth_file smollm2-135m q4_1 "$f"
+    local f i
+    f=$(smol_file)
     for i in $(seq "${CLOCK_RUNS:-10}"); do
         AKUNU_CUDA_DEFINES="-DPD_CLOCK ${PERSIST_DEFINES:-}" timeout 120 "$BIN/akunu" bench -m "$f" --device cuda \
-            -p 0 -n 128 -r 3 --no-bandwidth 2>&1 | python3 -c '
+            -p 0 -n 128 -r 3 --no-bandwidth 2>&1 | tee -a "$OUTDIR/persist-clock.log" | python3 -c '
 import re, sys, statistics as st
 tg, ns, mhz, sm = None, [], [], []
 for l in sys.stdin:
@@ -319,8 +330,8 @@ for l in sys.stdin:
 if not ns:
     print("no clock lines:", tg); sys.exit()
 print(f"launches {len(ns)}  ns/token median {st.median(ns):.0f} (min {min(ns):.0f} max {max(ns):.0f})  "
-      f"MHz median {st.median(mhz):.0f} (min {min(mhz):.0f} max {max(mhz):.0f})  block-0 SMs {sorted(set(sm))}")
-print("   ", re.sub(r"\s+", " ", tg or "no tg line")[:160])
+      f"MHz median {st.median(mhz):.0f} (min {min(mhz):.0f} max {max(mhz):.0f})  "
+      "us/token@block-0 SM: " + " ".join(f"{n / 1e3:.1f}@{s}" for n, s in zip(ns, sm)))
 ' || true
     done
 }

@@ -22,6 +22,10 @@ pub struct SynthArgs {
     /// q5_k -> q5_1, q6_k -> q8_0.
     #[arg(long = "type", value_name = "TYPE", value_parser = parse_dtype)]
     pub dtype: DType,
+    /// Type of the token embedding instead of --type (same names); the
+    /// default model's mix is `--type q4_1 --embedding-type q8_0`.
+    #[arg(long, value_name = "TYPE", value_parser = parse_dtype)]
+    pub embedding_type: Option<DType>,
     /// Seed of the random weights (the same seed gives the same file).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -52,6 +56,7 @@ pub fn run(a: SynthArgs) -> Result<()> {
         shape: a.shape,
         arch: a.arch,
         dtype: a.dtype,
+        embedding: a.embedding_type,
         seed: a.seed,
         tokenizer_from,
     };

@@ -285,6 +285,9 @@ pub struct SynthSpec {
     /// Type of the matrices (token embedding and output included); norm
     /// weights stay F32.
     pub dtype: DType,
+    /// Type of the token embedding instead of `dtype` (the default model
+    /// has Q4_1 matrices and a Q8_0 embedding); `None`: `dtype`.
+    pub embedding: Option<DType>,
     pub seed: u64,
     /// Copy every `tokenizer.*` metadata key from this GGUF; the vocabulary
     /// size follows its token list. Required for the 49152-token shapes;
@@ -491,6 +494,9 @@ pub(crate) fn write_synthetic_threads(
     let seed = spec.seed;
     for (index, t) in plan(&p, spec.arch, n_vocab).into_iter().enumerate() {
         let dtype = match t.init {
+            Init::Matrix if t.name == "token_embd.weight" => {
+                matrix_type(spec.embedding.unwrap_or(spec.dtype), t.dims[0])
+            }
             Init::Matrix => matrix_type(spec.dtype, t.dims[0]),
             Init::Norm | Init::Bias => DType::F32,
         };
@@ -698,6 +704,7 @@ mod tests {
             dtype,
             seed,
             tokenizer_from: None,
+            embedding: None,
         }
     }
 
@@ -931,6 +938,22 @@ mod tests {
     }
 
     #[test]
+    fn embedding_type_applies_to_the_embedding_alone() {
+        let path = temp("tiny-q4_1-emb-q8_0");
+        let s = SynthSpec {
+            embedding: Some(DType::Q8_0),
+            ..spec(DType::Q4_1, 5)
+        };
+        write_synthetic(&path, &s, &mut |_, _| {}).unwrap();
+        let m = Model::load(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let ty = |n: &str| m.file.tensor(n).unwrap().dtype;
+        assert_eq!(ty("token_embd.weight"), DType::Q8_0);
+        assert_eq!(ty("blk.0.attn_q.weight"), DType::Q4_1);
+        assert_eq!(ty("blk.1.ffn_down.weight"), DType::Q4_1);
+    }
+
+    #[test]
     fn parsing_and_errors() {
         for s in Shape::ALL {
             assert_eq!(s.name().parse::<Shape>().unwrap(), s);
@@ -968,6 +991,7 @@ mod tests {
                     dtype: DType::Q4_0,
                     seed: 0,
                     tokenizer_from: None,
+                    embedding: None,
                 },
                 &mut |_, _| {},
             )
@@ -984,6 +1008,7 @@ mod tests {
             &temp("never"),
             &SynthSpec {
                 tokenizer_from: Some("/nonexistent/x.gguf".into()),
+                embedding: None,
                 ..spec(DType::F32, 0)
             },
             &mut |_, _| {},
@@ -1008,6 +1033,7 @@ mod tests {
             dtype: DType::Q4_0,
             seed: 3,
             tokenizer_from: Some(src.clone()),
+            embedding: None,
         };
         write_synthetic(&path, &s, &mut |_, _| {}).unwrap();
         let m = Model::load(&path).unwrap();

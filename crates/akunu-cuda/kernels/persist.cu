@@ -92,6 +92,10 @@ struct PdArgs {
     u32 mode;              // PD_SAMPLE_*
     u32 top_k, repeat_last_n, seed_lo, seed_hi, recent_capacity;
     float inv_t, top_p, min_p, penalty;
+    // The first res_rows rows of each block's slice of the logits weight,
+    // kept in shared memory at byte res_off for the whole chain (PD_BULK;
+    // persist.rs sizes them to the room left; 0: none).
+    u32 res_rows, res_off;
 };
 
 // What the logits phase does with the logits (persist.rs SampleMode):
@@ -113,19 +117,26 @@ struct PdArgs {
 #define PD_PUBLISHER (gridDim.x - 1)
 #endif
 // A block's role (its rows, head, flag and parts): its index, or with
-// -DPD_SMID_ROLES=1 the index of the SM it runs on, where the SMs are
-// numbered 0..G-1 (%nsmid == G: the launch puts one block on each), so
-// that each role sits on the same SM in every launch (the launch's own
-// placement varies; bench/RESULTS.md, session 22).
+// -DPD_SMID_ROLES=1 a function of the SM it runs on, (smid x PD_SMID_MUL +
+// PD_SMID_ADD) mod G, where the SMs are numbered 0..G-1 (%nsmid == G: the
+// launch puts one block on each; PD_SMID_MUL coprime to G), so that each
+// role sits on the same SM in every launch (the launch's own placement
+// varies, and with it the speed: bench/RESULTS.md, session 22).
 #ifndef PD_SMID_ROLES
 #define PD_SMID_ROLES 0
+#endif
+#ifndef PD_SMID_MUL
+#define PD_SMID_MUL 1
+#endif
+#ifndef PD_SMID_ADD
+#define PD_SMID_ADD 0
 #endif
 __device__ __forceinline__ u32 pd_bid() {
 #if PD_SMID_ROLES
     u32 s, n;
     asm("mov.u32 %0, %%smid;" : "=r"(s));
     asm("mov.u32 %0, %%nsmid;" : "=r"(n));
-    return n == gridDim.x ? s : blockIdx.x;
+    return n == gridDim.x ? (s * PD_SMID_MUL + PD_SMID_ADD) % n : blockIdx.x;
 #else
     return blockIdx.x;
 #endif
@@ -234,6 +245,19 @@ __device__ __forceinline__ float4 pd_v4(const kv_t* V, u64 i) {
 #endif
 }
 
+// Small integers as floats without the conversion unit (I2F runs at a
+// quarter of the ALU rate, and the logits phase converts every weight of a
+// block's 373 rows): byte k of w placed under the exponent of 2^23 by a
+// byte permute, then 2^23 (4-bit quants) or 2^23 + 128 (8-bit quants
+// offset by 128: w ^ 0x80808080) subtracted, exactly. The values, and so
+// the products and sums, are those of the (float) casts.
+#define PD_2P23 8388608.0f
+__device__ __forceinline__ float pd_byte_f(u32 w, u32 sel) {
+    return __uint_as_float(__byte_perm(w, 0x4B000000u, sel));
+}
+#define PD_U4(w, k) (pd_byte_f((w), 0x7540u | (k)) - PD_2P23)
+#define PD_I8(wx, k) (pd_byte_f((wx), 0x7540u | (k)) - (PD_2P23 + 128.0f))
+
 // Dot product of a Q4_1 row (quants q, (d, m) f16 pairs s) with xs (shared),
 // the sum in every lane. Lane w takes 4-byte word w of the quants: bytes
 // 4i..4i+3 of block w / 4 (i = w % 4), weights 4i.. in their low nibbles
@@ -247,38 +271,42 @@ __device__ __forceinline__ float pd_dot_q41(const u8* q, const u8* s, u32 k, con
         const float d = f16_to_f32((u16)dm), m = f16_to_f32((u16)(dm >> 16));
         const float* xb = xs + 32 * (w >> 2) + 4 * (w & 3);
         const float4 a = *(const float4*)xb, b = *(const float4*)(xb + 16);
-        const float qs = (float)(v & 15) * a.x + (float)((v >> 8) & 15) * a.y + (float)((v >> 16) & 15) * a.z +
-                         (float)((v >> 24) & 15) * a.w + (float)((v >> 4) & 15) * b.x + (float)((v >> 12) & 15) * b.y +
-                         (float)((v >> 20) & 15) * b.z + (float)(v >> 28) * b.w;
+        const u32 lo = v & 0x0f0f0f0fu, hi = (v >> 4) & 0x0f0f0f0fu;
+        const float qs = PD_U4(lo, 0) * a.x + PD_U4(lo, 1) * a.y + PD_U4(lo, 2) * a.z + PD_U4(lo, 3) * a.w +
+                         PD_U4(hi, 0) * b.x + PD_U4(hi, 1) * b.y + PD_U4(hi, 2) * b.z + PD_U4(hi, 3) * b.w;
         acc += d * qs + m * ((a.x + a.y) + (a.z + a.w) + ((b.x + b.y) + (b.z + b.w)));
     }
     return pd_warp_sum(acc);
 }
-// The same for a Q8_0 row (int8 quants q, f16 scales s).
-__device__ __forceinline__ float pd_dot_q80(const u8* q, const u8* s, u32 k, const float* xs, int lane) {
-    const uint2* qw = (const uint2*)q;
-    const u16* sc = (const u16*)s;
-    float acc = 0.0f;
-    for (u32 w = lane; w < k / 8; w += 32) {
-        const uint2 v = qw[w];
-        const float d = f16_to_f32(sc[w >> 2]);
-        const float4 a = *(const float4*)(xs + 8 * w), b = *(const float4*)(xs + 8 * w + 4);
-        const float qs = (float)(i8)(v.x & 255) * a.x + (float)(i8)((v.x >> 8) & 255) * a.y +
-                         (float)(i8)((v.x >> 16) & 255) * a.z + (float)(i8)(v.x >> 24) * a.w +
-                         (float)(i8)(v.y & 255) * b.x + (float)(i8)((v.y >> 8) & 255) * b.y +
-                         (float)(i8)((v.y >> 16) & 255) * b.z + (float)(i8)(v.y >> 24) * b.w;
-        acc += d * qs;
-    }
-    return pd_warp_sum(acc);
-}
-// Rows r0, r0 + step, ... (PD_ROWS of them, those below rows_end) of the
-// logits weight with xs, into s[]: every row's words are requested before
-// the first product, so that a warp has PD_ROWS rows of loads in flight
-// (the logits phase streams its rows from DRAM). Rows past rows_end give 0.
+// The logits weight's rows r0, r0 + step, ... (PD_ROWS of them, those
+// below rows_end) against x, into s[]: row r's quants at Q + r x (its
+// quant bytes), its scales at Sc + r x (its scale bytes), in global or
+// shared memory. Every row's words are requested before the first
+// product, so that a warp has PD_ROWS rows of loads in flight. Rows past
+// rows_end give 0. x holds the lane's input values (pd_x_words), loaded
+// once a token rather than from shared memory for every row.
 #define PD_ROWS 4
 #define PD_MAXW 6  // words a lane loads a row: k / 256, up to d = 1536
-__device__ __forceinline__ void pd_dot_rows(float (&s)[PD_ROWS], const u8* m, u32 q8, u32 rows, u32 k, u32 r0,
-                                            u32 step, u32 rows_end, const float* xs, int lane) {
+// The input values of a lane's words w = lane + 32 i of a row of k, in the
+// order pd_dot_rows takes them: Q8_0 word w holds elements 8w..8w+7; Q4_1
+// word w (bytes 4i..4i+3 of block w / 4, i = w % 4) elements 4i.. in its
+// low nibbles and 16 + 4i.. in its high ones.
+__device__ __forceinline__ void pd_x_words(float (&x)[PD_MAXW][8], const float* xs, u32 q8, u32 k, int lane) {
+#pragma unroll
+    for (int i = 0; i < PD_MAXW; ++i) {
+        const u32 w = lane + 32 * i;
+        float4 lo = make_float4(0.0f, 0.0f, 0.0f, 0.0f), hi = lo;
+        if (w < k / 8) {
+            const float* xb = q8 ? xs + 8 * w : xs + 32 * (w >> 2) + 4 * (w & 3);
+            lo = *(const float4*)xb;
+            hi = *(const float4*)(xb + (q8 ? 4 : 16));
+        }
+        x[i][0] = lo.x, x[i][1] = lo.y, x[i][2] = lo.z, x[i][3] = lo.w;
+        x[i][4] = hi.x, x[i][5] = hi.y, x[i][6] = hi.z, x[i][7] = hi.w;
+    }
+}
+__device__ __forceinline__ void pd_dot_rows(float (&s)[PD_ROWS], const u8* Q, const u8* Sc, u32 q8, u32 k, u32 r0,
+                                            u32 step, u32 rows_end, const float (&x)[PD_MAXW][8], int lane) {
     const u32 nw = k / 8;
     if (q8) {
         uint2 q[PD_ROWS][PD_MAXW];
@@ -290,8 +318,8 @@ __device__ __forceinline__ void pd_dot_rows(float (&s)[PD_ROWS], const u8* m, u3
             for (int i = 0; i < PD_MAXW; ++i) {
                 const u32 w = lane + 32 * i;
                 const bool live = r < rows_end && w < nw;
-                q[u][i] = live ? ((const uint2*)(m + (u64)r * k))[w] : make_uint2(0, 0);
-                sc[u][i] = live ? ((const u16*)(m + (u64)rows * k))[(u64)r * (k / 32) + (w >> 2)] : (u16)0;
+                q[u][i] = live ? ((const uint2*)(Q + (u64)r * k))[w] : make_uint2(0, 0);
+                sc[u][i] = live ? ((const u16*)Sc)[(u64)r * (k / 32) + (w >> 2)] : (u16)0;
             }
         }
 #pragma unroll
@@ -301,12 +329,10 @@ __device__ __forceinline__ void pd_dot_rows(float (&s)[PD_ROWS], const u8* m, u3
             for (int i = 0; i < PD_MAXW; ++i) {
                 const u32 w = lane + 32 * i;
                 if (w < nw) {
-                    const uint2 v = q[u][i];
-                    const float4 a = *(const float4*)(xs + 8 * w), b = *(const float4*)(xs + 8 * w + 4);
-                    const float qs = (float)(i8)(v.x & 255) * a.x + (float)(i8)((v.x >> 8) & 255) * a.y +
-                                     (float)(i8)((v.x >> 16) & 255) * a.z + (float)(i8)(v.x >> 24) * a.w +
-                                     (float)(i8)(v.y & 255) * b.x + (float)(i8)((v.y >> 8) & 255) * b.y +
-                                     (float)(i8)((v.y >> 16) & 255) * b.z + (float)(i8)(v.y >> 24) * b.w;
+                    const u32 v0 = q[u][i].x ^ 0x80808080u, v1 = q[u][i].y ^ 0x80808080u;
+                    const float qs = PD_I8(v0, 0) * x[i][0] + PD_I8(v0, 1) * x[i][1] + PD_I8(v0, 2) * x[i][2] +
+                                     PD_I8(v0, 3) * x[i][3] + PD_I8(v1, 0) * x[i][4] + PD_I8(v1, 1) * x[i][5] +
+                                     PD_I8(v1, 2) * x[i][6] + PD_I8(v1, 3) * x[i][7];
                     acc += f16_to_f32(sc[u][i]) * qs;
                 }
             }
@@ -322,8 +348,8 @@ __device__ __forceinline__ void pd_dot_rows(float (&s)[PD_ROWS], const u8* m, u3
         for (int i = 0; i < PD_MAXW; ++i) {
             const u32 w = lane + 32 * i;
             const bool live = r < rows_end && w < nw;
-            q[u][i] = live ? ((const u32*)(m + (u64)r * (k / 2)))[w] : 0u;
-            dm[u][i] = live ? ((const u32*)(m + (u64)rows * (k / 2)))[(u64)r * (k / 32) + (w >> 2)] : 0u;
+            q[u][i] = live ? ((const u32*)(Q + (u64)r * (k / 2)))[w] : 0u;
+            dm[u][i] = live ? ((const u32*)Sc)[(u64)r * (k / 32) + (w >> 2)] : 0u;
         }
     }
 #pragma unroll
@@ -333,14 +359,13 @@ __device__ __forceinline__ void pd_dot_rows(float (&s)[PD_ROWS], const u8* m, u3
         for (int i = 0; i < PD_MAXW; ++i) {
             const u32 w = lane + 32 * i;
             if (w < nw) {
-                const u32 v = q[u][i];
+                const u32 lo = q[u][i] & 0x0f0f0f0fu, hi = (q[u][i] >> 4) & 0x0f0f0f0fu;
                 const float d = f16_to_f32((u16)dm[u][i]), mn = f16_to_f32((u16)(dm[u][i] >> 16));
-                const float* xb = xs + 32 * (w >> 2) + 4 * (w & 3);
-                const float4 a = *(const float4*)xb, b = *(const float4*)(xb + 16);
-                const float qs = (float)(v & 15) * a.x + (float)((v >> 8) & 15) * a.y + (float)((v >> 16) & 15) * a.z +
-                                 (float)((v >> 24) & 15) * a.w + (float)((v >> 4) & 15) * b.x +
-                                 (float)((v >> 12) & 15) * b.y + (float)((v >> 20) & 15) * b.z + (float)(v >> 28) * b.w;
-                acc += d * qs + mn * ((a.x + a.y) + (a.z + a.w) + ((b.x + b.y) + (b.z + b.w)));
+                const float qs = PD_U4(lo, 0) * x[i][0] + PD_U4(lo, 1) * x[i][1] + PD_U4(lo, 2) * x[i][2] +
+                                 PD_U4(lo, 3) * x[i][3] + PD_U4(hi, 0) * x[i][4] + PD_U4(hi, 1) * x[i][5] +
+                                 PD_U4(hi, 2) * x[i][6] + PD_U4(hi, 3) * x[i][7];
+                acc += d * qs + mn * ((x[i][0] + x[i][1]) + (x[i][2] + x[i][3]) +
+                                      ((x[i][4] + x[i][5]) + (x[i][6] + x[i][7])));
             }
         }
         s[u] = pd_warp_sum(acc);
@@ -449,14 +474,15 @@ __device__ __forceinline__ PdBulk pd_bulk_areas(const PdArgs& a) {
     return b;
 }
 
-// Rows [r0, r1) of the repacked Q4_1 matrix m (rows x k): quants to
-// buf + qo, scales to buf + so (PdBulk). Returns the bytes the two copies
-// move; issues them only when `issue` (the first pass counts the bytes
-// for the mbarrier's expected total).
-__device__ __forceinline__ u32 pd_bulk_rows(u8* buf, u32 qo, u32 so, const u8* m, u32 rows, u32 k, u32 r0, u32 r1,
-                                            u64* bar, bool issue) {
+// Rows [r0, r1) of a repacked matrix m of `rows` rows (every row's quants,
+// qb bytes each, then every row's scales, sb bytes each): quants to
+// buf + qo, scales to buf + so, the first row's at buf + so + (its offset
+// in m & 15). Returns the bytes the two copies move; issues them only when
+// `issue` (the first pass counts the bytes for the mbarrier's expected
+// total).
+__device__ __forceinline__ u32 pd_bulk_range(u8* buf, u32 qo, u32 so, const u8* m, u32 rows, u32 qb, u32 sb,
+                                             u32 r0, u32 r1, u64* bar, bool issue) {
     if (r0 >= r1) return 0;
-    const u32 qb = k / 2, sb = k / 8;
     const u32 qbytes = (r1 - r0) * qb;
     const u64 s_lo = (u64)rows * qb + (u64)r0 * sb;  // 8-aligned
     const u64 s_a = s_lo & ~15ull, s_b = (s_lo + (u64)(r1 - r0) * sb + 15) & ~15ull;
@@ -466,6 +492,11 @@ __device__ __forceinline__ u32 pd_bulk_rows(u8* buf, u32 qo, u32 so, const u8* m
         bulk_copy(buf + so, m + s_a, sbytes, bar);
     }
     return qbytes + sbytes;
+}
+// The same for the Q4_1 matrix m (rows x k) of a layer.
+__device__ __forceinline__ u32 pd_bulk_rows(u8* buf, u32 qo, u32 so, const u8* m, u32 rows, u32 k, u32 r0, u32 r1,
+                                            u64* bar, bool issue) {
+    return pd_bulk_range(buf, qo, so, m, rows, k / 2, k / 8, r0, r1, bar, issue);
 }
 __device__ __forceinline__ u32 pd_bulk_pass(u8* buf, const PdArgs& a, const PdLayer& L, u64* bar, bool issue) {
     const PdBulk b = pd_bulk_areas(a);
@@ -492,6 +523,28 @@ __device__ __forceinline__ u32 pd_bulk_pass(u8* buf, const PdArgs& a, const PdLa
 __device__ __forceinline__ void pd_prefetch_bulk(u8* buf, const PdArgs& a, const PdLayer& L, u64* bar) {
     mbar_expect_tx(bar, pd_bulk_pass(buf, a, L, bar, false));
     pd_bulk_pass(buf, a, L, bar, true);
+}
+
+// The logits weight's quant and scale bytes a row.
+__device__ __forceinline__ u32 pd_out_qb(const PdArgs& a) { return a.out_q8 ? a.d : a.d / 2; }
+__device__ __forceinline__ u32 pd_out_sb(const PdArgs& a) { return a.out_q8 ? a.d / 16 : a.d / 8; }
+// The rows of this block's slice of the logits weight kept in shared
+// memory (its first ones), at smem + a.res_off: their quants, then their
+// scales (pd_bulk_range's image). -DPD_LOGITS_SMEM=0 keeps none (A/B).
+#ifndef PD_LOGITS_SMEM
+#define PD_LOGITS_SMEM 1
+#endif
+__device__ __forceinline__ u32 pd_res_rows(const PdArgs& a) {
+    return PD_BULK && PD_LOGITS_SMEM ? min(a.res_rows, pd_items(a.vocab).n) : 0u;
+}
+// Thread 0, once a launch: those rows' copies, completing on bar (the
+// logits weight never changes, so they serve every token of the chain).
+__device__ __forceinline__ void pd_fetch_logits(u8* smem, const PdArgs& a, u64* bar) {
+    const u32 n = pd_res_rows(a), lo = pd_items(a.vocab).lo, qb = pd_out_qb(a);
+    if (n == 0) return;
+    mbar_expect_tx(bar, pd_bulk_range(smem + a.res_off, 0, n * qb, a.out, a.vocab, qb, pd_out_sb(a), lo, lo + n, bar,
+                                      false));
+    pd_bulk_range(smem + a.res_off, 0, n * qb, a.out, a.vocab, qb, pd_out_sb(a), lo, lo + n, bar, true);
 }
 
 // Block sum; red holds PD_WARPS floats. Ends synchronised.
@@ -1142,6 +1195,8 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
     // layers gl = 2n + b counted over the chain; fill n completes phase n,
     // so layer gl waits for parity (gl / 2) % 2.
     __shared__ __align__(8) u64 wbar[2];
+    // PD_BULK: the resident logits rows' mbarrier (one phase a launch).
+    __shared__ __align__(8) u64 lbar;
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const PdRange ro = pd_items(a.d);
@@ -1162,10 +1217,15 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
     if (threadIdx.x == 0) {
         mbar_init(&wbar[0], 1);
         mbar_init(&wbar[1], 1);
+        mbar_init(&lbar, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-    if (threadIdx.x == 0) pd_prefetch_bulk(wbuf(0), a, a.layers[0], &wbar[0]);
+    if (threadIdx.x == 0) {
+        pd_prefetch_bulk(wbuf(0), a, a.layers[0], &wbar[0]);
+        // Behind the first layer's rows: the logits phase comes last.
+        pd_fetch_logits(smem, a, &lbar);
+    }
 #else
     pd_prefetch(wbuf(0), a, a.layers[0]);
 #endif
@@ -1498,20 +1558,36 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             pd_norm(xs, v, nw, a, red);
             PD_TMARK(14);
             const PdRange r = pd_items(a.vocab);
+            float xr[PD_MAXW][8];
+            pd_x_words(xr, xs, a.out_q8, a.d, lane);
             u64 best = 0;
-            for (u32 it = warp; it < r.n; it += PD_ROWS * PD_WARPS) {
+            // Rows j0, j0 + PD_WARPS, ... of the slice (PD_ROWS of them
+            // below end) from quants Q and scales Sc of its row j0 = 0.
+            auto rows = [&](const u8* Q, const u8* Sc, u32 j0, u32 end) {
                 float s[PD_ROWS];
-                pd_dot_rows(s, a.out, a.out_q8, a.vocab, a.d, r.lo + it, PD_WARPS, r.lo + r.n, xs, lane);
+                pd_dot_rows(s, Q, Sc, a.out_q8, a.d, j0, PD_WARPS, end, xr, lane);
 #pragma unroll
                 for (int u = 0; u < PD_ROWS; ++u) {
-                    const u32 j = it + u * PD_WARPS;
-                    if (j < r.n) {
+                    const u32 j = j0 + u * PD_WARPS;
+                    if (j < end) {
                         float l = s[u];
                         if (pen && ((sp.mask[j >> 5] >> (j & 31)) & 1u)) l = pd_penalised(l, a.penalty);
                         if (a.mode >= PD_SAMPLE_DENSE && lane == 0) sp.lg[j] = l;
                         best = max(best, pd_key(l, r.lo + j));
                     }
                 }
+            };
+            // The rows past the resident ones stream from global memory,
+            // first, then the resident ones (loaded once a launch).
+            const u32 res = pd_res_rows(a), qb = pd_out_qb(a), sb = pd_out_sb(a);
+            const u8* gs = a.out + (u64)a.vocab * qb;
+            for (u32 j0 = res + warp; j0 < r.n; j0 += PD_ROWS * PD_WARPS)
+                rows(a.out + (u64)r.lo * qb, gs + (u64)r.lo * sb, j0, r.n);
+            if (res > 0) {
+                mbar_wait(&lbar, 0);  // at once after the launch's first token
+                const u8* lq = smem + a.res_off;
+                const u8* ls = lq + res * qb + (((u64)a.vocab * qb + (u64)r.lo * sb) & 15);
+                for (u32 j0 = warp; j0 < res; j0 += PD_ROWS * PD_WARPS) rows(lq, ls, j0, res);
             }
             if (lane == 0) wbest[warp] = best;
             // The part's selection fields, published by this barrier (the
@@ -1594,6 +1670,13 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                 printf("persist clock: %u tokens, %.1f ns a token, %.1f MHz, block 0 on SM %u\n", t + 1,
                        (double)(ck_t1 - ck_t0) / (t + 1), 1e3 * (double)(ck_c1 - ck_c0) / (double)(ck_t1 - ck_t0), smid);
             }
+            // Every block's SM (the launch's placement), for gpu.sh
+            // persist-clock's log.
+            if (threadIdx.x == 0) {
+                u32 smid;
+                asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+                printf("persist place: block %u role %u SM %u\n", blockIdx.x, pd_bid(), smid);
+            }
 #endif
 #ifdef PD_TIMING
             if (pd_bid() == 0 && threadIdx.x == 0)
@@ -1619,6 +1702,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
     // the block exits: its shared memory must not be written after that.
 #if PD_BULK
     mbar_wait(&wbar[gnext & 1], (gnext >> 1) & 1);
+    if (pd_res_rows(a) > 0) mbar_wait(&lbar, 0);
 #else
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     (void)gnext;

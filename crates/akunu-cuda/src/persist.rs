@@ -44,7 +44,7 @@ const WARPS: u32 = 12;
 /// Values of a row a thread holds (persist.cu `PD_MAXPER`).
 const MAXPER: u32 = 4;
 const HEAD: u32 = 64;
-/// Static shared memory of the kernel (ptxas: 384 bytes greedy, 1,456
+/// Static shared memory of the kernel (ptxas: 400 bytes greedy, 1,472
 /// with the sampler's scalars, 1,568 in a -DPD_TIMING build), rounded up.
 pub(crate) const STATIC_SMEM: u32 = 2048;
 /// The sampler's words a block publishes (persist.cu `PD_PARTS`) and its
@@ -112,10 +112,12 @@ pub(crate) struct PdArgs {
     top_p: f32,
     min_p: f32,
     penalty: f32,
+    res_rows: u32,
+    res_off: u32,
 }
 
-// The kernel's parameter block: persist.cu's PdArgs, 200 bytes.
-const _: () = assert!(std::mem::size_of::<PdArgs>() == 200);
+// The kernel's parameter block: persist.cu's PdArgs, 208 bytes.
+const _: () = assert!(std::mem::size_of::<PdArgs>() == 208);
 
 /// What the kernel's logits phase does (persist.cu `PD_SAMPLE_*`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -251,6 +253,33 @@ pub(crate) fn shape_defines(d: u32, qd: u32, kvd: u32, ff: u32, nh: u32, nkv: u3
     .collect()
 }
 
+/// Whether the kernel is compiled with bulk copies (`PD_BULK`): on sm_90
+/// and later, unless a developer switch names PD_BULK.
+fn bulk_copies(be: &CudaBackend) -> bool {
+    be.info.cc.0 >= 9 && !crate::compile::developer_defines_name("PD_BULK")
+}
+
+/// The quant and scale bytes of a row of the logits weight (Q8_0 or Q4_1,
+/// repacked: persist.cu `pd_out_qb`, `pd_out_sb`).
+fn out_row_bytes(d: u32, q8: bool) -> (u32, u32) {
+    if q8 { (d, d / 16) } else { (d / 2, d / 8) }
+}
+
+/// How many rows of each block's slice of the logits weight the kernel
+/// keeps in shared memory for the whole chain (persist.cu
+/// `pd_fetch_logits`), given `free` bytes: the slice's first rows, each
+/// its quants and scales, plus 32 bytes for the scale copy's rounding to
+/// 16-byte boundaries. The copy's end, rounded up, must stay inside the
+/// weight: every row's scales together a multiple of 16 bytes.
+fn resident_logits_rows(vocab: u32, d: u32, q8: bool, grid: u32, free: u64) -> u32 {
+    let (qb, sb) = out_row_bytes(d, q8);
+    if !(vocab as u64 * sb as u64).is_multiple_of(16) || !qb.is_multiple_of(16) {
+        return 0;
+    }
+    let rows = free.saturating_sub(32) / (qb + sb) as u64;
+    rows.min(vocab.div_ceil(grid) as u64) as u32
+}
+
 /// The kernel compiled for the shape of `a` (disk-cached like the main
 /// module), with its sampler for a sampled table, its module pushed to
 /// `owned`.
@@ -270,7 +299,7 @@ fn kernel_for(
     }
     // Bulk copies (sm_90's copy engine) bring the next layer's rows where
     // the device has them, unless a developer switch names PD_BULK.
-    if be.info.cc.0 >= 9 && !crate::compile::developer_defines_name("PD_BULK") {
+    if bulk_copies(be) {
         defs.push("-DPD_BULK=1".into());
     }
     let cubin = crate::compile::cubin_of(
@@ -357,6 +386,24 @@ pub(crate) fn plan(
         )));
     }
     a.max_pos = max_pos;
+    // The room left holds the first rows of each block's logits slice for
+    // the whole chain (with bulk copies): the logits phase then reads
+    // them from shared memory rather than streaming them every token.
+    if bulk_copies(be) {
+        let off = smem.next_multiple_of(16);
+        a.res_rows = resident_logits_rows(
+            a.vocab,
+            a.d,
+            a.out_q8 == 1,
+            grid,
+            budget.saturating_sub(off),
+        );
+        if a.res_rows > 0 {
+            a.res_off = off as u32;
+            let (qb, sb) = out_row_bytes(a.d, a.out_q8 == 1);
+            smem = off + a.res_rows as u64 * (qb + sb) as u64 + 32;
+        }
+    }
     // A kernel that does not compile or load (an older toolkit, say) leaves
     // the model on the graph path, with the reason on stderr.
     let f = match kernel_for(be, &a, sampler.is_some(), owned) {
@@ -736,4 +783,27 @@ pub(crate) fn launch(
         )?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resident_logits_rows_fit_the_room_and_the_slice() {
+        // SmolLM2's Q8_0 embedding over 132 blocks: 612 bytes a row.
+        assert_eq!(
+            resident_logits_rows(49152, 576, true, 132, 32 + 612 * 200),
+            200
+        );
+        assert_eq!(
+            resident_logits_rows(49152, 576, true, 132, 32 + 612 * 200 - 1),
+            199
+        );
+        // Q4_1: 360 bytes a row; never more than the slice (373 rows).
+        assert_eq!(resident_logits_rows(49152, 576, false, 132, 1 << 20), 373);
+        assert_eq!(resident_logits_rows(49152, 576, true, 132, 31), 0);
+        // Scales that do not end on a 16-byte boundary: none kept.
+        assert_eq!(resident_logits_rows(49151, 576, true, 132, 1 << 20), 0);
+    }
 }

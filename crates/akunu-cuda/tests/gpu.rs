@@ -97,6 +97,7 @@ fn synth_vocab(arch: SynthArch, shape: Shape, dtype: DType, big_vocab: bool) -> 
         dtype,
         seed: 11,
         tokenizer_from: big_vocab.then(vocab),
+        embedding: None,
     };
     write_synthetic(&path, &spec, &mut |_, _| {}).expect("writing a synthetic model");
     let m = Arc::new(Model::load(&path).expect("loading it"));
