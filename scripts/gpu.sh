@@ -18,10 +18,12 @@
 #                                 each WHAT of: tests, engine-tests (once,
 #                                 no reruns), sampled, sampled-ab (SMB_AB),
 #                                 persist, persist-model (needs the model),
+#                                 model-sampled (needs the model),
 #                                 persist-blocks, persist-timing,
 #                                 persist-clock, pd-ab (PERSIST_AB),
 #                                 base-ab (with .gpu-base),
-#                                 sanitize, sanitize-sampled, bench, bench-ab,
+#                                 sanitize, sanitize-sampled,
+#                                 sanitize-persist, bench, bench-ab,
 #                                 ab (AB_VAR, AB_VALUES, AB_ROUNDS), tcg-ab,
 #                                 profile, profile-big, trace, features,
 #                                 ncu-token,
@@ -370,6 +372,27 @@ for i, n in enumerate(names):
 PY
 }
 
+# Greedy against sampled decode (the default model's sampling settings) on
+# the default model file (after model-part1..3), alternating, MODEL_ROUNDS
+# rounds (default 4), from position 0 and after a 256-token prompt.
+model_sampled() {
+    assemble_model || return 0
+    echo "== default model: greedy and sampled tg128, alternating"
+    local r p s extra
+    for r in $(seq "${MODEL_ROUNDS:-4}"); do
+        for p in 0 256; do
+            for s in greedy sampled; do
+                extra=""
+                [ $s = sampled ] && extra="--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1"
+                # shellcheck disable=SC2086
+                timeout 120 "$BIN/akunu" bench -m "$MODEL" --device cuda -p "$p" -n 128 -r 5 --no-bandwidth \
+                    $extra 2>&1 | grep -E "tg[0-9]|error" | sed "s/^/$s p=$p /" |
+                    sed 's/| SmolLM2.*prefill//' || true
+            done
+        done
+    done
+}
+
 # Greedy decode of the default model file (after model-part1..3) with the
 # persistent kernel off and on, two rounds, from position 0 and after a
 # 256-token prompt.
@@ -535,6 +558,34 @@ sanitize() {
         tail -30 "$OUTDIR/sanitize-limit.log"
     fi
     sanitize_sampled
+}
+
+# The persistent decode alone under compute-sanitizer, on both synthetic
+# SmolLM2 files (Q4_1 throughout: every logits row resident in shared
+# memory; a Q8_0 embedding: part resident, part streamed): memcheck greedy
+# and sampled (top-k with top-p and the penalty), racecheck and synccheck
+# sampled (the sampler's shared selection fields and barriers).
+sanitize_persist() {
+    echo "== compute-sanitizer on the persistent decode"
+    local e f v tool samp log
+    for e in "" q8_0; do
+        f=$(SMOL_EMB=$e smol_file)
+        for v in memcheck:greedy memcheck:sampled racecheck:sampled synccheck:sampled; do
+            tool=${v%%:*}
+            samp=""
+            [ "${v#*:}" = sampled ] && samp="--temperature 0.8 --top-k 40 --top-p 0.95 --repeat-penalty 1.1 --seed 3"
+            log=$OUTDIR/sanitize-persist-$tool-${v#*:}${e:+-emb-$e}.log
+            # shellcheck disable=SC2086 # a list of arguments
+            if timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+                "$BIN/akunu" generate -m "$f" --device cuda --prompt-ids 1,2,3,4,5 -n 6 --ignore-eos --chunk 6 \
+                $samp >"$log" 2>&1; then
+                echo "$tool, persistent ${v#*:}${e:+ (embedding $e)}: $(grep -hE '(ERROR|RACECHECK) SUMMARY' "$log" | tail -1)"
+            else
+                echo "$tool, persistent ${v#*:}${e:+ (embedding $e)}: FAILED or timed out"
+                tail -20 "$log"
+            fi
+        done
+    done
 }
 
 # Sampled decode: the multi-block sampler (48 blocks on SmolLM2's
@@ -1054,6 +1105,7 @@ run)
         tests) tests ;;
         sanitize) sanitize ;;
         sanitize-sampled) sanitize_sampled ;;
+        sanitize-persist) sanitize_persist ;;
         bench) bench ;;
         bench-ab) bench_ab ;;
         ncu) ncu_gemv ;;
@@ -1067,6 +1119,7 @@ run)
         sampled-ab) sampled_ab ;;
         persist) persist ;;
         persist-model) persist_model ;;
+        model-sampled) model_sampled ;;
         persist-blocks) persist_blocks ;;
         base-ab) base_ab ;;
         persist-timing) persist_timing ;;

@@ -725,19 +725,6 @@ __device__ __forceinline__ u64 pd_block_max(u64 v, u64* red) {
     return m;
 }
 
-// Largest m such that at least k (<= 6) lanes hold v >= m, or 0 when fewer
-// than k lanes hold a nonzero v. Every lane calls it.
-__device__ __forceinline__ u32 pd_warp_kth(u32 v, u32 k) {
-    u32 seen = 0, m = 0;
-    for (u32 r = 0; r < k && seen < k; ++r) {
-        m = __reduce_max_sync(FULL_MASK, v);
-        if (m == 0u) return 0u;
-        seen += (u32)__popc(__ballot_sync(FULL_MASK, v == m));
-        if (v == m) v = 0u;
-    }
-    return m;
-}
-
 // out[r] = the candidate of rank r (candidates larger) for r < k: the k
 // best of the C distinct nonzero keys cl[0..C), descending, and with
 // `noise` noise[r] its Gumbel noise at hash base `base`. S adjacent lanes
@@ -834,35 +821,78 @@ __device__ void pd_window_mask(const PdSamp& sp, const PdArgs& a, u32 lo, u32 n,
     __syncthreads();
 }
 
+// Rounds of pd_bound_warp (k <= 64 = PD_CANDS needs ceil(64 / 12) = 6).
+#define PD_BOUND_ROUNDS 6
+static_assert(PD_BOUND_ROUNDS * PD_WARPS >= PD_CANDS, "pd_bound_of needs k lane bests");
 // Shared scalars of the sampler.
-struct PdSampShared {
+struct __align__(16) PdSampShared {
     u64 top[PD_CANDS];
     float noise[PD_CANDS];  // the pick's: top[r]'s Gumbel noise
     u64 ured[PD_WARPS], ured2[PD_WARPS];
     double dred[PD_WARPS];
-    u32 bound, nc;
+    // pd_bound_warp's entries: each warp's PD_BOUND_ROUNDS largest lane
+    // bests (ordered logit << 32 | lanes holding it), 0 past the last.
+    u64 bent[PD_WARPS * PD_BOUND_ROUNDS];
+    u32 nc;
 };
 
 // Resets the selection's fields (bound, count, ranked keys) for
 // pd_bound and pd_rank. The part calls it in the logits phase and the
 // pick at the end of the part, each published by barriers before its use.
 __device__ __forceinline__ void pd_select_begin(PdSampShared& ss) {
-    if (threadIdx.x == 0) {
-        ss.bound = ~0u;
-        ss.nc = 0;
-    }
+    if (threadIdx.x == 0) ss.nc = 0;
     if (threadIdx.x < PD_CANDS) ss.top[threadIdx.x] = 0;
 }
 
-// The first half of the candidates for the top k of the keys of every
-// thread (lane_best: the largest ordered logit among a thread's): this
-// warp's bound into ss.bound, which the caller's barrier publishes. The
-// bound is the smallest over the warps of each warp's ceil(k / PD_WARPS)-th
-// largest lane best (0, all keys, when a warp has too few), so at least k
-// keys reach it. Every lane of every warp calls it.
-__device__ __forceinline__ void pd_bound(u32 lane_best, u32 k, PdSampShared& ss) {
-    const u32 kb = pd_warp_kth(lane_best, (k + PD_WARPS - 1) / PD_WARPS);
-    if ((threadIdx.x & 31) == 0) atomicMin(&ss.bound, kb);
+// The candidates' bound, in two halves around the caller's barrier. A
+// thread's lane best is the largest ordered logit among its keys. First
+// each warp records its PD_BOUND_ROUNDS largest lane bests with the number
+// of lanes holding each (pd_bound_warp); then every warp takes the
+// largest recorded value b that at least k of the recorded lanes reach
+// (pd_bound_of): at least k keys are then at or above b, so the k best
+// all are, and a candidate's rank among those at or above b is its rank
+// among all. 0 (every key) when fewer than k lanes hold a key. The former
+// bound, the smallest over the warps of each warp's ceil(k / 12)-th lane
+// best, admitted 186 candidates in the pick and most of a slice's keys in
+// the part on the default model's logits (bench/RESULTS.md, session 22);
+// this one is never looser.
+__device__ __forceinline__ void pd_bound_warp(u32 lane_best, PdSampShared& ss) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u32 v = lane_best;
+#pragma unroll
+    for (int r = 0; r < PD_BOUND_ROUNDS; ++r) {
+        const u32 top = __reduce_max_sync(FULL_MASK, v);
+        const u32 lanes = top ? (u32)__popc(__ballot_sync(FULL_MASK, v == top)) : 0u;
+        if (v == top) v = 0u;
+        if (lane == 0) ss.bent[warp * PD_BOUND_ROUNDS + r] = ((u64)top << 32) | lanes;
+    }
+}
+__device__ __forceinline__ u32 pd_bound_of(u32 k, const PdSampShared& ss) {
+    // Each lane counts, for its own entries' values, the recorded lanes at
+    // or above them in one pass over the entries (two a 16-byte load).
+    constexpr u32 E = PD_WARPS * PD_BOUND_ROUNDS, PER = (E + 31) / 32;
+    static_assert(E % 2 == 0, "pairs of entries");
+    const u32 lane = threadIdx.x & 31;
+    u32 val[PER], c[PER];
+#pragma unroll
+    for (u32 i = 0; i < PER; ++i) {
+        const u32 e = lane + 32 * i;
+        val[i] = e < E ? (u32)(ss.bent[e] >> 32) : 0u;
+        c[i] = 0;
+    }
+    const ulonglong2* b2 = (const ulonglong2*)ss.bent;
+#pragma unroll 6
+    for (u32 j = 0; j < E / 2; ++j) {
+        const ulonglong2 x = b2[j];
+#pragma unroll
+        for (u32 i = 0; i < PER; ++i)
+            c[i] += ((u32)(x.x >> 32) >= val[i] ? (u32)x.x : 0u) + ((u32)(x.y >> 32) >= val[i] ? (u32)x.y : 0u);
+    }
+    u32 best = 0;
+#pragma unroll
+    for (u32 i = 0; i < PER; ++i)
+        if (val[i] != 0 && c[i] >= k) best = max(best, val[i]);
+    return __reduce_max_sync(FULL_MASK, best);
 }
 
 // A warp's f64 sum into red[warp] (lane 0), for pd_red_sum after a barrier:
@@ -929,13 +959,16 @@ __device__ void pd_sample_publish(const PdSamp& sp, PdSampShared& ss, const PdAr
         }
     }
     const u32 k = min(a.top_k, n);
-    pd_bound(lane_best, k, ss);
+    pd_bound_warp(lane_best, ss);
     pd_warp_sum_f64(mass, ss.dred);
     __syncthreads();
     PD_PT(0);
-    pd_append_above(key, ss.bound, &ss.nc, sp.cl, sp.cap);
+    pd_append_above(key, pd_bound_of(k, ss), &ss.nc, sp.cl, sp.cap);
     __syncthreads();
     PD_PT(1);
+#ifdef PD_TIMING
+    if (pd_bid() == 0 && tid == 0) pd_pt[9] += ss.nc;
+#endif
     pd_rank(sp.cl, ss.nc, k, ss.top);
     PD_PT(2);
     u64* cand = set + (u64)gridDim.x * PD_PARTS + (u64)pd_bid() * a.top_k;
@@ -969,7 +1002,7 @@ __device__ u32 pd_sample_pick(const PdSamp& sp, PdSampShared& ss, const PdArgs& 
         y[i] = q < total ? __ldcg(cand + q) : 0ull;
     }
     // The global max (lowest id on ties) from the blocks' bests and, for
-    // TOPK, the candidates' bound (pd_bound over every key), published by
+    // TOPK, the candidates' bound's entries (pd_bound_warp over every key), published by
     // one barrier.
     u64 wm = bk;
 #pragma unroll
@@ -979,7 +1012,7 @@ __device__ u32 pd_sample_pick(const PdSamp& sp, PdSampShared& ss, const PdArgs& 
         u32 lane_best = 0;
 #pragma unroll
         for (int i = 0; i < PD_PICK_KPT; ++i) lane_best = max(lane_best, (u32)(y[i] >> 32));
-        pd_bound(lane_best, K, ss);
+        pd_bound_warp(lane_best, ss);
     }
     __syncthreads();
     u64 m = 0;
@@ -1005,7 +1038,7 @@ __device__ u32 pd_sample_pick(const PdSamp& sp, PdSampShared& ss, const PdArgs& 
     const double mb = __longlong_as_double((long long)pw);
     const double mass_b = mb > 0.0 ? mb * (double)expf(__fmul_rn(__fsub_rn(rank_logit(bk), mx), a.inv_t)) : 0.0;
     pd_warp_sum_f64(mass_b, ss.dred);
-    pd_append_above(y, ss.bound, &ss.nc, sp.cl, sp.cap);
+    pd_append_above(y, pd_bound_of(K, ss), &ss.nc, sp.cl, sp.cap);
     __syncthreads();
     PD_PT(4);
 #ifdef PD_TIMING
@@ -1691,9 +1724,10 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                        tm[14] / (t + 1), tm[11] / (t + 1), tm[12] / (t + 1), tm[13] / (t + 1), tm[5] / (t + 1));
             if (pd_bid() == 0 && threadIdx.x == 0 && a.mode >= PD_SAMPLE_DENSE)
                 printf("persist sampler: part = bound+mass %lld + appends %lld + rank %lld; pick = loads+max+bound "
-                       "%lld + mass+appends %lld + rank %lld + cuts %lld; pick candidates %lld\n",
+                       "%lld + mass+appends %lld + rank %lld + cuts %lld; candidates: part %lld, pick %lld\n",
                        pd_pt[0] / (t + 1), pd_pt[1] / (t + 1), pd_pt[2] / (t + 1), pd_pt[3] / (t + 1),
-                       pd_pt[4] / (t + 1), pd_pt[6] / (t + 1), pd_pt[7] / (t + 1), pd_pt[10] / (t + 1));
+                       pd_pt[4] / (t + 1), pd_pt[6] / (t + 1), pd_pt[7] / (t + 1), pd_pt[9] / (t + 1),
+                       pd_pt[10] / (t + 1));
 #endif
             break;
         }
