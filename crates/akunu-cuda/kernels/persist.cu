@@ -834,22 +834,27 @@ struct __align__(16) PdSampShared {
     // bests (ordered logit << 32 | lanes holding it), 0 past the last.
     u64 bent[PD_WARPS * PD_BOUND_ROUNDS];
     u32 nc;
+    u32 bmax;  // pd_bound_of's bound (0: every key)
 };
 
 // Resets the selection's fields (bound, count, ranked keys) for
 // pd_bound and pd_rank. The part calls it in the logits phase and the
 // pick at the end of the part, each published by barriers before its use.
 __device__ __forceinline__ void pd_select_begin(PdSampShared& ss) {
-    if (threadIdx.x == 0) ss.nc = 0;
+    if (threadIdx.x == 0) {
+        ss.nc = 0;
+        ss.bmax = 0;
+    }
     if (threadIdx.x < PD_CANDS) ss.top[threadIdx.x] = 0;
 }
 
 // The candidates' bound, in two halves around the caller's barrier. A
 // thread's lane best is the largest ordered logit among its keys. First
 // each warp records its PD_BOUND_ROUNDS largest lane bests with the number
-// of lanes holding each (pd_bound_warp); then every warp takes the
-// largest recorded value b that at least k of the recorded lanes reach
-// (pd_bound_of): at least k keys are then at or above b, so the k best
+// of lanes holding each (pd_bound_warp); then, after a barrier, each warp
+// tests its own recorded values and ss.bmax becomes the largest value b that
+// at least k of the recorded lanes reach (pd_bound_of, published by a
+// second barrier): at least k keys are then at or above b, so the k best
 // all are, and a candidate's rank among those at or above b is its rank
 // among all. 0 (every key) when fewer than k lanes hold a key. The former
 // bound, the smallest over the warps of each warp's ceil(k / 12)-th lane
@@ -867,32 +872,42 @@ __device__ __forceinline__ void pd_bound_warp(u32 lane_best, PdSampShared& ss) {
         if (lane == 0) ss.bent[warp * PD_BOUND_ROUNDS + r] = ((u64)top << 32) | lanes;
     }
 }
-__device__ __forceinline__ u32 pd_bound_of(u32 k, const PdSampShared& ss) {
-    // Each lane counts, for its own entries' values, the recorded lanes at
-    // or above them in one pass over the entries (two a 16-byte load).
-    constexpr u32 E = PD_WARPS * PD_BOUND_ROUNDS, PER = (E + 31) / 32;
-    static_assert(E % 2 == 0, "pairs of entries");
-    const u32 lane = threadIdx.x & 31;
-    u32 val[PER], c[PER];
+// Each warp tests its own recorded values (their counts split over the
+// lanes, three entries a lane, and summed by shuffles, three 10-bit counts
+// a word) and raises ss.bmax to the largest that qualifies; the caller's
+// next barrier publishes it. (Every warp testing every value took about
+// 3k cycles, the 12 warps' identical work queued on the SM's schedulers.)
+__device__ __forceinline__ void pd_bound_of(u32 k, PdSampShared& ss) {
+    constexpr u32 E = PD_WARPS * PD_BOUND_ROUNDS;
+    static_assert(E <= 96 && PD_BOUND_ROUNDS == 6, "three entries a lane; two words of three counts");
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u32 ev[3], ec[3];
 #pragma unroll
-    for (u32 i = 0; i < PER; ++i) {
+    for (u32 i = 0; i < 3; ++i) {
         const u32 e = lane + 32 * i;
-        val[i] = e < E ? (u32)(ss.bent[e] >> 32) : 0u;
-        c[i] = 0;
+        const u64 x = e < E ? ss.bent[e] : 0ull;
+        ev[i] = (u32)(x >> 32);
+        ec[i] = (u32)x;
     }
-    const ulonglong2* b2 = (const ulonglong2*)ss.bent;
-#pragma unroll 6
-    for (u32 j = 0; j < E / 2; ++j) {
-        const ulonglong2 x = b2[j];
+    u32 val[PD_BOUND_ROUNDS], w[2] = {0u, 0u};
 #pragma unroll
-        for (u32 i = 0; i < PER; ++i)
-            c[i] += ((u32)(x.x >> 32) >= val[i] ? (u32)x.x : 0u) + ((u32)(x.y >> 32) >= val[i] ? (u32)x.y : 0u);
+    for (u32 r = 0; r < PD_BOUND_ROUNDS; ++r) {
+        val[r] = (u32)(ss.bent[warp * PD_BOUND_ROUNDS + r] >> 32);
+        u32 c = 0;
+#pragma unroll
+        for (u32 i = 0; i < 3; ++i) c += ev[i] >= val[r] ? ec[i] : 0u;
+        w[r / 3] += c << (10 * (r % 3));  // at most 3 x 32 a lane, 384 a warp
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        w[0] += __shfl_xor_sync(FULL_MASK, w[0], o);
+        w[1] += __shfl_xor_sync(FULL_MASK, w[1], o);
     }
     u32 best = 0;
 #pragma unroll
-    for (u32 i = 0; i < PER; ++i)
-        if (val[i] != 0 && c[i] >= k) best = max(best, val[i]);
-    return __reduce_max_sync(FULL_MASK, best);
+    for (u32 r = 0; r < PD_BOUND_ROUNDS; ++r)
+        if (val[r] != 0 && ((w[r / 3] >> (10 * (r % 3))) & 1023u) >= k) best = max(best, val[r]);
+    if (lane == 0 && best != 0) atomicMax(&ss.bmax, best);
 }
 
 // A warp's f64 sum into red[warp] (lane 0), for pd_red_sum after a barrier:
@@ -917,8 +932,8 @@ __device__ __forceinline__ double pd_red_sum(const double* red) {
 // sum exp((l - max_b) / T) over finite logits, and its min(top-k, n) best
 // rank keys, descending, 0-padded to top-k. The selection's fields were
 // reset and published before (the logits phase); this resets them for
-// the pick. Three barriers: the bound and the mass, the appends, the
-// ranks.
+// the pick. Four barriers: the bound's entries and the mass, the bound,
+// the appends, the ranks.
 __device__ void pd_sample_publish(const PdSamp& sp, PdSampShared& ss, const PdArgs& a, u64* set, u32 lo, u32 n,
                                   u64 bkey, u32 base) {
     const float mxb = rank_logit(bkey);
@@ -962,8 +977,10 @@ __device__ void pd_sample_publish(const PdSamp& sp, PdSampShared& ss, const PdAr
     pd_bound_warp(lane_best, ss);
     pd_warp_sum_f64(mass, ss.dred);
     __syncthreads();
+    pd_bound_of(k, ss);
+    __syncthreads();
     PD_PT(0);
-    pd_append_above(key, pd_bound_of(k, ss), &ss.nc, sp.cl, sp.cap);
+    pd_append_above(key, ss.bmax, &ss.nc, sp.cl, sp.cap);
     __syncthreads();
     PD_PT(1);
 #ifdef PD_TIMING
@@ -1038,7 +1055,9 @@ __device__ u32 pd_sample_pick(const PdSamp& sp, PdSampShared& ss, const PdArgs& 
     const double mb = __longlong_as_double((long long)pw);
     const double mass_b = mb > 0.0 ? mb * (double)expf(__fmul_rn(__fsub_rn(rank_logit(bk), mx), a.inv_t)) : 0.0;
     pd_warp_sum_f64(mass_b, ss.dred);
-    pd_append_above(y, pd_bound_of(K, ss), &ss.nc, sp.cl, sp.cap);
+    pd_bound_of(K, ss);
+    __syncthreads();
+    pd_append_above(y, ss.bmax, &ss.nc, sp.cl, sp.cap);
     __syncthreads();
     PD_PT(4);
 #ifdef PD_TIMING
