@@ -540,11 +540,11 @@ __device__ __forceinline__ u32 pd_res_rows(const PdArgs& a) {
 // Thread 0, once a launch: those rows' copies, completing on bar (the
 // logits weight never changes, so they serve every token of the chain).
 __device__ __forceinline__ void pd_fetch_logits(u8* smem, const PdArgs& a, u64* bar) {
-    const u32 n = pd_res_rows(a), lo = pd_items(a.vocab).lo, qb = pd_out_qb(a);
+    const u32 n = pd_res_rows(a), lo = pd_items(a.vocab).lo, qb = pd_out_qb(a), sb = pd_out_sb(a);
     if (n == 0) return;
-    mbar_expect_tx(bar, pd_bulk_range(smem + a.res_off, 0, n * qb, a.out, a.vocab, qb, pd_out_sb(a), lo, lo + n, bar,
-                                      false));
-    pd_bulk_range(smem + a.res_off, 0, n * qb, a.out, a.vocab, qb, pd_out_sb(a), lo, lo + n, bar, true);
+    u8* const dst = smem + a.res_off;
+    mbar_expect_tx(bar, pd_bulk_range(dst, 0, n * qb, a.out, a.vocab, qb, sb, lo, lo + n, bar, false));
+    pd_bulk_range(dst, 0, n * qb, a.out, a.vocab, qb, sb, lo, lo + n, bar, true);
 }
 
 // Block sum; red holds PD_WARPS floats. Ends synchronised.
@@ -659,7 +659,7 @@ __shared__ long long pd_pt[12];
 __shared__ long long pd_pt_t0;
 #define PD_PT(i)                                           \
     do {                                                   \
-        if (pd_bid() == 0 && threadIdx.x == 0) {         \
+        if (pd_bid() == 0 && threadIdx.x == 0) {           \
             const long long t1_ = clock64();               \
             if ((i) >= 0) pd_pt[(i) < 0 ? 0 : (i)] += t1_ - pd_pt_t0;   \
             pd_pt_t0 = t1_;                                \
@@ -838,8 +838,9 @@ struct __align__(16) PdSampShared {
 };
 
 // Resets the selection's fields (bound, count, ranked keys) for
-// pd_bound and pd_rank. The part calls it in the logits phase and the
-// pick at the end of the part, each published by barriers before its use.
+// pd_bound_of, pd_append_above and pd_rank. The part calls it in the
+// logits phase and the pick at the end of the part, each published by
+// barriers before its use.
 __device__ __forceinline__ void pd_select_begin(PdSampShared& ss) {
     if (threadIdx.x == 0) {
         ss.nc = 0;
@@ -1019,8 +1020,8 @@ __device__ u32 pd_sample_pick(const PdSamp& sp, PdSampShared& ss, const PdArgs& 
         y[i] = q < total ? __ldcg(cand + q) : 0ull;
     }
     // The global max (lowest id on ties) from the blocks' bests and, for
-    // TOPK, the candidates' bound's entries (pd_bound_warp over every key), published by
-    // one barrier.
+    // TOPK, the bound's entries (pd_bound_warp over every key), published
+    // by one barrier.
     u64 wm = bk;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) wm = max(wm, __shfl_xor_sync(FULL_MASK, wm, o));
@@ -1050,8 +1051,8 @@ __device__ u32 pd_sample_pick(const PdSamp& sp, PdSampShared& ss, const PdArgs& 
         return ~(u32)pd_block_max(best, ss.ured2);
     }
     // TOPK. The total mass, every block's moved to the global max (summed
-    // by warp 0 for the cuts), and the keys at or above the bound appended
-    // as candidates: one barrier.
+    // by warp 0 for the cuts), and the bound (one barrier); then the keys
+    // at or above it appended as candidates (another).
     const double mb = __longlong_as_double((long long)pw);
     const double mass_b = mb > 0.0 ? mb * (double)expf(__fmul_rn(__fsub_rn(rank_logit(bk), mx), a.inv_t)) : 0.0;
     pd_warp_sum_f64(mass_b, ss.dred);
@@ -1183,7 +1184,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
 // the flags, then the pick.)
 #define PD_TMARK(i)                                                  \
     do {                                                             \
-        if (pd_bid() == 0 && threadIdx.x == 0) {                   \
+        if (pd_bid() == 0 && threadIdx.x == 0) {                     \
             const long long t1 = clock64();                          \
             tm[i] += t1 - t0;                                        \
             t0 = t1;                                                 \
