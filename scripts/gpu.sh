@@ -24,6 +24,7 @@
 #                                 base-ab (with .gpu-base),
 #                                 sanitize, sanitize-sampled,
 #                                 sanitize-persist, bench, bench-ab,
+#                                 peer-torch (PEER_SHAPES, PEER_MODES),
 #                                 ab (AB_VAR, AB_VALUES, AB_ROUNDS), tcg-ab,
 #                                 profile, profile-big, trace, features,
 #                                 ncu-token,
@@ -640,6 +641,27 @@ bench() {
     each_shape "${BENCH_SHAPES:-smollm2-135m:q4_1 llama-1b:f16 llama-8b:q4_0 llama-8b:f16}" bench_one
 }
 
+# The PyTorch peer (tools/peer_torch.py) on the shapes, same prompt
+# and token counts as `bench`: eager and torch.compile'd steps, each
+# replayed as a CUDA graph. PEER_SHAPES lists SHAPE:DTYPE, PEER_MODES
+# "eager compiled".
+peer_torch() {
+    echo "== PyTorch peer (tools/peer_torch.py, -p 512 -n 128 -r 5)"
+    local spec mode flag
+    export TORCHINDUCTOR_CACHE_DIR=$STORE/inductor
+    for spec in ${PEER_SHAPES:-smollm2-135m:bf16 llama-1b:f16 llama-8b:f16}; do
+        for mode in ${PEER_MODES:-eager compiled}; do
+            flag=""
+            [ "$mode" = compiled ] && flag=--compile
+            timeout "${PEER_TIMEOUT:-300}" python3 tools/peer_torch.py --shape "${spec%%:*}" --dtype "${spec##*:}" \
+                $flag --json "$OUTDIR/peer-${spec%%:*}-${spec##*:}-$mode.json" \
+                >"$OUTDIR/peer-${spec%%:*}-${spec##*:}-$mode.log" 2>&1 ||
+                { echo "peer $spec $mode failed (rc $?)"; tail -5 "$OUTDIR/peer-${spec%%:*}-${spec##*:}-$mode.log"; }
+            grep '^| pytorch' "$OUTDIR/peer-${spec%%:*}-${spec##*:}-$mode.log" || true
+        done
+    done
+}
+
 bench_ab_one() { # NAME FILE
     AKUNU_CUDA_CUBLAS=0 bench_one "$1-nocublas" "$2" --no-bandwidth
     AKUNU_CUDA_CUBLAS=1 bench_one "$1-cublas" "$2" --no-bandwidth
@@ -1108,6 +1130,7 @@ run)
         sanitize-persist) sanitize_persist ;;
         bench) bench ;;
         bench-ab) bench_ab ;;
+        peer-torch) peer_torch ;;
         ncu) ncu_gemv ;;
         ncu-token) ncu_token ;;
         ncu-prefill) ncu_prefill ;;

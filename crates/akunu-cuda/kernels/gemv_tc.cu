@@ -909,6 +909,12 @@ __device__ __forceinline__ void tcb_body(const Bind& b, const GemvParams& p, con
     }
     // Staging with 8 or 16 loads ahead for rows over 4096 measured slower
     // (bench/RESULTS.md): the x loads queue behind the ring's copies.
+#ifdef DIAG_SKIP_STAGE
+    // Measurement only (wrong results), as in the register form.
+    if (k >= DIAG_SKIP_STAGE) {
+        for (u32 i = threadIdx.x; i < ng * IMG; i += blockDim.x) img[i] = 0;
+    } else
+#endif
     if (k < 2048) tcg_stage<DT, 1>(b, p, ex, 1, img, bsum, red);
     else tcg_stage<DT, TCG_SV, true>(b, p, ex, 1, img, bsum, red);
     __syncthreads();
