@@ -647,17 +647,17 @@ bench() {
 # "eager compiled".
 peer_torch() {
     echo "== PyTorch peer (tools/peer_torch.py, -p 512 -n 128 -r 5)"
-    local spec mode flag
+    local spec mode flag out
     export TORCHINDUCTOR_CACHE_DIR=$STORE/inductor
     for spec in ${PEER_SHAPES:-smollm2-135m:bf16 llama-1b:f16 llama-8b:f16}; do
         for mode in ${PEER_MODES:-eager compiled}; do
             flag=""
             [ "$mode" = compiled ] && flag=--compile
+            out=$OUTDIR/peer-${spec%%:*}-${spec##*:}-$mode
             timeout "${PEER_TIMEOUT:-300}" python3 tools/peer_torch.py --shape "${spec%%:*}" --dtype "${spec##*:}" \
-                $flag --json "$OUTDIR/peer-${spec%%:*}-${spec##*:}-$mode.json" \
-                >"$OUTDIR/peer-${spec%%:*}-${spec##*:}-$mode.log" 2>&1 ||
-                { echo "peer $spec $mode failed (rc $?)"; tail -5 "$OUTDIR/peer-${spec%%:*}-${spec##*:}-$mode.log"; }
-            grep '^| pytorch' "$OUTDIR/peer-${spec%%:*}-${spec##*:}-$mode.log" || true
+                $flag --json "$out.json" >"$out.log" 2>&1 ||
+                { echo "peer $spec $mode failed (rc $?)"; tail -5 "$out.log"; }
+            grep '^| pytorch' "$out.log" || true
         done
     done
 }

@@ -37,12 +37,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-# (layers, dim, heads, kv heads, ffn, tied); head dim = dim / heads; vocab 49,152
-# (crates/akunu-core/src/synth.rs `Shape::params`).
+# (layers, dim, heads, kv heads, ffn, RoPE base, tied); head dim = dim / heads;
+# vocab 49,152 (crates/akunu-core/src/synth.rs `Shape::params`).
 SHAPES = {
-    "smollm2-135m": (30, 576, 9, 3, 1536, True),
-    "llama-1b": (16, 2048, 32, 8, 8192, True),
-    "llama-8b": (32, 4096, 32, 8, 14336, False),
+    "smollm2-135m": (30, 576, 9, 3, 1536, 100000.0, True),
+    "llama-1b": (16, 2048, 32, 8, 8192, 500000.0, True),
+    "llama-8b": (32, 4096, 32, 8, 14336, 500000.0, False),
 }
 VOCAB = 49152
 # Where the model lives (a CPU smoke test of the model code may set "cpu").
@@ -52,10 +52,9 @@ DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 
 class Model:
     def __init__(self, shape, dtype, max_len, seed):
-        nl, d, nh, nkv, ff, tied = SHAPES[shape]
-        self.nl, self.d, self.nh, self.nkv, self.ff = nl, d, nh, nkv, ff
+        nl, d, nh, nkv, ff, rope_base, tied = SHAPES[shape]
+        self.nl, self.nh, self.nkv, self.ff = nl, nh, nkv, ff
         self.hd = d // nh
-        self.max_len = max_len
         g = torch.Generator(device=DEV).manual_seed(seed)
 
         def w(*size, scale=None):
@@ -80,7 +79,7 @@ class Model:
                 )
             )
         self.final_norm = torch.ones(d, device=DEV, dtype=dtype)
-        inv = 1.0 / (500000.0 ** (torch.arange(0, self.hd, 2, device=DEV).float() / self.hd))
+        inv = 1.0 / (rope_base ** (torch.arange(0, self.hd, 2, device=DEV).float() / self.hd))
         ang = torch.outer(torch.arange(max_len, device=DEV).float(), inv)
         self.cos = torch.cat([ang.cos(), ang.cos()], -1).to(dtype)
         self.sin = torch.cat([ang.sin(), ang.sin()], -1).to(dtype)
@@ -228,6 +227,8 @@ def main():
             out = torch.empty(a.tokens, dtype=torch.long, device=DEV)
             torch.cuda.synchronize()
             s.record()
+            # Each token is recorded as it comes (one small copy a token
+            # after the graph, as a decode loop must keep its tokens).
             for i in range(a.tokens):
                 graph.replay()
                 out[i : i + 1].copy_(tok)
