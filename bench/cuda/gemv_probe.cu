@@ -153,7 +153,7 @@ int main(int argc, char** argv) {
             }
             CK(cudaDeviceSynchronize());
             const u32 IMG = 16 * (dt == DT_F16 ? 4 : 8);
-            const u32 smem_img = ng * IMG * 4;
+            const u32 smem_img = ng * (IMG + 1) * 4;  // image and groups' sums of squares (launch.rs tcg_smem)
             const u32 tiles = (s.R + 15) / 16;
             printf("%s %s (%u x %u, %.1f MB): floor %.2f us at 4.2 TB/s\n", dt == DT_F16 ? "F16" : "Q4_0", s.name,
                    s.R, s.K, bytes / 1e6, bytes / 4.2e6);

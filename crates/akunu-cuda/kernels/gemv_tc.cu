@@ -496,6 +496,171 @@ __device__ __forceinline__ void tcg_stage(const Bind& b, const GemvParams& p, co
     }
 }
 
+// Warp-local staging (TCG_WSTAGE, the default). A warp reads only the
+// groups of its split (every S-th group, or every S-th chunk of CG groups
+// where the bulk-copy order applies), so it need not wait for the block's
+// whole image: the tpb warps that share a split stage its units between
+// them (unit u = split + S (my_tile + tpb i)), and where one warp stages
+// all of them (tpb = 1, S = 8) it waits on no other warp. The norm fusion
+// no longer needs the row's sum of squares before the image: the image
+// holds x * norm_w, each group's sum of x^2 lands in `ssg`, and the
+// epilogue multiplies the outputs by rms^-1 (`tcg_norm_scale`), so the
+// input is read once, not twice with a block reduction between the reads.
+// Decode and verification stage and scale alike, so their rows still add
+// bit for bit the same; against the per-block staging (`-DTCG_WSTAGE=0`)
+// the outputs move by f32 rounding (rms^-1 applied after the product
+// instead of before the f16 hi/lo split).
+#ifndef TCG_WSTAGE
+#define TCG_WSTAGE 1
+#endif
+// Only the products of the unguarded instances (and their verification
+// twins, which must stage alike) stage warp-locally: 8B Q4_0 graph decode
+// 384.2 -> 391.0 tok/s, SmolLM2's the same (H100). Elsewhere it measured
+// no faster or slower (bench/RESULTS.md, session 24): the bulk-copy form's
+// products on the 8B F16 shape 183.5 against 183.1, on the 1B F16 1,030
+// against 1,011; every one-row register instance 8B Q4_0 397.6 but SmolLM2
+// 1,887 -> 1,630; the guarded instances choosing at run time (rows of 2048
+// or more), both stagings compiled in, SmolLM2 -6%, 8B Q4_0 +0.5%.
+// `-DTCG_WSTAGE_BULK=1` stages the bulk-copy form's products warp-locally
+// too (A/B runs).
+#ifndef TCG_WSTAGE_BULK
+#define TCG_WSTAGE_BULK 0
+#endif
+// 128-element spans of the second input stream (norm weights, up half)
+// a lane loads before using any.
+#ifndef TCG_WSV
+#define TCG_WSV 4
+#endif
+
+// The end of the warp-local staging: where a split's units are staged by
+// several warps (tpb > 1), a barrier of the block (a named barrier per
+// split would spare the other splits' warps the wait, but an id held in a
+// register makes ptxas reserve all 16 of the block's barriers).
+__device__ __forceinline__ void tcg_staged(u32 tpb) {
+    if (tpb == 1) __syncwarp();
+    else __syncthreads();
+}
+
+// Span L of this warp's units: the lane's 4 elements [j, j + 4), j = k
+// when the lane has none. A unit is 2^ush spans of 128 elements (one
+// group of 64 F16 elements is one span, its upper half-warp idle).
+struct TcgSpan {
+    u32 j;
+    bool ok;
+};
+__device__ __forceinline__ TcgSpan tcg_span(u32 L, u32 ush, u32 ue, u32 first, u32 step, u32 n_units, u32 k,
+                                            u32 lane) {
+    const u32 u = first + (L >> ush) * step;
+    const u32 in_unit = ((L & ((1u << ush) - 1)) << 7) + lane * 4;
+    const u32 j = u * ue + in_unit;
+    const bool ok = u < n_units && in_unit < ue && j < k;
+    return {ok ? j : k, ok};
+}
+
+// Stages this warp's units of `rows` input rows: B image pairs, Q4_1 block
+// sums, and with the norm fusion each group's sum of squares in
+// ssg[r * ng + group]. `unit` groups per unit; the warp takes units first,
+// first + step, ... below n_units. The input itself goes by asynchronous
+// copies straight into the image region (a span's image takes exactly
+// its raw elements' bytes, as in tcg_stage_raw), all requested at once;
+// only the second stream (norm weights, or the up half of a gated input)
+// passes through registers, WSV spans at a time, so the staging holds few
+// registers beside the weights already in flight (holding both streams in
+// registers spilled the register form's unguarded instances, NVRTC).
+template <int DT, u32 WSV>
+__device__ __forceinline__ void tcg_stage_warp(const Bind& b, const GemvParams& p, const GemvExtra& ex,
+                                               u32 rows, u32* img, float* bsum, float* ssg, u32 unit,
+                                               u32 first, u32 step) {
+    constexpr u32 LB = TcgT<DT>::LB, IMG = tcg_img_u32<DT>(), GE = 4 * LB;
+    static_assert(IMG == GE, "a group's image must take its raw elements' bytes");
+    const u32 k = p.k, lane = threadIdx.x & 31;
+    const u32 n_lb = k / LB, ng = (n_lb + 3) >> 2, n_units = (ng + unit - 1) / unit;
+    const u32 ue = unit * GE;  // elements per unit: 64 or a multiple of 128
+    const u32 ush = ue <= 128 ? 0 : 31 - __clz(ue >> 7);
+    const u32 mine = first < n_units ? (n_units - first + step - 1) / step : 0;
+    const u32 spans = mine << ush;
+    const float* __restrict__ x = (const float*)b.p[0];
+    const float* __restrict__ nw = ex.norm_w;
+    const u32 act = nw ? ACT_NONE : p.input_act;
+    const bool two = nw || act != ACT_NONE;  // a second stream
+    const bool vec = ((u64)x & 15) == 0 && (p.x_stride & 3) == 0 && (!nw || ((u64)nw & 15) == 0);
+    // Lanes whose group sums are reduced together: a group is GE / 4 lanes.
+    constexpr u32 GL = GE / 4;
+    for (u32 r = 0; r < rows; ++r) {
+        const float* __restrict__ xr = x + (u64)r * p.x_stride;
+        u32* im = img + r * ng * IMG;
+        float* bs = bsum + r * ng * 4;
+        if (vec) {
+            for (u32 L = 0; L < spans; ++L) {
+                const TcgSpan s = tcg_span(L, ush, ue, first, step, n_units, k, lane);
+                if (s.ok)
+                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
+                                     (u32)__cvta_generic_to_shared(im + s.j)),
+                                 "l"(xr + s.j)
+                                 : "memory");
+            }
+            asm volatile("cp.async.commit_group;" ::: "memory");
+        }
+        for (u32 L0 = 0; L0 < spans; L0 += WSV) {
+            float4 u[WSV];
+            u32 js[WSV];
+#pragma unroll
+            for (u32 i = 0; i < WSV; ++i) {
+                const TcgSpan s = tcg_span(L0 + i, ush, ue, first, step, n_units, k, lane);
+                js[i] = s.j;
+                u[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (s.ok && two) u[i] = nw ? tcg_ld4(nw, s.j, vec) : tcg_ld4(xr + k, s.j, vec);
+            }
+            if (vec && L0 == 0) asm volatile("cp.async.wait_all;" ::: "memory");
+            __syncwarp();  // every lane's copies have landed
+#pragma unroll
+            for (u32 i = 0; i < WSV; ++i) {
+                if (L0 + i >= spans) break;  // uniform over the warp
+                const u32 j = js[i];
+                float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (j < k) v = vec ? *(const float4*)(im + j) : tcg_ld4(xr, j, false);
+                __syncwarp();  // the span is read before any lane overwrites it
+                float e[4] = {v.x, v.y, v.z, v.w};
+                const float f[4] = {u[i].x, u[i].y, u[i].z, u[i].w};
+                if (act != ACT_NONE) {
+#pragma unroll
+                    for (u32 c = 0; c < 4; ++c) e[c] = gated(e[c], f[c], act);
+                } else if (nw) {
+                    float sq = (e[0] * e[0] + e[1] * e[1]) + (e[2] * e[2] + e[3] * e[3]);
+#pragma unroll
+                    for (u32 o = 1; o < GL; o <<= 1) sq += __shfl_xor_sync(FULL_MASK, sq, o);
+                    if (j < k && lane % GL == 0) ssg[r * ng + j / GE] = sq;
+#pragma unroll
+                    for (u32 c = 0; c < 4; ++c) e[c] *= f[c];
+                }
+                tcg_put4<DT>(im, bs, j, k, e, (lane & 7) == 0);
+            }
+        }
+        // Lane-blocks past the row in the last group: zero B (their A is
+        // zero-filled too, but 0 * garbage could be NaN). Its warp alone.
+        if (4 * ng != n_lb && (ng - 1) / unit >= first && ((ng - 1) / unit - first) % step == 0) {
+            __syncwarp();
+            for (u32 i = lane; i < (4 * ng - n_lb) * 2 * (IMG / 8); i += 32) {
+                const u32 per_lb = 2 * (IMG / 8);
+                const u32 lb = n_lb + i / per_lb, w = i % per_lb, hl = w / (IMG / 8), idx = w % (IMG / 8);
+                im[(lb >> 2) * IMG + (idx >> 2) * 32 + (2 * (lb & 3) + hl) * 4 + (idx & 3)] = 0;
+                if (DT == DT_Q4_1 && w == 0) bs[lb] = 0.0f;
+            }
+        }
+    }
+}
+
+// rms^-1 of an input row from its groups' sums of squares, added in one
+// fixed order (lane l takes groups l, l + 32, ...; then a butterfly, whose
+// pairs add alike in both lanes), so every warp, form and row count gets
+// the same bits. A whole warp must call it.
+__device__ __forceinline__ float tcg_norm_scale(const float* ssg, u32 ng, u32 k, float eps) {
+    const u32 lane = threadIdx.x & 31;
+    float s = 0.0f;
+    for (u32 i = lane; i < ng; i += 32) s += ssg[i];
+    return rms_inv(warp_sum(s), k, eps);
+}
+
 // Groups a warp has loaded ahead (a rotating register pipeline; 4 and 3
 // measured best against 2 and 6/4, bench/RESULTS.md).
 #ifndef TCG_AHEAD_Q4
@@ -566,10 +731,21 @@ __device__ __forceinline__ void tcg_prior(const Bind& b, const GemvParams& p, u3
 // `prior(h, dst)`: the value an accumulating product adds to at dst (row
 // g + 8 h of the tile). The one-row forms pass the value they requested
 // when the tile started (`tcg_prior`); the others read dst here.
+// The norm fusion's scale under warp-local staging: the row sums of
+// squares by group (null without the fusion), and rms^-1 per input row,
+// found at a warp's first tile end and kept.
+template <int MR> struct TcgNorm {
+    const float* ssg;
+    u32 ng;
+    float eps;
+    bool ready;
+    float sc[MR];
+};
+
 template <int MR, class BiasOf, class Prior>
 __device__ __forceinline__ void tcg_finish(const Bind& b, const GemvParams& p, float (&acc)[MR][2], u32 rows,
                                            u32 tile, u32 n_tiles, u32 S, u32 g, u32 t, float* part,
-                                           u32 pair_act, BiasOf bias_of, Prior prior) {
+                                           u32 pair_act, TcgNorm<MR>& nm, BiasOf bias_of, Prior prior) {
     const u32 warp = threadIdx.x >> 5, split = warp % S, total = gemv_total_rows(p);
 #pragma unroll
     for (u32 r = 0; r < (u32)MR; ++r) {
@@ -598,6 +774,21 @@ __device__ __forceinline__ void tcg_finish(const Bind& b, const GemvParams& p, f
             }
         }
         __syncthreads();  // part is rewritten by the next tile
+    }
+    // Every group's sum of squares is in by now: with S = 1 the staging
+    // ended at a barrier of the whole block, with S > 1 the one above.
+    if (nm.ssg && split == 0) {
+        if (!nm.ready) {
+#pragma unroll
+            for (u32 r = 0; r < (u32)MR; ++r)
+                nm.sc[r] = r < rows ? tcg_norm_scale(nm.ssg + r * nm.ng, nm.ng, p.k, nm.eps) : 0.0f;
+            nm.ready = true;
+        }
+#pragma unroll
+        for (u32 r = 0; r < (u32)MR; ++r) {
+            acc[r][0] *= nm.sc[r];
+            acc[r][1] *= nm.sc[r];
+        }
     }
     if (pair_act != ACT_NONE) {
         // Paired epilogue: rows g and g + 8 are unit tile * 8 + g's gate
@@ -666,6 +857,15 @@ __device__ __forceinline__ void tcg_body(const Bind& b, const GemvParams& p, con
 
     u32* img = (u32*)gemv_smem;
     float* bsum = (float*)(img + rows * ng * IMG);
+    float* ssg = bsum + (DT == DT_Q4_1 ? rows * ng * 4 : 0);
+    // Which staging: the launcher's rule for the unguarded instances (2 or
+    // more rounds of groups a warp), so that a product's decode and
+    // verification steps stage alike; one-row steps never take the
+    // bulk-copy order here (the launcher runs those on the bulk-copy form),
+    // so only the verification instances carry both stagings.
+    const bool long_rows = (ng + S - 1) / S >= 2 * D;
+    const bool wstage = MR == 1 ? TCG_WSTAGE && FULL : TCG_WSTAGE && (chunked ? TCG_WSTAGE_BULK : long_rows);
+    TcgNorm<MR> nm{wstage && ex.norm_w ? ssg : nullptr, ng, ex.norm_eps, false, {}};
     TcgW<DT> W[D];
 
     // This lane's rows of a tile (a missing row reads the last one again).
@@ -711,13 +911,21 @@ __device__ __forceinline__ void tcg_body(const Bind& b, const GemvParams& p, con
     // Measurement only (wrong results): products of k >= DIAG_SKIP_STAGE
     // run without their staging (a zeroed image instead).
     if (k >= DIAG_SKIP_STAGE) {
-        for (u32 i = threadIdx.x; i < rows * ng * IMG; i += blockDim.x) img[i] = 0;
+        for (u32 i = threadIdx.x; i < rows * ng * (IMG + (DT == DT_Q4_1 ? 5 : 1)); i += blockDim.x) img[i] = 0;
+        __syncthreads();
     } else
 #endif
-    if (k < 2048) tcg_stage<DT, 1>(b, p, ex, rows, img, bsum, red);
-    else tcg_stage<DT, TCG_SV, FULL>(b, p, ex, rows, img, bsum, red);
+    if (wstage) {
+        tcg_stage_warp<DT, TCG_WSV>(b, p, ex, rows, img, bsum, ssg, chunk, split + S * my_tile, S * tpb);
+        // The stop word's copy needs the whole block's barrier.
+        if (!LATE) tcg_staged(tpb);
+    } else if (k < 2048) {
+        tcg_stage<DT, 1>(b, p, ex, rows, img, bsum, red);
+    } else {
+        tcg_stage<DT, TCG_SV, FULL>(b, p, ex, rows, img, bsum, red);
+    }
     if (LATE) chain_stop_landed();
-    __syncthreads();
+    if (LATE || !wstage) __syncthreads();
     if (LATE && chain_stop_seen(a, &ctl_slot)) return;
 
     const bool feeds = (g >> 1) == t;  // this lane passes B: block t, hi (even g) or lo
@@ -757,7 +965,7 @@ __device__ __forceinline__ void tcg_body(const Bind& b, const GemvParams& p, con
                 }
             }
         }
-        tcg_finish<MR>(b, p, acc, rows, tile, n_tiles, S, g, t, part, ex.pair_act,
+        tcg_finish<MR>(b, p, acc, rows, tile, n_tiles, S, g, t, part, ex.pair_act, nm,
                        [&](u32 h, u32) { return h ? s1.bias : s0.bias; },
                        [&](u32 h, const float* dst) { return EARLY ? prior[h] : *dst; });
     }
@@ -847,8 +1055,12 @@ __device__ __forceinline__ void tcb_body(const Bind& b, const GemvParams& p, con
 
     u32* img = (u32*)gemv_smem;
     float* bsum = (float*)(img + ng * IMG);
-    // The ring starts 128-byte aligned after the image and block sums.
-    const u32 head = ((ng * IMG + (DT == DT_Q4_1 ? 4 * ng : 0)) * 4 + 127) & ~127u;
+    float* ssg = bsum + (DT == DT_Q4_1 ? 4 * ng : 0);
+    constexpr bool wstage = TCG_WSTAGE && TCG_WSTAGE_BULK;
+    TcgNorm<1> nm{wstage && ex.norm_w ? ssg : nullptr, ng, ex.norm_eps, false, {}};
+    // The ring starts 128-byte aligned after the image, block sums and
+    // groups' sums of squares.
+    const u32 head = ((ng * IMG + (DT == DT_Q4_1 ? 4 * ng : 0) + ng) * 4 + 127) & ~127u;
     u8* ring = (u8*)gemv_smem + head + warp * TCB_NST * C::STAGE;
     u64* bar = bars[warp];
     TCB_STAMP(0);
@@ -912,12 +1124,18 @@ __device__ __forceinline__ void tcb_body(const Bind& b, const GemvParams& p, con
 #ifdef DIAG_SKIP_STAGE
     // Measurement only (wrong results), as in the register form.
     if (k >= DIAG_SKIP_STAGE) {
-        for (u32 i = threadIdx.x; i < ng * IMG; i += blockDim.x) img[i] = 0;
+        for (u32 i = threadIdx.x; i < ng * (IMG + (DT == DT_Q4_1 ? 5 : 1)); i += blockDim.x) img[i] = 0;
+        __syncthreads();
     } else
 #endif
-    if (k < 2048) tcg_stage<DT, 1>(b, p, ex, 1, img, bsum, red);
-    else tcg_stage<DT, TCG_SV, true>(b, p, ex, 1, img, bsum, red);
-    __syncthreads();
+    if (wstage) {
+        tcg_stage_warp<DT, TCG_WSV>(b, p, ex, 1, img, bsum, ssg, C::CG, split + S * my_tile, S * tpb);
+        tcg_staged(tpb);
+    } else {
+        if (k < 2048) tcg_stage<DT, 1>(b, p, ex, 1, img, bsum, red);
+        else tcg_stage<DT, TCG_SV, true>(b, p, ex, 1, img, bsum, red);
+        __syncthreads();
+    }
     TCB_STAMP(2);
 
     const bool feeds = (g >> 1) == t;
@@ -974,7 +1192,7 @@ __device__ __forceinline__ void tcb_body(const Bind& b, const GemvParams& p, con
                 }
             }
         }
-        tcg_finish<1>(b, p, acc, 1, tile, n_tiles, S, g, t, part, ex.pair_act,
+        tcg_finish<1>(b, p, acc, 1, tile, n_tiles, S, g, t, part, ex.pair_act, nm,
                       [&](u32, u32 o) { return seg_row(b, p, o).bias; },
                       [&](u32 h, const float* dst) { return EARLY ? prior[h] : *dst; });
     }

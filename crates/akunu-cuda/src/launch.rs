@@ -632,7 +632,8 @@ fn tcg_lane_block(dt: akunu_core::dtype::DType) -> u32 {
 }
 
 /// Dynamic shared memory of the tensor-core gemv for `rows` input rows:
-/// one B image per row, then Q4_1's block sums (gemv_tc.cu `tcg_body`).
+/// one B image per row, then Q4_1's block sums, then the groups' sums of
+/// squares (gemv_tc.cu `tcg_body`).
 pub fn tcg_smem(dt: akunu_core::dtype::DType, k: u32, rows: u32) -> u64 {
     let lb = tcg_lane_block(dt);
     // Products per group: a lane-block's elements over the 4 of a k-slot.
@@ -644,7 +645,10 @@ pub fn tcg_smem(dt: akunu_core::dtype::DType, k: u32, rows: u32) -> u64 {
     } else {
         0
     };
-    image + sums
+    // Each group's sum of squares of the input (the norm fusion's, under
+    // the warp-local staging: gemv_tc.cu `tcg_stage_warp`).
+    let squares = rows as u64 * groups * 4;
+    image + sums + squares
 }
 
 /// Warps per 16-row tile of the tensor-core gemv (each takes every S-th
