@@ -134,11 +134,13 @@ __device__ __forceinline__ bool chain_stopped(const StepArg& a) {
 #ifndef LATE_STOP
 #define LATE_STOP 1
 #endif
+// One 16-byte asynchronous copy from global to shared memory (L2 only).
+__device__ __forceinline__ void cp_async16(void* s, const void* g) {
+    const u32 sa = (u32)__cvta_generic_to_shared(s);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(g) : "memory");
+}
 __device__ __forceinline__ void chain_stop_copy(const StepArg& a, uint4* slot) {
-    if (threadIdx.x == 0 && a.ctl)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(slot)),
-                     "l"(a.ctl)
-                     : "memory");
+    if (threadIdx.x == 0 && a.ctl) cp_async16(slot, a.ctl);
 }
 __device__ __forceinline__ void chain_stop_landed() {
     if (threadIdx.x == 0) asm volatile("cp.async.commit_group;\n\tcp.async.wait_all;" ::: "memory");

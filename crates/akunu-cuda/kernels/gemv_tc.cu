@@ -374,9 +374,7 @@ __device__ __forceinline__ void tcg_stage_raw(const float* __restrict__ xr, u32 
     static_assert(tcg_img_u32<DT>() == 4 * LB, "a group's image must take its raw elements' bytes");
     const u32 tid = threadIdx.x, bd = blockDim.x, lane = tid & 31;
     for (u32 i = tid; i < k / 4; i += bd)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(im + 4 * i)),
-                     "l"(xr + 4 * i)
-                     : "memory");
+        cp_async16(im + 4 * i, xr + 4 * i);
     asm volatile("cp.async.commit_group;\n\tcp.async.wait_all;" ::: "memory");
     __syncthreads();
     for (u32 c = tid >> 5; c * 128 < k; c += bd / 32) {
@@ -396,6 +394,20 @@ __device__ __forceinline__ void tcg_stage_raw(const float* __restrict__ xr, u32 
     // raw elements another warp is still converting.
     const u32 n_lb = k / LB;
     if (4 * ((n_lb + 3) >> 2) != n_lb) __syncthreads();
+}
+
+// Lane-blocks past the row in the last group: zero their B (their A is
+// zero-filled too, but 0 * garbage could be NaN) and Q4_1 block sums.
+// Threads i0, i0 + di, ... share the work.
+template <int DT>
+__device__ __forceinline__ void tcg_zero_tail(u32* im, float* bs, u32 n_lb, u32 ng, u32 i0, u32 di) {
+    constexpr u32 IMG = tcg_img_u32<DT>();
+    for (u32 i = i0; i < (4 * ng - n_lb) * 2 * (IMG / 8); i += di) {
+        const u32 per_lb = 2 * (IMG / 8);  // u32 of one lane-block, hi and lo
+        const u32 lb = n_lb + i / per_lb, w = i % per_lb, hl = w / (IMG / 8), idx = w % (IMG / 8);
+        im[(lb >> 2) * IMG + (idx >> 2) * 32 + (2 * (lb & 3) + hl) * 4 + (idx & 3)] = 0;
+        if (DT == DT_Q4_1 && w == 0) bs[lb] = 0.0f;
+    }
 }
 
 // Stages `rows` input rows as B images (and per-block sums for Q4_1): the
@@ -485,14 +497,7 @@ __device__ __forceinline__ void tcg_stage(const Bind& b, const GemvParams& p, co
             }
         }
         }
-        // Lane-blocks past the row in the last group: zero B (their A is
-        // zero-filled too, but 0 * garbage could be NaN).
-        for (u32 i = tid; i < (4 * ng - n_lb) * 2 * (IMG / 8); i += bd) {
-            const u32 per_lb = 2 * (IMG / 8);  // u32 of one lane-block, hi and lo
-            const u32 lb = n_lb + i / per_lb, w = i % per_lb, hl = w / (IMG / 8), idx = w % (IMG / 8);
-            im[(lb >> 2) * IMG + (idx >> 2) * 32 + (2 * (lb & 3) + hl) * 4 + (idx & 3)] = 0;
-            if (DT == DT_Q4_1 && w == 0) bsum[r * ng * 4 + lb] = 0.0f;
-        }
+        tcg_zero_tail<DT>(im, bsum + r * ng * 4, n_lb, ng, tid, bd);
     }
 }
 
@@ -593,6 +598,8 @@ __device__ __forceinline__ void tcg_stage_warp(const Bind& b, const GemvParams& 
         if (vec) {
             for (u32 L = 0; L < spans; ++L) {
                 const TcgSpan s = tcg_span(L, ush, ue, first, step, n_units, k, lane);
+                // Written out rather than cp_async16: the helper compiled to
+                // other instructions here than the measured ones (NVRTC).
                 if (s.ok)
                     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
                                      (u32)__cvta_generic_to_shared(im + s.j)),
@@ -636,16 +643,10 @@ __device__ __forceinline__ void tcg_stage_warp(const Bind& b, const GemvParams& 
                 tcg_put4<DT>(im, bs, j, k, e, (lane & 7) == 0);
             }
         }
-        // Lane-blocks past the row in the last group: zero B (their A is
-        // zero-filled too, but 0 * garbage could be NaN). Its warp alone.
+        // The last group's tail: the warp that staged that group, alone.
         if (4 * ng != n_lb && (ng - 1) / unit >= first && ((ng - 1) / unit - first) % step == 0) {
             __syncwarp();
-            for (u32 i = lane; i < (4 * ng - n_lb) * 2 * (IMG / 8); i += 32) {
-                const u32 per_lb = 2 * (IMG / 8);
-                const u32 lb = n_lb + i / per_lb, w = i % per_lb, hl = w / (IMG / 8), idx = w % (IMG / 8);
-                im[(lb >> 2) * IMG + (idx >> 2) * 32 + (2 * (lb & 3) + hl) * 4 + (idx & 3)] = 0;
-                if (DT == DT_Q4_1 && w == 0) bs[lb] = 0.0f;
-            }
+            tcg_zero_tail<DT>(im, bs, n_lb, ng, lane, 32);
         }
     }
 }

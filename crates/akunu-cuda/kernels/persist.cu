@@ -188,10 +188,6 @@ __device__ __forceinline__ void pd_end_flags(u32* flags, u32 e) {
     if (threadIdx.x == 0) asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flags + pd_bid()), "r"(e) : "memory");
 }
 
-__device__ __forceinline__ void pd_cp16(void* s, const void* g) {
-    const u32 sa = (u32)__cvta_generic_to_shared(s);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(g) : "memory");
-}
 __device__ __forceinline__ void pd_cp8(void* s, const void* g) {
     const u32 sa = (u32)__cvta_generic_to_shared(s);
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(sa), "l"(g) : "memory");
@@ -413,7 +409,7 @@ __device__ __forceinline__ void pd_copy_rows(u8* dst, u32 stride, const u8* m, u
     const u8* q = m + (u64)r0 * qb;
     const u8* s = m + (u64)rows * qb + (u64)r0 * sb;
     for (u32 c = threadIdx.x; c < (r1 - r0) * nq; c += PD_THREADS)
-        pd_cp16(dst + (u64)(c / nq) * stride + (c % nq) * 16, q + (u64)c * 16);
+        cp_async16(dst + (u64)(c / nq) * stride + (c % nq) * 16, q + (u64)c * 16);
     for (u32 c = threadIdx.x; c < (r1 - r0) * ns; c += PD_THREADS)
         pd_cp8(dst + (u64)(c / ns) * stride + qb + (c % ns) * 8, s + (u64)c * 8);
 }
