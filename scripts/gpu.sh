@@ -32,7 +32,9 @@
 #                                 model, sampler (needs the model), attn,
 #                                 prefill, spec-ab (needs the model), pfattn,
 #                                 probe (the gemv kernels alone, nvcc),
-#                                 mega (a persistent decode kernel, nvcc).
+#                                 mega (a persistent decode kernel, nvcc),
+#                                 stream (a streaming persistent kernel of
+#                                 the large F16 shapes, nvcc; STREAM_RUNS).
 #                                 Logs go to $OUT (or ./gpu-out),
 #                                 a summary to stdout.
 #
@@ -1035,6 +1037,40 @@ mega() {
     done
 }
 
+# The streaming persistent decode kernel of the large F16 shapes
+# (bench/cuda/stream_probe.cu, built here with nvcc; no .gpu needed).
+# STREAM_RUNS: space-separated runs, each SHAPE:TOKENS:POS:DEFINES ("-" or
+# nothing for a default: shape 1 (llama-1b f16; 8 for llama-8b f16), 128
+# tokens, position 512, no defines; DEFINES are comma-separated, such as
+# NST=4,ATT_S=2).
+stream() {
+    echo "== streaming persistent decode probe (nvcc)"
+    local r sh t p d bin tag built=" "
+    for r in ${STREAM_RUNS:--}; do
+        IFS=: read -r sh t p d <<<"$r"
+        [ "${sh:--}" = "-" ] && sh=1
+        [ "${t:--}" = "-" ] && t=128
+        [ "${p:--}" = "-" ] && p=512
+        [ "${d:--}" = "-" ] && d=""
+        tag=s$sh${d:+-${d//[^A-Za-z0-9_]/_}}
+        bin=$STORE/stream-probe-$tag
+        if [ "${built#* $tag }" = "$built" ]; then
+            built="$built$tag "
+            rm -f "$bin"
+            local defs=(-DSHAPE="$sh") x
+            for x in ${d//,/ }; do defs+=("-D$x"); done
+            nvcc -O3 -std=c++17 -arch=sm_90 -Xcompiler -fopenmp -lgomp "${defs[@]}" -o "$bin" \
+                bench/cuda/stream_probe.cu 2>&1 | grep -iE "error|warning" || true
+        fi
+        echo "-- shape $sh, tokens $t, position $p, defines ${d:-none}"
+        if [ ! -x "$bin" ]; then
+            echo "stream probe build failed ($tag)"
+            continue
+        fi
+        OMP_NUM_THREADS=${OMP_NUM_THREADS:-16} timeout "${STREAM_TIMEOUT:-240}" "$bin" "$t" "$p" 2>&1 | tee "$OUTDIR/stream-$tag-t$t-p$p.log" || true
+    done
+}
+
 pfattn() {
     echo "== prefill attention A/B: k_attn_prefill (AKUNU_CUDA_PF_ATTN=0), then k_attn_flash (synthetic llama-1b f16)"
     local f=$STORE/llama-1b-f16.gguf n v
@@ -1161,6 +1197,7 @@ run)
         pfattn) pfattn ;;
         probe) probe ;;
         mega) mega ;;
+        stream) stream ;;
         *)
             echo "unknown step $what" >&2
             exit 2
@@ -1169,7 +1206,7 @@ run)
     done
     ;;
 *)
-    sed -n '2,23p' "$0"
+    sed -n '2,/a summary to stdout/p' "$0"
     exit 2
     ;;
 esac
