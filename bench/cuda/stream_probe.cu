@@ -31,7 +31,7 @@
 // gate|up pair, a row), contiguous per block, so that a block's share of a
 // matrix is one range of bytes.
 //
-// The model: random F16 weights of the issue's shapes (SHAPE=1: 16 layers,
+// The model: random F16 (or Q4_0, QUANT=1) weights of the issue's shapes (SHAPE=1: 16 layers,
 // d 2048, 32 heads and 8 KV heads of 64, FFN 8192; SHAPE=8: 32 layers, d
 // 4096, heads of 128, FFN 14336; vocabulary 49,152, the embedding tied to
 // the logits), F32 norms, an F16 KV cache filled at random below the start
@@ -53,13 +53,15 @@
 //   the ring (0; any lookahead was slower); SLEEP_NS between reloads of a
 //   word (0; any pause was slower); POLL_SEQ 0/1 (0: every stale word of a
 //   staging reloaded at once; 1, one at a time, was 23% slower on 1B);
-//   ATT_PRE 0/1/2 (K/V rows requested before the wait for q; no change).
+//   ATT_PRE 0/1/2 (K/V rows requested before the wait for q; no change);
+//   QUANT 0/1 (F16, or Q4_0 for every matrix and the embedding).
 #ifndef __CUDACC_RTC__
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 #include <cuda_runtime.h>
 typedef uint32_t u32;
@@ -73,19 +75,25 @@ typedef unsigned long long u64;
 #ifndef SHAPE
 #define SHAPE 1
 #endif
+// QUANT=1: every matrix and the embedding in Q4_0 (GGUF blocks of 32: byte j
+// of a block holds weight j in its low nibble and j + 16 in its high one);
+// a row is its quants, then its half scales. QUANT=0: F16.
+#ifndef QUANT
+#define QUANT 0
+#endif
 #if SHAPE == 8
 constexpr int NL = 32, D = 4096, NH = 32, NKV = 8, HD = 128, FF = 14336;
 #ifndef NST
-#define NST 4
+#define NST (QUANT ? 8 : 4)
 #endif
 #else
 constexpr int NL = 16, D = 2048, NH = 32, NKV = 8, HD = 64, FF = 8192;
 #ifndef NST
-#define NST 5
+#define NST (QUANT ? 8 : 5)
 #endif
 #endif
 #ifndef STB
-#define STB 32768  // bytes a ring stage
+#define STB (QUANT ? 18432 : 32768)  // bytes a ring stage (Q4_0: 8 rows of 4096)
 #endif
 #ifndef CW
 #define CW 8  // consumer warps
@@ -98,6 +106,8 @@ constexpr int NL = 16, D = 2048, NH = 32, NKV = 8, HD = 64, FF = 8192;
 #ifndef EVICT_FIRST
 #define EVICT_FIRST 1
 #endif
+__host__ __device__ constexpr int row_bytes(int k) { return QUANT ? k / 2 + k / 16 : 2 * k; }
+__host__ __device__ constexpr int pow2_floor(int n) { return n >= 2 ? 2 * pow2_floor(n / 2) : 1; }
 constexpr int VOCAB = 49152, CTX = 1024, QD = NH * HD, KVD = NKV * HD, QKV = QD + 2 * KVD;
 constexpr int THREADS = (CW + 1) * 32, CT = CW * 32;
 constexpr float EPS = 1e-5f;
@@ -111,8 +121,9 @@ struct Mat {
     static constexpr int UNITS = M == M_QKV ? QKV / 2 : M == M_O ? D : M == M_GU ? FF : M == M_DN ? D : VOCAB;
     static constexpr int UR = (M == M_QKV || M == M_GU) ? 2 : 1;  // rows a unit
     static constexpr int K = M == M_O ? QD : M == M_DN ? FF : D;
-    static constexpr int UB = UR * K * 2;                          // bytes a unit
-    static constexpr int UPC = STB / UB > 0 ? STB / UB : 1;        // units a chunk
+    static constexpr int RB = row_bytes(K);                        // bytes a row
+    static constexpr int UB = UR * RB;                             // bytes a unit
+    static constexpr int UPC = pow2_floor(STB / UB);               // units a chunk
     static constexpr int RPC = UPC * UR;                           // rows a chunk
     static constexpr int WPR = CW;                                 // warps a row (each its columns)
     static constexpr int SEG = K / CW;                             // columns a warp
@@ -122,9 +133,11 @@ struct Mat {
 };
 
 __host__ __device__ constexpr size_t up256(size_t n) { return (n + 255) / 256 * 256; }
-constexpr size_t OFF_QKV = 0, OFF_O = OFF_QKV + up256((size_t)QKV * D * 2), OFF_GU = OFF_O + up256((size_t)D * QD * 2),
-                 OFF_DN = OFF_GU + up256((size_t)2 * FF * D * 2), LAYER_BYTES = OFF_DN + up256((size_t)D * FF * 2);
-constexpr size_t EMB_BYTES = (size_t)VOCAB * D * 2;
+constexpr size_t OFF_QKV = 0, OFF_O = OFF_QKV + up256((size_t)QKV * row_bytes(D)),
+                 OFF_GU = OFF_O + up256((size_t)D * row_bytes(QD)),
+                 OFF_DN = OFF_GU + up256((size_t)2 * FF * row_bytes(D)),
+                 LAYER_BYTES = OFF_DN + up256((size_t)D * row_bytes(FF));
+constexpr size_t EMB_BYTES = (size_t)VOCAB * row_bytes(D);
 
 // Tagged-word areas of one set (two sets, by the parity of the layer counted
 // over the launch).
@@ -133,7 +146,7 @@ constexpr int X_HO = 0, X_HD = X_HO + D, X_Q = X_HD + D, X_K = X_Q + QD, X_V = X
 
 struct Params {
     const unsigned char* w;    // NL layers of LAYER_BYTES
-    const __half* emb;         // VOCAB x D, the logits too
+    const unsigned char* emb;  // VOCAB rows of D, the logits too
     const float* norms;        // NL x (attention, FFN) x D, then the output norm
     __half* kc;                // NL x NKV x CTX x HD
     __half* vc;
@@ -268,6 +281,22 @@ __device__ __forceinline__ float dot8(uint4 q, float4 a, float4 b) {
     return s;
 }
 
+// Weight i of a row of the embedding (F16 or Q4_0).
+__device__ __forceinline__ float emb_at(const unsigned char* row, u32 i) {
+#if QUANT
+    const u32 q = row[(i / 32) * 16 + (i % 16)];
+    const float d = __half2float(((const __half*)(row + D / 2))[i / 32]);
+    return d * (float)((int)((i % 32) < 16 ? (q & 15u) : (q >> 4)) - 8);
+#else
+    return __half2float(((const __half*)row)[i]);
+#endif
+}
+// Nibble byte k of n (each byte 0..15) as a float: 2^23 + n_k built by a
+// byte permutation, minus 2^23 (exact).
+__device__ __forceinline__ float nib_f(u32 n, u32 k) {
+    return __uint_as_float(__byte_perm(n, 0x4B000000u, 0x7540u | k)) - 8388608.0f;
+}
+
 __device__ __forceinline__ void block_range(u32 units, u32& u0, u32& u1) {
     u0 = (u32)((u64)units * blockIdx.x / gridDim.x);
     u1 = (u32)((u64)units * (blockIdx.x + 1) / gridDim.x);
@@ -384,14 +413,50 @@ __device__ __forceinline__ u32 consume(const Ring& r, const float* xs, float* pa
         xa[i] = ((const float4*)x)[lane];
         xb[i] = ((const float4*)(x + 128))[lane];
     }
+#if QUANT
+    // Q4_0: lane l's columns 8l..8l+7 of a step are weights 8 (l % 4) .. + 7
+    // of block l / 4: bytes 8 (l % 2) .. + 7, low nibbles for l % 4 < 2, high
+    // ones otherwise. The -8 of every weight is taken out of the sum once:
+    // d (sum q x - 8 sum x).
+    float x8[STEPS];
+#pragma unroll
+    for (int i = 0; i < STEPS; ++i)
+        x8[i] = 8.0f * (((xa[i].x + xa[i].y) + (xa[i].z + xa[i].w)) + ((xb[i].x + xb[i].y) + (xb[i].z + xb[i].w)));
+    const u32 nshift = (lane & 2u) ? 4u : 0u;
+#endif
     u32 ci = 0;
     for (u32 u = u0; u < u1; u += T::UPC, ++c, ++ci) {
         const u32 s = c % NST, n = c / NST;
         const long long wt = sp_mbar_wait(&r.full[s], n & 1u);
         if (threadIdx.x == 0) waited += wt;
         const u32 rows = min((u32)T::UPC, u1 - u) * T::UR;
-        const uint4* wq = (const uint4*)(r.buf + (size_t)s * STB) + warp * (T::SEG / 8) + lane;
         float acc[N];
+#if QUANT
+        const unsigned char* st = r.buf + (size_t)s * STB;
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            const unsigned char* row = st + j * T::RB;
+            float a = 0.0f;
+#pragma unroll
+            for (int i = 0; i < STEPS; ++i) {
+                const u32 blk = (warp * T::SEG + i * 256) / 32 + lane / 4;
+                const uint2 qv = *(const uint2*)(row + blk * 16 + 8 * (lane & 1u));
+                const float d = __half2float(((const __half*)(row + T::K / 2))[blk]);
+                const u32 n0 = (qv.x >> nshift) & 0x0F0F0F0Fu, n1 = (qv.y >> nshift) & 0x0F0F0F0Fu;
+                float t = nib_f(n0, 0) * xa[i].x;
+                t = fmaf(nib_f(n0, 1), xa[i].y, t);
+                t = fmaf(nib_f(n0, 2), xa[i].z, t);
+                t = fmaf(nib_f(n0, 3), xa[i].w, t);
+                t = fmaf(nib_f(n1, 0), xb[i].x, t);
+                t = fmaf(nib_f(n1, 1), xb[i].y, t);
+                t = fmaf(nib_f(n1, 2), xb[i].z, t);
+                t = fmaf(nib_f(n1, 3), xb[i].w, t);
+                a = fmaf(d, t - x8[i], a);
+            }
+            acc[j] = a;
+        }
+#else
+        const uint4* wq = (const uint4*)(r.buf + (size_t)s * STB) + warp * (T::SEG / 8) + lane;
 #pragma unroll
         for (int j = 0; j < N; ++j) {
             float a = 0.0f;
@@ -399,6 +464,7 @@ __device__ __forceinline__ u32 consume(const Ring& r, const float* xs, float* pa
             for (int i = 0; i < STEPS; ++i) a += dot8(wq[j * (T::K / 8) + i * 32], xa[i], xb[i]);
             acc[j] = a;
         }
+#endif
         __syncwarp();
         if (lane == 0) sp_mbar_arrive(&r.empty[s]);  // the stage is in registers
         const float sum = reduce_rows<N>(acc, lane);
@@ -443,7 +509,8 @@ __device__ __forceinline__ void poll_words(u64 (&w)[N], F addr, u32 tag) {
 
 // x = rmsnorm(h) * w, h the tagged words at src (or the embedding row when
 // src is null), into xs (permuted). Ends synchronised.
-__device__ void stage_norm(float* xs, float* red, const u64* src, u32 tag, const __half* emb_row, const float* nw) {
+__device__ void stage_norm(float* xs, float* red, const u64* src, u32 tag, const unsigned char* emb_row,
+                           const float* nw) {
     constexpr int PER = D / CT;
     float v[PER], wn[PER];
 #pragma unroll
@@ -458,7 +525,7 @@ __device__ void stage_norm(float* xs, float* red, const u64* src, u32 tag, const
         for (int j = 0; j < PER; ++j) v[j] = __uint_as_float((u32)w[j]);
     } else {
 #pragma unroll
-        for (int j = 0; j < PER; ++j) v[j] = __half2float(emb_row[threadIdx.x + j * CT]);
+        for (int j = 0; j < PER; ++j) v[j] = emb_at(emb_row, threadIdx.x + j * CT);
     }
     float ss = 0.0f;
 #pragma unroll
@@ -747,21 +814,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_stream(Params a) {
                 for (u32 i = 0; i < PF && i < total; ++i) {
                     const unsigned char* src;
                     u32 bytes;
-                    chunk_at(a.w, (const unsigned char*)a.emb, i, src, bytes);
+                    chunk_at(a.w, a.emb, i, src, bytes);
                     prefetch_l2(src, bytes);
                 }
                 for (; c < total; ++c) {
                     if (c + PF < total) {
                         const unsigned char* src;
                         u32 bytes;
-                        chunk_at(a.w, (const unsigned char*)a.emb, c + PF, src, bytes);
+                        chunk_at(a.w, a.emb, c + PF, src, bytes);
                         prefetch_l2(src, bytes);
                     }
                     const u32 s = c % NST, n = c / NST;
                     if (n > 0) waited += sp_mbar_wait(&r.empty[s], (n - 1) & 1u);
                     const unsigned char* src;
                     u32 bytes;
-                    chunk_at(a.w, (const unsigned char*)a.emb, c, src, bytes);
+                    chunk_at(a.w, a.emb, c, src, bytes);
                     sp_mbar_expect_tx(&r.full[s], bytes);
                     sp_bulk_copy(r.buf + (size_t)s * STB, src, bytes, &r.full[s], policy);
                 }
@@ -775,7 +842,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_stream(Params a) {
                     produce<M_GU>(r, L + OFF_GU, c, policy, waited);
                     produce<M_DN>(r, L + OFF_DN, c, policy, waited);
                 }
-                produce<M_LOG>(r, (const unsigned char*)a.emb, c, policy, waited);
+                produce<M_LOG>(r, a.emb, c, policy, waited);
             }
 #endif
             a.stats[blockIdx.x * NSTAT + 0] = waited;
@@ -824,8 +891,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_stream(Params a) {
         } else if (threadIdx.x == 0) {
             a.tokens[0] = token;
         }
-        const __half* erow = a.emb + (size_t)token * D;
-        for (u32 i = h0 + threadIdx.x; i < h1; i += CT) hloc[i - h0] = __half2float(erow[i]);
+        const unsigned char* erow = a.emb + (size_t)token * row_bytes(D);
+        for (u32 i = h0 + threadIdx.x; i < h1; i += CT) hloc[i - h0] = emb_at(erow, i);
 
         for (u32 l = 0; l < NL; ++l) {
             const u32 set = set_of(t, l);
@@ -979,6 +1046,35 @@ static void fill(__half* p, size_t n, u32 seed, float scale) {
     CK(cudaGetLastError());
 }
 
+// Random Q4_0 rows: random quant bytes, scales dscale (0.5 + u).
+__global__ void k_fill_q40(unsigned char* p, size_t rows, int k, u32 seed, float dscale) {
+    const size_t rb = (size_t)row_bytes(k), total = rows * rb;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        u64 z = (u64)i * 0x9E3779B97F4A7C15ull + ((u64)seed << 32) + 0x632BE59BD9B4E019ull;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        const size_t o = i % rb;
+        if (o < (size_t)k / 2) {
+            p[i] = (unsigned char)(z >> 56);
+        } else if ((o - k / 2) % 2 == 0) {
+            const float u = (float)(z >> 40) * (1.0f / 16777216.0f);
+            *(__half*)(p + i) = __float2half_rn(dscale * (0.5f + u));
+        }
+    }
+}
+// A matrix of rows x k at p: F16 uniform in [-scale, scale), or Q4_0 of the
+// same variance.
+static void fill_mat(unsigned char* p, size_t rows, int k, u32 seed, float scale) {
+#if QUANT
+    // E[(q - 8)^2] = 21.5 over q in 0..15, E[(0.5 + u)^2] = 13 / 12.
+    k_fill_q40<<<1024, 256>>>(p, rows, k, seed, scale / sqrtf(3.0f * 21.5f * 13.0f / 12.0f));
+    CK(cudaGetLastError());
+#else
+    fill((__half*)p, rows * (size_t)k, seed, scale);
+#endif
+}
+
 static std::vector<float> to_float(const __half* d, size_t n) {
     std::vector<__half> h(n);
     CK(cudaMemcpy(h.data(), d, n * 2, cudaMemcpyDeviceToHost));
@@ -986,6 +1082,30 @@ static std::vector<float> to_float(const __half* d, size_t n) {
 #pragma omp parallel for
     for (long long i = 0; i < (long long)n; ++i) f[i] = __half2float(h[i]);
     return f;
+}
+
+// A matrix of rows x k on the device, as floats (dequantized).
+static std::vector<float> mat_to_float(const unsigned char* d, size_t rows, int k) {
+#if QUANT
+    const size_t rb = (size_t)row_bytes(k);
+    std::vector<unsigned char> h(rows * rb);
+    CK(cudaMemcpy(h.data(), d, h.size(), cudaMemcpyDeviceToHost));
+    std::vector<float> f(rows * (size_t)k);
+#pragma omp parallel for
+    for (long long r = 0; r < (long long)rows; ++r) {
+        const unsigned char* row = &h[(size_t)r * rb];
+        for (int i = 0; i < k; ++i) {
+            const unsigned q = row[(i / 32) * 16 + (i % 16)];
+            __half dh;
+            memcpy(&dh, row + k / 2 + 2 * (i / 32), 2);
+            const int nib = (i % 32) < 16 ? (int)(q & 15u) : (int)(q >> 4);
+            f[(size_t)r * k + i] = __half2float(dh) * (float)(nib - 8);
+        }
+    }
+    return f;
+#else
+    return to_float((const __half*)d, rows * (size_t)k);
+#endif
 }
 
 // y = W x for a row-major F16 matrix (as floats), in double.
@@ -1015,15 +1135,18 @@ int main(int argc, char** argv) {
         return 1;
     }
     const size_t wbytes = (size_t)NL * LAYER_BYTES;
-    const double floor_bytes = (double)NL * ((double)QKV * D + (double)D * QD + 2.0 * FF * D + (double)D * FF) * 2.0 +
+    const double floor_bytes = (double)NL * ((double)QKV * row_bytes(D) + (double)D * row_bytes(QD) +
+                                             2.0 * FF * row_bytes(D) + (double)D * row_bytes(FF)) +
                                (double)EMB_BYTES;
     printf("%s, %d SMs; shape %s (%d layers, d %d, FFN %d, heads %d/%d of %d), %u tokens from position %u; "
            "%d consumer warps, %d stages of %d bytes, attention split %d, evict-first %d\n",
-           prop.name, sms, SHAPE == 8 ? "llama-8b f16" : "llama-1b f16", NL, D, FF, NH, NKV, HD, T, pos0, CW, NST,
+           prop.name, sms,
+           SHAPE == 8 ? (QUANT ? "llama-8b q4_0" : "llama-8b f16") : (QUANT ? "llama-1b q4_0" : "llama-1b f16"), NL, D, FF, NH, NKV, HD, T, pos0, CW, NST,
            STB, ATT_S, EVICT_FIRST);
 
     unsigned char* dw;
-    __half *demb, *dkc, *dvc;
+    unsigned char* demb;
+    __half *dkc, *dvc;
     float* dnorms;
     CK(cudaMalloc(&dw, wbytes));
     CK(cudaMalloc(&demb, EMB_BYTES));
@@ -1032,12 +1155,12 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&dvc, cache * 2));
     for (int l = 0; l < NL; ++l) {
         unsigned char* L = dw + (size_t)l * LAYER_BYTES;
-        fill((__half*)(L + OFF_QKV), (size_t)QKV * D, 10 * l + 1, sqrtf(3.0f / D));
-        fill((__half*)(L + OFF_O), (size_t)D * QD, 10 * l + 2, sqrtf(3.0f / QD));
-        fill((__half*)(L + OFF_GU), (size_t)2 * FF * D, 10 * l + 3, sqrtf(3.0f / D));
-        fill((__half*)(L + OFF_DN), (size_t)D * FF, 10 * l + 4, sqrtf(3.0f / FF));
+        fill_mat(L + OFF_QKV, QKV, D, 10 * l + 1, sqrtf(3.0f / D));
+        fill_mat(L + OFF_O, D, QD, 10 * l + 2, sqrtf(3.0f / QD));
+        fill_mat(L + OFF_GU, 2 * (size_t)FF, D, 10 * l + 3, sqrtf(3.0f / D));
+        fill_mat(L + OFF_DN, D, FF, 10 * l + 4, sqrtf(3.0f / FF));
     }
-    fill(demb, (size_t)VOCAB * D, 7777, 4.0f * sqrtf(3.0f / D));
+    fill_mat(demb, VOCAB, D, 7777, 4.0f * sqrtf(3.0f / D));
     fill(dkc, cache, 8888, 1.0f);
     fill(dvc, cache, 9999, 1.0f);
     std::vector<float> norms((size_t)(2 * NL + 1) * D);
@@ -1159,15 +1282,15 @@ int main(int argc, char** argv) {
     const u32 steps = std::min<u32>(T, LOGITS_KEPT);
     std::vector<float> lg((size_t)steps * VOCAB);
     CK(cudaMemcpy(lg.data(), dlog, lg.size() * 4, cudaMemcpyDeviceToHost));
-    std::vector<float> emb = to_float(demb, (size_t)VOCAB * D);
+    std::vector<float> emb = mat_to_float(demb, VOCAB, D);
     std::vector<float> kc = to_float(kc0, cache), vc = to_float(vc0, cache);
     std::vector<std::vector<float>> Wl(NL * 4);
     for (int l = 0; l < NL; ++l) {
         const unsigned char* L = dw + (size_t)l * LAYER_BYTES;
-        Wl[4 * l] = to_float((const __half*)(L + OFF_QKV), (size_t)QKV * D);
-        Wl[4 * l + 1] = to_float((const __half*)(L + OFF_O), (size_t)D * QD);
-        Wl[4 * l + 2] = to_float((const __half*)(L + OFF_GU), (size_t)2 * FF * D);
-        Wl[4 * l + 3] = to_float((const __half*)(L + OFF_DN), (size_t)D * FF);
+        Wl[4 * l] = mat_to_float(L + OFF_QKV, QKV, D);
+        Wl[4 * l + 1] = mat_to_float(L + OFF_O, D, QD);
+        Wl[4 * l + 2] = mat_to_float(L + OFF_GU, 2 * (size_t)FF, D);
+        Wl[4 * l + 3] = mat_to_float(L + OFF_DN, D, FF);
     }
     bool ok = true;
     for (u32 t = 0; t < steps; ++t) {
