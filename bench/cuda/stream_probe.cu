@@ -1030,13 +1030,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) k_stream(Params a) {
         }                                                                  \
     } while (0)
 
+// The random bits of element i of a fill with `seed` (a SplitMix64 step).
+__device__ __forceinline__ u64 fill_hash(size_t i, u32 seed) {
+    u64 z = (u64)i * 0x9E3779B97F4A7C15ull + ((u64)seed << 32) + 0x632BE59BD9B4E019ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
 // Random values on the device: a hash of the index, uniform in [-1, 1).
 __global__ void k_fill_half(__half* p, size_t n, u32 seed, float scale) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        u64 z = (u64)i * 0x9E3779B97F4A7C15ull + ((u64)seed << 32) + 0x632BE59BD9B4E019ull;
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        z ^= z >> 31;
+        const u64 z = fill_hash(i, seed);
         const float u = (float)(z >> 40) * (1.0f / 8388608.0f) - 1.0f;
         p[i] = __float2half_rn(u * scale);
     }
@@ -1050,10 +1055,7 @@ static void fill(__half* p, size_t n, u32 seed, float scale) {
 __global__ void k_fill_q40(unsigned char* p, size_t rows, int k, u32 seed, float dscale) {
     const size_t rb = (size_t)row_bytes(k), total = rows * rb;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
-        u64 z = (u64)i * 0x9E3779B97F4A7C15ull + ((u64)seed << 32) + 0x632BE59BD9B4E019ull;
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        z ^= z >> 31;
+        const u64 z = fill_hash(i, seed);
         const size_t o = i % rb;
         if (o < (size_t)k / 2) {
             p[i] = (unsigned char)(z >> 56);
