@@ -82,6 +82,13 @@ fn shape_fits(
             256 * CW
         ));
     }
+    // A consumer thread polls each block's flag at the token's end.
+    if grid > CW * 32 {
+        return Err(format!(
+            "{grid} SMs: the streaming kernel polls at most {} flags",
+            CW * 32
+        ));
+    }
     if !nh.is_multiple_of(2 * CW) || nh > grid {
         return Err(format!(
             "{nh} heads: the streaming kernel takes multiples of {} up to the SMs",
