@@ -509,6 +509,9 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
     // The last token of the chain, once the consumers know it (a stop token
     // or the host's cancel): the producer issues nothing past it.
     __shared__ volatile u32 s_last;
+    // The token's RoPE angles (model.cu's rope_cs), the same in every layer:
+    // computed once a token, published by the first staging's barriers.
+    __shared__ float2 s_rope[HD / 2];
 
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31u;
     Ctl* ctl = a.ctl;
@@ -582,6 +585,11 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
         const u32 pos = pos0 + t;
         const u16* erow = a.emb + (u64)token * D;
         for (u32 i = h0 + threadIdx.x; i < h1; i += SD_CT) hloc[i - h0] = f16_to_f32(erow[i]);
+        if (threadIdx.x < HD / 2) {
+            float cs, sn;
+            rope_cs(pos, threadIdx.x, HD, a.theta, a.freq_scale, nullptr, cs, sn);
+            s_rope[threadIdx.x] = make_float2(cs, sn);
+        }
         for (u32 l = 0; l < a.nl; ++l) {
             const SdLayer& L = a.layers[l];
             const u32 gl = t * a.nl + l;
@@ -601,10 +609,9 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
                     const u32 row = 2 * (u0 + i);
                     float y0 = sd_row_sum(part, 2 * i), y1 = sd_row_sum(part, 2 * i + 1);
                     if (row < (u32)(QD + KVD)) {
-                        float cs, sn;
-                        rope_cs(pos, (row % HD) / 2, HD, a.theta, a.freq_scale, nullptr, cs, sn);
+                        const float2 cs = s_rope[(row % HD) / 2];
                         const float x0 = y0, x1 = y1;
-                        rope_rotate(x0, x1, cs, sn, y0, y1);
+                        rope_rotate(x0, x1, cs.x, cs.y, y0, y1);
                     }
                     // q, k and v words follow each other as the rows do.
                     sd_st_tag(X + X_Q + row, y0, tg);

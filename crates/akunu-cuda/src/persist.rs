@@ -300,7 +300,6 @@ fn kernel_for(
     sampled: bool,
     owned: &mut Owned,
 ) -> Result<sys::CUfunction, BackendError> {
-    let arch = format!("sm_{}{}", be.info.cc.0, be.info.cc.1);
     let mut defs = shape_defines(a.d, a.qd, a.kvd, a.ff, a.nh, a.nkv);
     defs.push(crate::compile::kv_define(be.kv));
     if !sampled && !crate::compile::developer_defines_name("PD_GREEDY_ONLY") {
@@ -313,11 +312,34 @@ fn kernel_for(
     if bulk_copies(be) {
         defs.push("-DPD_BULK=1".into());
     }
-    let cubin = crate::compile::cubin_of(
+    load_kernel(
+        be,
         &crate::compile::persist_source(),
-        crate::compile::Module::Persistent,
         &defs,
         "the persistent decode kernel",
+        "k_persist_decode",
+        owned,
+    )
+}
+
+/// A persistent kernel (`name` in translation unit `src`, compiled with
+/// `defs` for this device, disk-cached like the main module), loaded with
+/// its shared-memory limit raised to the device's opt-in amount less
+/// `STATIC_SMEM`; its module goes to `owned`. `what` names it in messages.
+pub(crate) fn load_kernel(
+    be: &CudaBackend,
+    src: &str,
+    defs: &[String],
+    what: &str,
+    name: &str,
+    owned: &mut Owned,
+) -> Result<sys::CUfunction, BackendError> {
+    let arch = format!("sm_{}{}", be.info.cc.0, be.info.cc.1);
+    let cubin = crate::compile::cubin_of(
+        src,
+        crate::compile::Module::Persistent,
+        defs,
+        what,
         &arch,
         be.info.driver,
         &mut |m| eprintln!("akunu: {m}"),
@@ -328,15 +350,15 @@ fn kernel_for(
     // cache, keyed by its inputs); out-parameters.
     check(
         unsafe { sys::cuModuleLoadData(&mut module, cubin.as_ptr() as *const _) },
-        "loading the persistent decode module",
+        &format!("loading {what}"),
     )?;
     owned.modules.push(module);
     let mut f: sys::CUfunction = std::ptr::null_mut();
-    let name = std::ffi::CString::new("k_persist_decode").expect("no NUL");
+    let cname = std::ffi::CString::new(name).expect("no NUL");
     // SAFETY: the module is loaded; out-parameter.
     check(
-        unsafe { sys::cuModuleGetFunction(&mut f, module, name.as_ptr()) },
-        "finding k_persist_decode",
+        unsafe { sys::cuModuleGetFunction(&mut f, module, cname.as_ptr()) },
+        &format!("finding {name}"),
     )?;
     // SAFETY: a valid function; at most the device's opt-in amount less
     // the kernel's static shared memory.
@@ -348,7 +370,7 @@ fn kernel_for(
                 be.smem_optin().saturating_sub(STATIC_SMEM) as i32,
             )
         },
-        "raising the persistent decode kernel's shared-memory limit",
+        &format!("raising {what}'s shared-memory limit"),
     )?;
     Ok(f)
 }

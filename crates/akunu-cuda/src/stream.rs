@@ -17,7 +17,7 @@
 
 use crate::CudaBackend;
 use crate::device::{alloc, check};
-use crate::persist::{Args, Owned, Plan, read_shape};
+use crate::persist::{Args, Owned, Plan, load_kernel, read_shape};
 use akunu_core::backend::BackendError;
 use akunu_core::table::DispatchTable;
 use bytemuck::{Pod, Zeroable};
@@ -32,8 +32,9 @@ const ATT_S_MAX: u32 = 4;
 /// Positions the kernel serves: its attention scratch holds a split's
 /// scores (max_pos / SD_ATT_S + 1 floats).
 pub const MAX_POS: u32 = 4096;
-/// Static shared memory of the kernel, with room (stream.cu: `s_last`).
-const STATIC_SMEM: u32 = 1024;
+/// Static shared memory of the kernel, with room (stream.cu: `s_last`, the
+/// RoPE table): persist.rs's, which `load_kernel` leaves out of the limit.
+use crate::persist::STATIC_SMEM;
 
 /// Mirror of `SdArgs` in stream.cu.
 #[repr(C)]
@@ -157,47 +158,16 @@ fn kernel_for(
     defs: &[String],
     owned: &mut Owned,
 ) -> Result<sys::CUfunction, BackendError> {
-    let arch = format!("sm_{}{}", be.info.cc.0, be.info.cc.1);
     let mut defs = defs.to_vec();
     defs.push(crate::compile::kv_define(be.kv));
-    let cubin = crate::compile::cubin_of(
+    load_kernel(
+        be,
         &crate::compile::stream_source(),
-        crate::compile::Module::Persistent,
         &defs,
         "the streaming decode kernel",
-        &arch,
-        be.info.driver,
-        &mut |m| eprintln!("akunu: {m}"),
+        "k_stream_decode",
+        owned,
     )
-    .map_err(BackendError::Device)?;
-    let mut module: sys::CUmodule = std::ptr::null_mut();
-    // SAFETY: a complete cubin for this device, produced by NVRTC (or our
-    // cache, keyed by its inputs); out-parameters.
-    check(
-        unsafe { sys::cuModuleLoadData(&mut module, cubin.as_ptr() as *const _) },
-        "loading the streaming decode module",
-    )?;
-    owned.modules.push(module);
-    let mut f: sys::CUfunction = std::ptr::null_mut();
-    let name = std::ffi::CString::new("k_stream_decode").expect("no NUL");
-    // SAFETY: the module is loaded; out-parameter.
-    check(
-        unsafe { sys::cuModuleGetFunction(&mut f, module, name.as_ptr()) },
-        "finding k_stream_decode",
-    )?;
-    // SAFETY: a valid function; at most the device's opt-in amount less
-    // the kernel's static shared memory.
-    check(
-        unsafe {
-            sys::cuFuncSetAttribute(
-                f,
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                be.smem_optin().saturating_sub(STATIC_SMEM) as i32,
-            )
-        },
-        "raising the streaming decode kernel's shared-memory limit",
-    )?;
-    Ok(f)
 }
 
 /// Why a table cannot run on the streaming kernel, or its plan. What the
