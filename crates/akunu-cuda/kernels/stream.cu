@@ -21,8 +21,6 @@
 // stream.rs compiles one module per shape (SD_* macros) and checks what the
 // kernel assumes: plain llama layers, F16 matrices and embedding, heads of
 // SD_HD, every product's rows at least one unit a block.
-//
-// Draft (branch stream-kernel): not yet run on a GPU.
 
 #ifndef SD_CW
 #define SD_CW 8

@@ -179,8 +179,8 @@ pub struct CudaBackend {
     persist_on: bool,
     persist_asked: bool,
     /// Whether a model too large for the persistent kernel may take the
-    /// streaming one (`stream.rs`, a draft: `AKUNU_CUDA_STREAM=1` or
-    /// `set_streaming`).
+    /// streaming one (`stream.rs`; on by default on sm_90,
+    /// `AKUNU_CUDA_STREAM=0` or `set_streaming` turn it off).
     stream_on: bool,
     /// Element type of the K and V caches, which the cache kernels (main
     /// and persistent modules) were compiled for.
@@ -288,7 +288,11 @@ impl CudaBackend {
                 _ => sm90,
             },
             persist_asked: persist_env.as_deref() == Some("1"),
-            stream_on: std::env::var("AKUNU_CUDA_STREAM").as_deref() == Ok("1"),
+            stream_on: match std::env::var("AKUNU_CUDA_STREAM").as_deref() {
+                Ok("0") => false,
+                Ok("1") => true,
+                _ => sm90,
+            },
             kv,
             persist_plans: HashMap::new(),
             persist_owned: persist::Owned::default(),
@@ -476,9 +480,10 @@ impl CudaBackend {
     }
 
     /// Whether greedy chains of a llama model with F16 matrices too large for
-    /// the persistent kernel run on the streaming one (`stream.rs`; a draft,
-    /// off unless `AKUNU_CUDA_STREAM=1`). It needs the persistent switch on
-    /// too; its chains count in [`CudaBackend::persistent_chains`].
+    /// the persistent kernel run on the streaming one (`stream.rs`; on by
+    /// default on sm_90, off with `AKUNU_CUDA_STREAM=0`). It needs the
+    /// persistent switch on too; its chains count in
+    /// [`CudaBackend::persistent_chains`].
     pub fn set_streaming(&mut self, on: bool) {
         self.stream_on = on;
     }

@@ -12,8 +12,8 @@
 //! `persist::launch`. Sampled tables keep the graph (the kernel has no
 //! sampler yet).
 //!
-//! Draft (branch `stream-kernel`): opt-in by `AKUNU_CUDA_STREAM=1`, not yet
-//! run on a GPU.
+//! On by default on sm_90 (as the persistent kernel is); `AKUNU_CUDA_STREAM=0`
+//! keeps such models on the graph.
 
 use crate::CudaBackend;
 use crate::device::{alloc, check};
