@@ -34,7 +34,9 @@
 #                                 probe (the gemv kernels alone, nvcc),
 #                                 mega (a persistent decode kernel, nvcc),
 #                                 stream (a streaming persistent kernel of
-#                                 the large F16 shapes, nvcc; STREAM_RUNS).
+#                                 the large F16 shapes, nvcc; STREAM_RUNS),
+#                                 stream-ab (akunu's streaming kernel
+#                                 against its graph; STREAM_AB_SHAPES).
 #                                 Logs go to $OUT (or ./gpu-out),
 #                                 a summary to stdout.
 #
@@ -664,6 +666,23 @@ peer_torch() {
     done
 }
 
+# The streaming persistent kernel (stream.rs) against the graph decode, in
+# the same call: each shape of STREAM_AB_SHAPES (default the 1B and
+# 8B F16) benched with AKUNU_CUDA_STREAM=0, then =1, each run under a time
+# limit (a kernel that hangs costs one run).
+stream_ab_one() { # NAME FILE
+    AKUNU_CUDA_STREAM=0 timeout 300 "$BIN/akunu" bench -m "$2" --device cuda -p 512 -n 128 -r 5 2>&1 |
+        tee "$OUTDIR/bench-$1-graph.log" | grep -E "^\||kernels|floor|error" || echo "graph run failed"
+    AKUNU_CUDA_STREAM=1 AKUNU_CUDA_PERSIST=1 timeout 300 "$BIN/akunu" bench -m "$2" --device cuda -p 512 -n 128 \
+        -r 5 2>&1 | tee "$OUTDIR/bench-$1-stream.log" | grep -E "^\||kernels|floor|error|akunu:" ||
+        echo "streaming run failed"
+}
+
+stream_ab() {
+    echo "== decode: graph, then the streaming kernel (AKUNU_CUDA_STREAM=1)"
+    each_shape "${STREAM_AB_SHAPES:-llama-1b:f16 llama-8b:f16}" stream_ab_one
+}
+
 bench_ab_one() { # NAME FILE
     AKUNU_CUDA_CUBLAS=0 bench_one "$1-nocublas" "$2" --no-bandwidth
     AKUNU_CUDA_CUBLAS=1 bench_one "$1-cublas" "$2" --no-bandwidth
@@ -1166,6 +1185,7 @@ run)
         sanitize-persist) sanitize_persist ;;
         bench) bench ;;
         bench-ab) bench_ab ;;
+        stream-ab) stream_ab ;;
         peer-torch) peer_torch ;;
         ncu) ncu_gemv ;;
         ncu-token) ncu_token ;;

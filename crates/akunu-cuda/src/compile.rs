@@ -28,6 +28,14 @@ pub const PERSIST_SOURCES: [(&str, &str); 3] = [
     ("persist.cu", include_str!("../kernels/persist.cu")),
 ];
 
+/// The streaming persistent decode kernel (`stream.rs`): its own module,
+/// compiled per model shape. Developer switches reach it as they reach the
+/// persistent module (`Module::Persistent`).
+pub const STREAM_SOURCES: [(&str, &str); 2] = [
+    ("common.cuh", include_str!("../kernels/common.cuh")),
+    ("stream.cu", include_str!("../kernels/stream.cu")),
+];
+
 /// One translation unit: the sources with `#line` markers, so compiler
 /// messages name the original file and line.
 fn unit(sources: &[(&str, &str)]) -> String {
@@ -48,6 +56,11 @@ pub fn full_source() -> String {
 /// The persistent decode module's translation unit.
 pub fn persist_source() -> String {
     unit(&PERSIST_SOURCES)
+}
+
+/// The streaming decode module's translation unit.
+pub fn stream_source() -> String {
+    unit(&STREAM_SOURCES)
 }
 
 /// Which module a compile is for: the developer switches named `PD_*`
@@ -306,6 +319,18 @@ mod tests {
                 o.push(greedy_only.into());
                 let bin =
                     super::compile(&super::persist_source(), &o).unwrap_or_else(|e| panic!("{e}"));
+                assert!(bin.len() > 1000);
+            }
+        }
+        // The streaming decode module at the 1B and 8B F16 shapes
+        // (the stages and splits a 132-SM device gets), each KV cache type.
+        for (d, kvd, ff, nst) in [(2048, 512, 8192, 5), (4096, 1024, 14336, 4)] {
+            for kv in [super::KvType::F16, super::KvType::F32] {
+                let mut o = super::options("sm_90", super::Module::Persistent);
+                o.extend(crate::stream::defines(d, d, kvd, ff, 32, 8, 3000, nst, 4));
+                o.push(super::kv_define(kv));
+                let bin =
+                    super::compile(&super::stream_source(), &o).unwrap_or_else(|e| panic!("{e}"));
                 assert!(bin.len() > 1000);
             }
         }

@@ -26,6 +26,7 @@ mod knob;
 mod launch;
 mod persist;
 mod repack;
+mod stream;
 
 use akunu_core::backend::{
     Backend, BackendError, BufferRead, ChainReport, ChainRequest, StepHook, TokenSink,
@@ -177,6 +178,10 @@ pub struct CudaBackend {
     /// persistent so far (tests check the path).
     persist_on: bool,
     persist_asked: bool,
+    /// Whether a model too large for the persistent kernel may take the
+    /// streaming one (`stream.rs`; on by default on sm_90,
+    /// `AKUNU_CUDA_STREAM=0` or `set_streaming` turn it off).
+    stream_on: bool,
     /// Element type of the K and V caches, which the cache kernels (main
     /// and persistent modules) were compiled for.
     pub(crate) kv: KvType,
@@ -283,6 +288,11 @@ impl CudaBackend {
                 _ => sm90,
             },
             persist_asked: persist_env.as_deref() == Some("1"),
+            stream_on: match std::env::var("AKUNU_CUDA_STREAM").as_deref() {
+                Ok("0") => false,
+                Ok("1") => true,
+                _ => sm90,
+            },
             kv,
             persist_plans: HashMap::new(),
             persist_owned: persist::Owned::default(),
@@ -469,6 +479,15 @@ impl CudaBackend {
         self.persist_asked = on;
     }
 
+    /// Whether greedy chains of a llama model with F16 matrices too large for
+    /// the persistent kernel run on the streaming one (`stream.rs`; on by
+    /// default on sm_90, off with `AKUNU_CUDA_STREAM=0`). It needs the
+    /// persistent switch on too; its chains count in
+    /// [`CudaBackend::persistent_chains`].
+    pub fn set_streaming(&mut self, on: bool) {
+        self.stream_on = on;
+    }
+
     /// Chains that ran on the persistent kernel so far (a counter
     /// that outlives moving the backend into an engine: tests check the
     /// path was taken).
@@ -497,7 +516,15 @@ impl CudaBackend {
         let hash = table_hash_with(table, |c| c.kernel != KernelId::GumbelSample);
         if !self.persist_plans.contains_key(&hash) {
             let mut owned = persist::Owned::default();
-            let plan = persist::plan(self, table, &mut owned);
+            let mut plan = persist::plan(self, table, &mut owned);
+            // A model that kernel cannot take: the streaming one, when on.
+            if let Ok(Err(why)) = &plan
+                && self.stream_on
+            {
+                let why = why.clone();
+                plan = stream::plan(self, table, &mut owned)
+                    .map(|p| p.map_err(|s| format!("{why}; the streaming kernel: {s}")));
+            }
             self.persist_owned.mem.extend(owned.mem);
             self.persist_owned.modules.extend(owned.modules);
             let plan = plan?;

@@ -62,58 +62,58 @@ pub const MAX_POS: u32 = 384;
 /// Mirror of `PdLayer` in persist.cu.
 #[repr(C)]
 #[derive(Copy, Clone, Pod, Zeroable)]
-struct PdLayer {
-    w: [u64; 7],
-    attn_norm: u64,
-    ffn_norm: u64,
-    k: u64,
-    v: u64,
+pub(crate) struct PdLayer {
+    pub w: [u64; 7],
+    pub attn_norm: u64,
+    pub ffn_norm: u64,
+    pub k: u64,
+    pub v: u64,
 }
 
 /// Mirror of `PdArgs` in persist.cu.
 #[repr(C)]
 #[derive(Copy, Clone, Pod, Zeroable, Debug)]
 pub(crate) struct PdArgs {
-    layers: u64,
-    emb: u64,
-    out: u64,
-    out_norm: u64,
+    pub layers: u64,
+    pub emb: u64,
+    pub out: u64,
+    pub out_norm: u64,
     pub conveyor: u64,
     pub ctl: u64,
-    x: u64,
-    best: u64,
-    flags: u64,
-    nl: u32,
-    d: u32,
-    qd: u32,
-    kvd: u32,
-    nh: u32,
-    nkv: u32,
-    ff: u32,
-    vocab: u32,
-    capacity: u32,
-    emb_q8: u32,
-    out_q8: u32,
-    max_pos: u32,
-    eps: f32,
-    theta: f32,
-    freq_scale: f32,
-    scale: f32,
-    recent: u64,
-    window_chain: u64,
-    samp: u64,
-    mode: u32,
-    top_k: u32,
-    repeat_last_n: u32,
-    seed_lo: u32,
-    seed_hi: u32,
-    recent_capacity: u32,
-    inv_t: f32,
-    top_p: f32,
-    min_p: f32,
-    penalty: f32,
-    res_rows: u32,
-    res_off: u32,
+    pub x: u64,
+    pub best: u64,
+    pub flags: u64,
+    pub nl: u32,
+    pub d: u32,
+    pub qd: u32,
+    pub kvd: u32,
+    pub nh: u32,
+    pub nkv: u32,
+    pub ff: u32,
+    pub vocab: u32,
+    pub capacity: u32,
+    pub emb_q8: u32,
+    pub out_q8: u32,
+    pub max_pos: u32,
+    pub eps: f32,
+    pub theta: f32,
+    pub freq_scale: f32,
+    pub scale: f32,
+    pub recent: u64,
+    pub window_chain: u64,
+    pub samp: u64,
+    pub mode: u32,
+    pub top_k: u32,
+    pub repeat_last_n: u32,
+    pub seed_lo: u32,
+    pub seed_hi: u32,
+    pub recent_capacity: u32,
+    pub inv_t: f32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub penalty: f32,
+    pub res_rows: u32,
+    pub res_off: u32,
 }
 
 // The kernel's parameter block: persist.cu's PdArgs, 208 bytes.
@@ -165,17 +165,28 @@ pub(crate) struct Plan {
     /// The kernel's `CUfunction`, as an integer so that the plan can go to
     /// the chain's launcher thread (a driver handle, valid from any thread
     /// with the context bound, until the backend unloads its module).
-    func: u64,
-    pub args: PdArgs,
+    pub func: u64,
+    pub args: Args,
     pub grid: u32,
     pub smem: u32,
+    /// Threads of a block.
+    pub threads: u32,
     /// Positions the plan serves (`pos + steps <= max_pos`).
     pub max_pos: u32,
     /// The sampled table's `GumbelSample` command (its params are read at
     /// each chain: [`Plan::for_chain`]).
-    sampler: Option<usize>,
+    pub sampler: Option<usize>,
     /// Device bytes of the tagged words, bests and flags, zeroed per chain.
-    scratch: (Dptr, u64),
+    pub scratch: (Dptr, u64),
+}
+
+/// The kernel a plan launches, with its parameter block.
+#[derive(Copy, Clone, Debug)]
+pub(crate) enum Args {
+    /// persist.cu: a layer's rows in shared memory (small models).
+    Small(PdArgs),
+    /// stream.cu: every product streamed through a ring (`stream.rs`).
+    Stream(crate::stream::SdArgs),
 }
 
 fn rec(k: u32) -> u64 {
@@ -289,7 +300,6 @@ fn kernel_for(
     sampled: bool,
     owned: &mut Owned,
 ) -> Result<sys::CUfunction, BackendError> {
-    let arch = format!("sm_{}{}", be.info.cc.0, be.info.cc.1);
     let mut defs = shape_defines(a.d, a.qd, a.kvd, a.ff, a.nh, a.nkv);
     defs.push(crate::compile::kv_define(be.kv));
     if !sampled && !crate::compile::developer_defines_name("PD_GREEDY_ONLY") {
@@ -302,11 +312,34 @@ fn kernel_for(
     if bulk_copies(be) {
         defs.push("-DPD_BULK=1".into());
     }
-    let cubin = crate::compile::cubin_of(
+    load_kernel(
+        be,
         &crate::compile::persist_source(),
-        crate::compile::Module::Persistent,
         &defs,
         "the persistent decode kernel",
+        "k_persist_decode",
+        owned,
+    )
+}
+
+/// A persistent kernel (`name` in translation unit `src`, compiled with
+/// `defs` for this device, disk-cached like the main module), loaded with
+/// its shared-memory limit raised to the device's opt-in amount less
+/// `STATIC_SMEM`; its module goes to `owned`. `what` names it in messages.
+pub(crate) fn load_kernel(
+    be: &CudaBackend,
+    src: &str,
+    defs: &[String],
+    what: &str,
+    name: &str,
+    owned: &mut Owned,
+) -> Result<sys::CUfunction, BackendError> {
+    let arch = format!("sm_{}{}", be.info.cc.0, be.info.cc.1);
+    let cubin = crate::compile::cubin_of(
+        src,
+        crate::compile::Module::Persistent,
+        defs,
+        what,
         &arch,
         be.info.driver,
         &mut |m| eprintln!("akunu: {m}"),
@@ -317,15 +350,15 @@ fn kernel_for(
     // cache, keyed by its inputs); out-parameters.
     check(
         unsafe { sys::cuModuleLoadData(&mut module, cubin.as_ptr() as *const _) },
-        "loading the persistent decode module",
+        &format!("loading {what}"),
     )?;
     owned.modules.push(module);
     let mut f: sys::CUfunction = std::ptr::null_mut();
-    let name = std::ffi::CString::new("k_persist_decode").expect("no NUL");
+    let cname = std::ffi::CString::new(name).expect("no NUL");
     // SAFETY: the module is loaded; out-parameter.
     check(
-        unsafe { sys::cuModuleGetFunction(&mut f, module, name.as_ptr()) },
-        "finding k_persist_decode",
+        unsafe { sys::cuModuleGetFunction(&mut f, module, cname.as_ptr()) },
+        &format!("finding {name}"),
     )?;
     // SAFETY: a valid function; at most the device's opt-in amount less
     // the kernel's static shared memory.
@@ -337,7 +370,7 @@ fn kernel_for(
                 be.smem_optin().saturating_sub(STATIC_SMEM) as i32,
             )
         },
-        "raising the persistent decode kernel's shared-memory limit",
+        &format!("raising {what}'s shared-memory limit"),
     )?;
     Ok(f)
 }
@@ -349,7 +382,7 @@ pub(crate) fn plan(
     table: &DispatchTable,
     owned: &mut Owned,
 ) -> Result<Result<Plan, String>, BackendError> {
-    let shape = match read_shape(be, table) {
+    let shape = match read_shape(be, table, false) {
         Ok(s) => s,
         Err(why) => return Ok(Err(why)),
     };
@@ -450,9 +483,10 @@ pub(crate) fn plan(
     }
     Ok(Ok(Plan {
         func: f as u64,
-        args: a,
+        args: Args::Small(a),
         grid,
         smem: smem as u32,
+        threads,
         max_pos,
         sampler,
         scratch: (scratch, zeroed),
@@ -488,7 +522,9 @@ impl Plan {
                 p.recent_capacity
             ));
         }
-        let a = &mut self.args;
+        let Args::Small(a) = &mut self.args else {
+            return Err("the streaming kernel has no sampler".into());
+        };
         a.mode = mode as u32;
         a.top_k = p.top_k;
         a.repeat_last_n = p.repeat_last_n;
@@ -503,16 +539,23 @@ impl Plan {
     }
 }
 
-struct Shape {
-    layers: Vec<PdLayer>,
-    args: PdArgs,
+pub(crate) struct Shape {
+    pub layers: Vec<PdLayer>,
+    pub args: PdArgs,
     /// The index of a sampled table's `GumbelSample` command.
-    sampler: Option<usize>,
+    pub sampler: Option<usize>,
 }
 
 /// The model read off a greedy (or sampled) llama table, or why the kernel
 /// cannot run it.
-fn read_shape(be: &CudaBackend, table: &DispatchTable) -> Result<Shape, String> {
+/// `f16`: the matrices, embedding and output F16 with heads of 64 or 128
+/// (the streaming kernel, `stream.rs`); otherwise Q4_1 matrices, a Q4_1 or
+/// Q8_0 embedding and output, heads of 64 (this kernel).
+pub(crate) fn read_shape(
+    be: &CudaBackend,
+    table: &DispatchTable,
+    f16: bool,
+) -> Result<Shape, String> {
     let c = &table.commands;
     // A sampled table: the greedy layout with its sampler before the argmax.
     let sampler =
@@ -550,8 +593,10 @@ fn read_shape(be: &CudaBackend, table: &DispatchTable) -> Result<Shape, String> 
     let d = emb.dim;
     let q8 = |dt: u32| -> Result<u32, String> {
         match dt {
-            x if x == DType::Q8_0 as u32 => Ok(1),
-            x if x == DType::Q4_1 as u32 => Ok(0),
+            x if f16 && x == DType::F16 as u32 => Ok(0),
+            x if !f16 && x == DType::Q8_0 as u32 => Ok(1),
+            x if !f16 && x == DType::Q4_1 as u32 => Ok(0),
+            _ if f16 => Err(format!("an embedding or output of type {dt} (F16 only)")),
             _ => Err(format!(
                 "an embedding or output of type {dt} (Q4_1 or Q8_0 only)"
             )),
@@ -561,7 +606,11 @@ fn read_shape(be: &CudaBackend, table: &DispatchTable) -> Result<Shape, String> 
     if emb.scale != 1.0 {
         return Err("a scaled embedding".into());
     }
-    let q41 = DType::Q4_1 as u32;
+    let (want_dt, dt_name) = if f16 {
+        (DType::F16 as u32, "F16")
+    } else {
+        (DType::Q4_1 as u32, "Q4_1")
+    };
     let mut a = PdArgs::zeroed();
     let mut layers = Vec::with_capacity(nl as usize);
     let mut attn_norm = ptr(1, 1)?;
@@ -600,38 +649,42 @@ fn read_shape(be: &CudaBackend, table: &DispatchTable) -> Result<Shape, String> 
                 && g.k == k
                 && g.bias == 0
                 && g.softcap == 0.0
-                && g.dtype[..segs as usize].iter().all(|&t| t == q41)
+                && g.dtype[..segs as usize].iter().all(|&t| t == want_dt)
         };
         if !plain(&qkv, 3, d) || qkv.n[2] != kvd || qkv.input_act != ACT_NONE {
             return Err(format!(
-                "layer {l}: q|k|v not three Q4_1 matrices without bias"
+                "layer {l}: q|k|v not three {dt_name} matrices without bias"
             ));
         }
         if !plain(&o, 1, qd) || o.n[0] != d || o.input_act != ACT_NONE {
-            return Err(format!("layer {l}: the output projection is not Q4_1"));
+            return Err(format!("layer {l}: the output projection is not {dt_name}"));
         }
         if !plain(&gu, 2, d) || gu.n[1] != gu.n[0] || gu.input_act != ACT_NONE {
-            return Err(format!("layer {l}: gate|up not two Q4_1 matrices"));
+            return Err(format!("layer {l}: gate|up not two {dt_name} matrices"));
         }
         let ff = gu.n[0];
         if !plain(&dn, 1, ff) || dn.n[0] != d || dn.input_act != ACT_SWIGLU {
             return Err(format!(
-                "layer {l}: the down projection is not Q4_1 after SwiGLU"
+                "layer {l}: the down projection is not {dt_name} after SwiGLU"
             ));
         }
-        if rope.head_dim != HEAD
-            || rope.rope_dim != HEAD
+        let head_ok = rope.head_dim == HEAD || (f16 && rope.head_dim == 128);
+        if !head_ok
+            || rope.rope_dim != rope.head_dim
             || rope.style != ROPE_NORM
             || rope.freq_factors != 0
             || rope.qk_norm != 0
-            || rope.n_heads * HEAD != qd
-            || rope.n_kv_heads * HEAD != kvd
+            || rope.n_heads * rope.head_dim != qd
+            || rope.n_kv_heads * rope.head_dim != kvd
             || rope.n_kv_heads == 0
             || !rope.n_heads.is_multiple_of(rope.n_kv_heads)
         {
             return Err(format!(
-                "layer {l}: heads of {} (rope over {}, style {}): the kernel takes plain RoPE on heads of 64",
-                rope.head_dim, rope.rope_dim, rope.style
+                "layer {l}: heads of {} (rope over {}, style {}): the kernel takes plain RoPE on heads of {}",
+                rope.head_dim,
+                rope.rope_dim,
+                rope.style,
+                if f16 { "64 or 128" } else { "64" }
             ));
         }
         if att.softcap != 0.0 || att.window != 0 {
@@ -713,8 +766,9 @@ fn read_shape(be: &CudaBackend, table: &DispatchTable) -> Result<Shape, String> 
     if lp.n_seg != 1 || lp.k != d || lp.bias != 0 || lp.softcap != 0.0 {
         return Err("the logits product has a bias or a soft-cap".into());
     }
-    let sizes_ok =
-        [a.d, a.qd, a.ff].iter().all(|&k| k % 64 == 0) && a.d <= MAXPER * WARPS * 32 && a.nh > 0;
+    let sizes_ok = [a.d, a.qd, a.ff].iter().all(|&k| k % 64 == 0)
+        && (f16 || a.d <= MAXPER * WARPS * 32)
+        && a.nh > 0;
     if !sizes_ok {
         return Err(format!(
             "d = {}, q = {}, ffn = {}: the kernel takes multiples of 64 and d <= {}",
@@ -751,9 +805,22 @@ pub(crate) fn launch(
     conveyor: Dptr,
     stream: sys::CUstream,
 ) -> Result<(), BackendError> {
-    let mut args = plan.args;
-    args.ctl = ctl;
-    args.conveyor = conveyor;
+    let mut small;
+    let mut stream_args;
+    let params: *mut std::ffi::c_void = match plan.args {
+        Args::Small(a) => {
+            small = a;
+            small.ctl = ctl;
+            small.conveyor = conveyor;
+            &mut small as *mut PdArgs as *mut _
+        }
+        Args::Stream(a) => {
+            stream_args = a;
+            stream_args.ctl = ctl;
+            stream_args.conveyor = conveyor;
+            &mut stream_args as *mut crate::stream::SdArgs as *mut _
+        }
+    };
     let (scratch, bytes) = plan.scratch;
     // SAFETY: the scratch holds `bytes` (a multiple of 4) bytes; the kernel
     // is loaded, its arguments are a live local read at launch, and every
@@ -765,14 +832,14 @@ pub(crate) fn launch(
             sys::cuMemsetD32Async(scratch, 0, (bytes / 4) as usize, stream),
             "clearing the persistent decode scratch",
         )?;
-        let mut p = [&mut args as *mut PdArgs as *mut std::ffi::c_void];
+        let mut p = [params];
         check(
             sys::cuLaunchCooperativeKernel(
                 plan.func as sys::CUfunction,
                 plan.grid,
                 1,
                 1,
-                WARPS * 32,
+                plan.threads,
                 1,
                 1,
                 plan.smem,

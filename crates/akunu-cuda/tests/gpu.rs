@@ -621,6 +621,112 @@ fn persistent_against_cpu_kv(
     (tg, same)
 }
 
+/// The streaming kernel (`stream.rs`, a draft behind `set_streaming`) on
+/// the llama-1b F16 shape: greedy tokens against the CPU's (equal but after
+/// a near-tie); a stop token inside the chain (its producer warp must stop
+/// streaming and let its last copies land); a cancellation by the sink; the
+/// engine going on after it.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
+fn streaming_chain_matches_cpu() {
+    use std::sync::atomic::Ordering;
+    let m = synth(Shape::Llama1B, DType::F16);
+    let what = "llama-1b f16 streaming";
+    let opts = GenerateOptions {
+        max_tokens: 32,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let streaming = || {
+        let mut be =
+            akunu_cuda::CudaBackend::with_kv_type(0, KvType::F16, &mut |m| eprintln!("{m}"))
+                .expect("CUDA backend");
+        be.set_persistent(true);
+        be.set_streaming(true);
+        let n = be.persistent_chains();
+        (Box::new(be) as Box<dyn Backend>, n)
+    };
+    let p = prompt(20, m.config.n_vocab);
+    let mut c = engine(&m, cpu_kv(KvType::F16), 16, 64);
+    let (tc, lcs) = run(&mut c, &p, &opts);
+    let (be, chains) = streaming();
+    let mut g = engine(&m, be, 64, 64);
+    let mut tg = Vec::new();
+    g.generate(&p, &opts, &mut |id, _| {
+        tg.push(id);
+        true
+    })
+    .unwrap();
+    assert!(
+        chains.load(Ordering::Relaxed) > 0,
+        "{what}: no chain ran persistent"
+    );
+    assert_eq!(tg.len(), tc.len(), "{what}: tokens generated");
+    let mut same = tg.len();
+    for (s, (a, b)) in tg.iter().zip(&tc).enumerate() {
+        if a != b {
+            assert_near_tie(what, "streaming", s, *a, *b, &lcs[s]);
+            same = s;
+            break;
+        }
+    }
+    eprintln!("{what}: {same} of {} tokens equal to the CPU's", tg.len());
+    assert!(same >= 8, "{what}: only {same} tokens compared");
+    // A stop token inside the chain.
+    g.reset();
+    let stop = tg[same.min(12) - 1];
+    let first = tg.iter().position(|&t| t == stop).unwrap();
+    let mut got = Vec::new();
+    let st = g
+        .generate(
+            &p,
+            &GenerateOptions {
+                stop_tokens: vec![stop],
+                ..opts.clone()
+            },
+            &mut |id, _| {
+                got.push(id);
+                true
+            },
+        )
+        .unwrap();
+    assert_eq!(got, tg[..first], "{what}: tokens before the stop token");
+    assert_eq!(
+        st.computed_after_end,
+        Some(0),
+        "{what}: work after the stop"
+    );
+    // The sink ends the chain after 5 tokens.
+    g.reset();
+    let mut got = Vec::new();
+    let st = g
+        .generate(&p, &opts, &mut |id, _| {
+            got.push(id);
+            got.len() < 5
+        })
+        .unwrap();
+    assert_eq!(got, tg[..5], "{what}: tokens before the cancellation");
+    assert!(
+        st.computed_after_end.is_some_and(|n| n < 20),
+        "{what}: the kernel ran on after the cancellation: {:?}",
+        st.computed_after_end
+    );
+    let mut more = Vec::new();
+    g.generate(
+        &[],
+        &GenerateOptions {
+            max_tokens: 5,
+            ..opts.clone()
+        },
+        &mut |id, _| {
+            more.push(id);
+            true
+        },
+    )
+    .unwrap();
+    assert_eq!(more.len(), 5, "{what}: a generation after the cancellation");
+}
+
 /// The persistent kernel's greedy tokens against the CPU's (equal but after
 /// a near-tie), on the SmolLM2 shape with a Q4_1 and with a Q8_0 embedding
 /// (the default file's types); then a stop token and a cancellation by the

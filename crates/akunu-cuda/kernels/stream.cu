@@ -1,0 +1,723 @@
+// The streaming persistent decode kernel: a greedy chain of a llama model
+// with F16 matrices too large for persist.cu (which keeps a layer's rows in
+// shared memory) as one cooperative launch. The design is the one
+// bench/cuda/stream_probe.cu measured (bench/RESULTS.md, session 25; docs/
+// ARCHITECTURE.md, "the streaming persistent kernel"):
+//
+//   - one block an SM; a producer warp copies the block's share of every
+//     product, in the order the token uses them (each layer's q|k|v, o,
+//     gate|up and down rows, then the logits rows), through SD_NST stages
+//     of SD_STB bytes with cp.async.bulk, and waits only for a stage to be
+//     freed (or for the chain to end);
+//   - SD_CW consumer warps stage each product's input from tagged words
+//     (the value in the low half, the number of the phase that wrote it in
+//     the high half), reloading every stale word at once, then take the
+//     stages as they land: warp w always takes the same columns of every
+//     row, its piece of the input in registers for the whole product; a
+//     row's SD_CW partials are added in a fixed order;
+//   - attention on one block per (query head, split of the positions), the
+//     splits merged where the o product stages its input.
+//
+// stream.rs compiles one module per shape (SD_* macros) and checks what the
+// kernel assumes: plain llama layers, F16 matrices and embedding, heads of
+// SD_HD, every product's rows at least one unit a block.
+
+#ifndef SD_CW
+#define SD_CW 8
+#endif
+#ifndef SD_NST
+#define SD_NST 4
+#endif
+#ifndef SD_STB
+#define SD_STB 32768
+#endif
+#ifndef SD_ATT_S
+#define SD_ATT_S 4
+#endif
+#define SD_THREADS ((SD_CW + 1) * 32)
+#define SD_CT (SD_CW * 32)
+
+constexpr int D = SD_D, QD = SD_QD, KVD = SD_KVD, FF = SD_FF, NH = SD_NH, NKV = SD_NKV, HD = SD_HD;
+constexpr int QKV = QD + 2 * KVD;
+static_assert(QD == NH * HD && KVD == NKV * HD, "heads of SD_HD");
+
+struct SdLayer {
+    const u16* w[7];  // q, k, v, o, gate, up, down (row-major F16)
+    const float* attn_norm;
+    const float* ffn_norm;
+    kv_t* k;  // [kv head][capacity][HD]
+    kv_t* v;
+};
+
+struct SdArgs {
+    const SdLayer* layers;
+    const u16* emb;  // vocab x d
+    const u16* out;  // vocab x d (the embedding when tied)
+    const float* out_norm;
+    u32* conveyor;  // token ids: input at ctl->tok0, outputs after it
+    Ctl* ctl;
+    u64* x;      // 2 x SD_XW tagged words
+    u64* best;   // 2 x (blocks + 1): each block's best key, then the cancel word
+    u32* flags;  // blocks
+    u32 nl, vocab, capacity, max_pos;
+    float eps, theta, freq_scale, scale;
+};
+
+// The products, in the order a layer streams them, then the logits.
+enum { M_QKV = 0, M_O = 1, M_GU = 2, M_DN = 3, M_LOG = 4 };
+__host__ __device__ constexpr int sd_pow2_floor(int n) { return n >= 2 ? 2 * sd_pow2_floor(n / 2) : 1; }
+template <int M>
+struct Mat {
+    static constexpr int UR = (M == M_QKV || M == M_GU) ? 2 : 1;  // rows a unit
+    static constexpr int K = M == M_O ? QD : M == M_DN ? FF : D;
+    static constexpr int RB = 2 * K;                    // bytes a row
+    static constexpr int UB = UR * RB;                  // bytes a unit
+    static constexpr int UPC = sd_pow2_floor(SD_STB / UB);  // units a chunk
+    static constexpr int RPC = UPC * UR;                // rows a chunk
+    static constexpr int SEG = K / SD_CW;               // columns a warp
+    static_assert(UB <= SD_STB, "a unit fits a stage");
+    static_assert(RPC <= 32, "a chunk's rows reduce by halving");
+    static_assert(SEG % 256 == 0, "a warp's segment is whole 256-column steps");
+};
+__device__ __forceinline__ u32 sd_units(int m, u32 vocab) {
+    return m == M_QKV ? QKV / 2 : m == M_O ? D : m == M_GU ? FF : m == M_DN ? D : vocab;
+}
+
+// Tagged-word areas of one set (two sets, by the parity of the layer
+// counted over the chain).
+constexpr int X_HO = 0, X_HD = X_HO + D, X_Q = X_HD + D, X_K = X_Q + QD, X_V = X_K + KVD, X_ACT = X_V + KVD,
+              X_PART = X_ACT + FF, SD_XW = X_PART + NH * SD_ATT_S * (HD + 2);
+
+__device__ __forceinline__ void sd_st_tag(u64* a, float v, u32 tag) {
+    const u64 w = ((u64)tag << 32) | __float_as_uint(v);
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(a), "l"(w) : "memory");
+}
+__device__ __forceinline__ u64 sd_ld_word(const u64* a) {
+    u64 w;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(a) : "memory");
+    return w;
+}
+// Reloads, all in flight together, every word of w whose tag is not yet
+// `tag`, until all carry it (one round trip after the last producer, not one
+// for each word that had not arrived at the first load).
+template <int N, class F>
+__device__ __forceinline__ void sd_poll(u64 (&w)[N], F addr, u32 tag) {
+    for (;;) {
+        bool ok = true;
+#pragma unroll
+        for (int j = 0; j < N; ++j) ok &= (u32)(w[j] >> 32) == tag;
+        if (ok) return;
+#pragma unroll
+        for (int j = 0; j < N; ++j)
+            if ((u32)(w[j] >> 32) != tag) w[j] = sd_ld_word(addr(j));
+    }
+}
+__device__ __forceinline__ float sd_val(u64 w) { return __uint_as_float((u32)w); }
+// Phase ph of layer l of chain token t; 0 is never a tag (the words start
+// zeroed).
+__device__ __forceinline__ u32 sd_tag(u32 t, u32 nl, u32 l, u32 ph) { return ((t * nl + l) * 8u + ph) + 1u; }
+
+// mbarrier test without suspending the thread.
+__device__ __forceinline__ bool sd_mbar_ready(u64* bar, u32 parity) {
+    u32 ok;
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+    return ok != 0;
+}
+__device__ __forceinline__ void sd_mbar_arrive(u64* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void sd_bulk(void* dst, const void* src, u32 bytes, u64* bar, u64 policy) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
+            smem_u32(dst)),
+        "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy)
+        : "memory");
+}
+// The consumers' barrier (named barrier 1; the producer warp never joins).
+__device__ __forceinline__ void sd_csync() { asm volatile("bar.sync 1, %0;" ::"r"(SD_CT) : "memory"); }
+
+// x in shared memory is permuted so that lane i reads columns 8i..8i+7 of
+// each 256-column step as two conflict-free float4.
+__device__ __forceinline__ u32 sd_xperm(u32 k) {
+    const u32 r = k & 255u, l = r >> 3, j = r & 7u;
+    return (k & ~255u) + (j >> 2) * 128u + l * 4u + (j & 3u);
+}
+__device__ __forceinline__ float sd_dot8(uint4 q, float4 a, float4 b) {
+    const float2 w0 = f16x2_to_f32(q.x), w1 = f16x2_to_f32(q.y), w2 = f16x2_to_f32(q.z), w3 = f16x2_to_f32(q.w);
+    float s = w0.x * a.x;
+    s = fmaf(w0.y, a.y, s);
+    s = fmaf(w1.x, a.z, s);
+    s = fmaf(w1.y, a.w, s);
+    s = fmaf(w2.x, b.x, s);
+    s = fmaf(w2.y, b.y, s);
+    s = fmaf(w3.x, b.z, s);
+    s = fmaf(w3.y, b.w, s);
+    return s;
+}
+
+__device__ __forceinline__ void sd_range(u32 units, u32& u0, u32& u1) {
+    u0 = (u32)((u64)units * blockIdx.x / gridDim.x);
+    u1 = (u32)((u64)units * (blockIdx.x + 1) / gridDim.x);
+}
+
+// The chunks of this block's share of product M of layer L (or the logits),
+// in order: f(src0, bytes0, src1, bytes1, rows) for each, src1 a second copy
+// into the same stage after the first (gate|up: the up rows). q|k|v chunks
+// never straddle two of its matrices.
+template <int M, class F>
+__device__ __forceinline__ void sd_chunks(const SdArgs& a, const SdLayer& L, F f) {
+    using T = Mat<M>;
+    u32 u0, u1;
+    sd_range(sd_units(M, a.vocab), u0, u1);
+    if (M == M_QKV) {
+        // Units (RoPE pairs) by matrix: q [0, QD/2), k, v.
+        const u32 lo[3] = {0, QD / 2, (QD + KVD) / 2}, hi[3] = {QD / 2, (QD + KVD) / 2, QKV / 2};
+#pragma unroll
+        for (int g = 0; g < 3; ++g) {
+            const u32 b = max(u0, lo[g]), e = min(u1, hi[g]);
+            for (u32 u = b; u < e; u += T::UPC) {
+                const u32 n = min((u32)T::UPC, e - u);
+                f((const unsigned char*)(L.w[g] + (u64)(u - lo[g]) * 2 * T::K), n * T::UB,
+                  (const unsigned char*)nullptr, 0u, n * 2);
+            }
+        }
+    } else if (M == M_GU) {
+        for (u32 u = u0; u < u1; u += T::UPC) {
+            const u32 n = min((u32)T::UPC, u1 - u);
+            f((const unsigned char*)(L.w[4] + (u64)u * T::K), n * T::RB, (const unsigned char*)(L.w[5] + (u64)u * T::K),
+              n * T::RB, n * 2);
+        }
+    } else {
+        const u16* m = M == M_O ? L.w[3] : M == M_DN ? L.w[6] : a.out;
+        for (u32 u = u0; u < u1; u += T::UPC) {
+            const u32 n = min((u32)T::UPC, u1 - u);
+            f((const unsigned char*)(m + (u64)u * T::K), n * T::RB, (const unsigned char*)nullptr, 0u, n);
+        }
+    }
+}
+
+struct SdRing {
+    unsigned char* buf;  // SD_NST x SD_STB
+    u64* full;
+    u64* empty;
+};
+
+// The sums of N rows' lane partials over the warp by halving: afterwards
+// lane l holds the sum of row (l >> (5 - log2 N)) % N.
+template <int N>
+__device__ __forceinline__ float sd_reduce_rows(float (&v)[N], u32 lane) {
+#pragma unroll
+    for (int half = N / 2, off = 16; half >= 1; half /= 2, off /= 2) {
+        const bool hi = (lane & (u32)off) != 0;
+#pragma unroll
+        for (int i = 0; i < half; ++i) {
+            const float keep = hi ? v[i + half] : v[i], send = hi ? v[i] : v[i + half];
+            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, off);
+        }
+    }
+    float s = v[0];
+#pragma unroll
+    for (int off = 16 / N; off >= 1; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
+    return s;
+}
+template <int N>
+struct SdLog2 {
+    static constexpr int v = 1 + SdLog2<N / 2>::v;
+};
+template <>
+struct SdLog2<1> {
+    static constexpr int v = 0;
+};
+
+// The consumers' side of product M: each chunk's row partials into part
+// (this block's rows in order, SD_CW a row). Ends synchronised.
+template <int M>
+__device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer& L, const SdRing& r, const float* xs,
+                                           float* part, u32& c) {
+    using T = Mat<M>;
+    constexpr int STEPS = T::SEG / 256, N = T::RPC, SH = 5 - SdLog2<N>::v;
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31u;
+    float4 xa[STEPS], xb[STEPS];
+#pragma unroll
+    for (int i = 0; i < STEPS; ++i) {
+        const float* x = xs + warp * T::SEG + i * 256;
+        xa[i] = ((const float4*)x)[lane];
+        xb[i] = ((const float4*)(x + 128))[lane];
+    }
+    u32 row0 = 0;  // this chunk's first row among the block's rows
+    sd_chunks<M>(a, L, [&](const unsigned char*, u32, const unsigned char*, u32, u32 rows) {
+        const u32 s = c % SD_NST, n = c / SD_NST;
+        mbar_wait(&r.full[s], n & 1u);
+        const uint4* wq = (const uint4*)(r.buf + (u64)s * SD_STB) + warp * (T::SEG / 8) + lane;
+        float acc[N];
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            float v = 0.0f;
+#pragma unroll
+            for (int i = 0; i < STEPS; ++i) v += sd_dot8(wq[j * (T::K / 8) + i * 32], xa[i], xb[i]);
+            acc[j] = v;
+        }
+        __syncwarp();
+        if (lane == 0) sd_mbar_arrive(&r.empty[s]);  // the stage is in registers
+        const float sum = sd_reduce_rows<N>(acc, lane);
+        const u32 row = (lane >> SH) % N;
+        if ((lane & ((1u << SH) - 1u)) == 0 && row < rows) part[(row0 + row) * SD_CW + warp] = sum;
+        row0 += rows;
+        ++c;
+    });
+    sd_csync();
+}
+__device__ __forceinline__ float sd_row_sum(const float* part, u32 r) {
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < SD_CW; ++j) s += part[r * SD_CW + j];
+    return s;
+}
+
+// x = rmsnorm(h) * w into xs (permuted): h the tagged words at src, or the
+// embedding row when src is null. Ends synchronised.
+__device__ void sd_stage_norm(float* xs, float* red, const u64* src, u32 tag, const u16* emb_row, const float* nw,
+                              float eps) {
+    constexpr int PER = D / SD_CT;
+    static_assert(D % SD_CT == 0, "d is a multiple of the consumer threads");
+    float v[PER], wn[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) wn[j] = nw[threadIdx.x + j * SD_CT];  // before the wait
+    if (src) {
+        u64 w[PER];
+        auto addr = [&](int j) { return src + threadIdx.x + j * SD_CT; };
+#pragma unroll
+        for (int j = 0; j < PER; ++j) w[j] = sd_ld_word(addr(j));
+        sd_poll(w, addr, tag);
+#pragma unroll
+        for (int j = 0; j < PER; ++j) v[j] = sd_val(w[j]);
+    } else {
+#pragma unroll
+        for (int j = 0; j < PER; ++j) v[j] = f16_to_f32(emb_row[threadIdx.x + j * SD_CT]);
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) ss = fmaf(v[j], v[j], ss);
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31u) == 0) red[threadIdx.x >> 5] = ss;
+    sd_csync();
+    float tot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < SD_CW; ++i) tot += red[i];
+    const float ri = rms_inv(tot, D, eps);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) xs[sd_xperm(threadIdx.x + j * SD_CT)] = v[j] * ri * wn[j];
+    sd_csync();
+}
+
+// The o product's input: every head's attention merged from its SD_ATT_S
+// partials (max, sum, values); warp w merges heads 2w, 2w + 1, 2w + 2 SD_CW...
+__device__ void sd_stage_attn(float* xs, const u64* part, u32 tag) {
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31u;
+    constexpr int PW = HD + 2, VPL = HD / 32, HB = 2, NW = 1 + SD_ATT_S * VPL;
+    static_assert(NH % (SD_CW * HB) == 0, "heads split evenly over the warps, two at a time");
+    for (u32 h0 = warp * HB; h0 < NH; h0 += SD_CW * HB) {
+        auto addr = [&](int j) {
+            const u64* p = part + (u64)(h0 + j / NW) * SD_ATT_S * PW;
+            const int i = j % NW;
+            if (i == 0) return p + (lane < 2 * SD_ATT_S ? (lane >> 1) * PW + HD + (lane & 1u) : HD);
+            return p + ((i - 1) / VPL) * PW + lane + 32 * ((i - 1) % VPL);
+        };
+        u64 w[HB * NW];
+#pragma unroll
+        for (int j = 0; j < HB * NW; ++j) w[j] = sd_ld_word(addr(j));
+        sd_poll(w, addr, tag);
+#pragma unroll
+        for (int hb = 0; hb < HB; ++hb) {
+            const float mlv = sd_val(w[hb * NW]);
+            float m = NEG_INF;  // over the splits that saw a position
+#pragma unroll
+            for (int s = 0; s < SD_ATT_S; ++s) {
+                const float ms = __shfl_sync(0xffffffffu, mlv, 2 * s), ls = __shfl_sync(0xffffffffu, mlv, 2 * s + 1);
+                m = fmaxf(m, ls > 0.0f ? ms : NEG_INF);
+            }
+            float den = 0.0f, out[VPL] = {};
+#pragma unroll
+            for (int s = 0; s < SD_ATT_S; ++s) {
+                const float ms = __shfl_sync(0xffffffffu, mlv, 2 * s), ls = __shfl_sync(0xffffffffu, mlv, 2 * s + 1);
+                const float e = ls > 0.0f ? __expf(ms - m) : 0.0f;
+                den += ls * e;
+#pragma unroll
+                for (int k = 0; k < VPL; ++k) out[k] += e * sd_val(w[hb * NW + 1 + s * VPL + k]);
+            }
+            const float inv = 1.0f / den;
+#pragma unroll
+            for (int k = 0; k < VPL; ++k) xs[sd_xperm((h0 + hb) * HD + lane + 32 * k)] = out[k] * inv;
+        }
+    }
+    sd_csync();
+}
+
+// x = the tagged words at src (the FFN activation), permuted.
+__device__ void sd_stage_plain(float* xs, const u64* src, u32 tag) {
+    constexpr int PER = 16;
+    for (u32 b = 0; b < (u32)FF; b += PER * SD_CT) {
+        auto addr = [&](int j) { return src + b + threadIdx.x + j * SD_CT; };
+        u64 w[PER];
+#pragma unroll
+        for (int j = 0; j < PER; ++j) w[j] = b + threadIdx.x + j * SD_CT < (u32)FF ? sd_ld_word(addr(j)) : (u64)tag << 32;
+        sd_poll(w, addr, tag);
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const u32 i = b + threadIdx.x + j * SD_CT;
+            if (i < (u32)FF) xs[sd_xperm(i)] = sd_val(w[j]);
+        }
+    }
+    sd_csync();
+}
+
+// One (head, split)'s attention over positions [p0, p1) of pos + 1: the
+// current position's k and v from the tagged words (rounded as the cache
+// holds them), the rest from the cache. Writes (max, sum, values) as
+// tagged words.
+__device__ void sd_attend(const SdArgs& a, const SdLayer& L, u32 pos, u32 h, u32 s, const u64* X, u64* part,
+                          u32 tag_qkv, u32 tag_att, float* sm) {
+    const u32 kvh = h / (NH / NKV), kv = pos + 1;
+    const u32 p0 = (u32)((u64)kv * s / SD_ATT_S), p1 = (u32)((u64)kv * (s + 1) / SD_ATT_S);
+    float* q = sm;
+    float* kcur = q + HD;
+    float* vcur = kcur + HD;
+    float* acc = vcur + HD;           // SD_CW x HD
+    float* red = acc + SD_CW * HD;    // 2 SD_CW
+    float* sc = red + 2 * SD_CW;      // the split's scores
+    const u32 tid = threadIdx.x, warp = tid >> 5, lane = tid & 31u;
+    const kv_t* K = L.k + (u64)kvh * a.capacity * HD;
+    const kv_t* V = L.v + (u64)kvh * a.capacity * HD;
+    for (u32 i = tid; i < 3 * HD; i += SD_CT) {
+        if (i < HD) {
+            const u64* qs = X + X_Q + h * HD + i;
+            u64 w[1] = {sd_ld_word(qs)};
+            sd_poll(w, [&](int) { return qs; }, tag_qkv);
+            q[i] = sd_val(w[0]) * a.scale;
+        } else if (p1 == kv) {
+            const u32 j = i - HD;
+            const u64* src = X + (j < HD ? X_K : X_V) + kvh * HD + (j % HD);
+            u64 w[1] = {sd_ld_word(src)};
+            sd_poll(w, [&](int) { return src; }, tag_qkv);
+            (j < HD ? kcur : vcur)[j % HD] = kv_round(sd_val(w[0]));
+        }
+    }
+    sd_csync();
+    float mx = NEG_INF;
+    for (u32 p = p0 + tid; p < p1; p += SD_CT) {
+        float d = 0.0f;
+        if (p == pos) {
+#pragma unroll 8
+            for (int i = 0; i < HD; ++i) d = fmaf(q[i], kcur[i], d);
+        } else {
+#pragma unroll
+            for (int i = 0; i < HD; i += 4) {
+                const float4 k4 = ld4_f32(K, (u64)p * HD + i);
+                d = fmaf(q[i], k4.x, d);
+                d = fmaf(q[i + 1], k4.y, d);
+                d = fmaf(q[i + 2], k4.z, d);
+                d = fmaf(q[i + 3], k4.w, d);
+            }
+        }
+        sc[p - p0] = d;
+        mx = fmaxf(mx, d);
+    }
+    mx = warp_max(mx);
+    if (lane == 0) red[warp] = mx;
+    sd_csync();
+    float m = NEG_INF;
+#pragma unroll
+    for (int i = 0; i < SD_CW; ++i) m = fmaxf(m, red[i]);
+    float lsum = 0.0f;
+    for (u32 p = p0 + tid; p < p1; p += SD_CT) {
+        const float e = __expf(sc[p - p0] - m);
+        sc[p - p0] = e;
+        lsum += e;
+    }
+    lsum = warp_sum(lsum);
+    if (lane == 0) red[SD_CW + warp] = lsum;
+    sd_csync();
+    // Values: warp w takes positions p0 + 8w .. in groups of 8 (loads in
+    // flight together), lane the columns VPL lane .. VPL lane + VPL - 1.
+    constexpr int VPL = HD / 32, UNR = 8;
+    float o[VPL] = {};
+    const u32 pc = min(p1, pos);  // cached positions end here
+    for (u32 b = p0 + warp * UNR; b < pc; b += SD_CW * UNR) {
+        float vv[UNR][VPL];
+#pragma unroll
+        for (int u = 0; u < UNR; ++u)
+#pragma unroll
+            for (int j = 0; j < VPL; ++j) vv[u][j] = ld_f32(V, (u64)min(b + u, pc - 1) * HD + VPL * lane + j);
+#pragma unroll
+        for (int u = 0; u < UNR; ++u) {
+            const float e = b + u < pc ? sc[b + u - p0] : 0.0f;
+#pragma unroll
+            for (int j = 0; j < VPL; ++j) o[j] = fmaf(e, vv[u][j], o[j]);
+        }
+    }
+    if (p1 == kv && warp == SD_CW - 1) {
+        const float e = sc[pos - p0];
+#pragma unroll
+        for (int j = 0; j < VPL; ++j) o[j] = fmaf(e, vcur[VPL * lane + j], o[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) acc[warp * HD + VPL * lane + j] = o[j];
+    sd_csync();
+    u64* dst = part + ((u64)h * SD_ATT_S + s) * (HD + 2);
+    if (tid < HD) {
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < SD_CW; ++w) v += acc[w * HD + tid];
+        sd_st_tag(dst + tid, v, tag_att);
+    } else if (tid < HD + 2) {
+        float ls = 0.0f;
+#pragma unroll
+        for (int w = 0; w < SD_CW; ++w) ls += red[SD_CW + w];
+        sd_st_tag(dst + tid, tid == HD ? (p1 > p0 ? m : 0.0f) : ls, tag_att);
+    }
+}
+
+__device__ __forceinline__ u64 sd_key(float v, u32 idx) {
+    u32 b = __float_as_uint(v);
+    b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((u64)b << 32) | (u64)(0xffffffffu - idx);  // ties: the lower index
+}
+
+// Shared memory: the ring, x (FF floats), the row partials (SD_PART
+// floats), this block's h rows (64), reductions (64), the attention scratch
+// (3 HD + SD_CW HD + 2 SD_CW + max_pos / SD_ATT_S + 1), then the ring's
+// mbarriers and the warps' keys (stream.rs computes the same size).
+extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdArgs a) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    SdRing r;
+    r.buf = smem;
+    float* xs = (float*)(smem + (u64)SD_NST * SD_STB);
+    float* part = xs + FF;
+    float* hloc = part + SD_PART;
+    float* red = hloc + 64;
+    float* att = red + 64;
+    u64* bars = (u64*)(((u64)(att + 3 * HD + SD_CW * HD + 2 * SD_CW + a.max_pos / SD_ATT_S + 1) + 7) & ~(u64)7);
+    r.full = bars;
+    r.empty = bars + SD_NST;
+    u64* keys = bars + 2 * SD_NST;  // SD_CW
+    // The last token of the chain, once the consumers know it (a stop token
+    // or the host's cancel): the producer issues nothing past it.
+    __shared__ volatile u32 s_last;
+    // The token's RoPE angles (model.cu's rope_cs), the same in every layer:
+    // computed once a token, published by the first staging's barriers.
+    __shared__ float2 s_rope[HD / 2];
+
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31u;
+    Ctl* ctl = a.ctl;
+    const u32 pos0 = ctl->pos0, tok0 = ctl->tok0, limit = min(ctl->limit, a.max_pos - pos0);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < SD_NST; ++s) {
+            mbar_init(&r.full[s], 1);
+            mbar_init(&r.empty[s], SD_CW);
+        }
+        s_last = 0xffffffffu;
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp == SD_CW) {
+        // The producer: the chain's schedule of this block's rows.
+        if (lane == 0) {
+            u64 policy;
+            asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+            u32 c = 0;
+            bool ended = false;
+            auto issue = [&](u32 t, const unsigned char* s0, u32 b0, const unsigned char* s1, u32 b1, u32) {
+                if (ended) return;
+                const u32 s = c % SD_NST, n = c / SD_NST;
+                if (n > 0) {
+                    // Wait for the stage, or for the chain to end before t.
+                    while (!sd_mbar_ready(&r.empty[s], (n - 1) & 1u)) {
+                        if (t > s_last) {
+                            ended = true;
+                            return;
+                        }
+                    }
+                }
+                if (t > s_last) {
+                    ended = true;
+                    return;
+                }
+                mbar_expect_tx(&r.full[s], b0 + b1);
+                sd_bulk(r.buf + (u64)s * SD_STB, s0, b0, &r.full[s], policy);
+                if (b1) sd_bulk(r.buf + (u64)s * SD_STB + b0, s1, b1, &r.full[s], policy);
+                ++c;
+            };
+            for (u32 t = 0; t < limit && !ended; ++t) {
+                for (u32 l = 0; l < a.nl && !ended; ++l) {
+                    const SdLayer& L = a.layers[l];
+                    auto f = [&](const unsigned char* s0, u32 b0, const unsigned char* s1, u32 b1, u32 rows) {
+                        issue(t, s0, b0, s1, b1, rows);
+                    };
+                    sd_chunks<M_QKV>(a, L, f);
+                    sd_chunks<M_O>(a, L, f);
+                    sd_chunks<M_GU>(a, L, f);
+                    sd_chunks<M_DN>(a, L, f);
+                }
+                sd_chunks<M_LOG>(a, a.layers[0], [&](const unsigned char* s0, u32 b0, const unsigned char* s1,
+                                                     u32 b1, u32 rows) { issue(t, s0, b0, s1, b1, rows); });
+            }
+            // Every copy issued lands before the block exits (its shared
+            // memory must not be written after that): the last SD_NST.
+            for (u32 k = c > SD_NST ? c - SD_NST : 0; k < c; ++k) mbar_wait(&r.full[k % SD_NST], (k / SD_NST) & 1u);
+        }
+        return;
+    }
+
+    // The consumers.
+    u32 c = 0;
+    u32 h0, h1;
+    sd_range(D, h0, h1);  // this block's h rows (o and down)
+    u32 token = __ldcg(a.conveyor + tok0);
+    const u32 xw = SD_XW;
+    for (u32 t = 0; t < limit; ++t) {
+        const u32 pos = pos0 + t;
+        const u16* erow = a.emb + (u64)token * D;
+        for (u32 i = h0 + threadIdx.x; i < h1; i += SD_CT) hloc[i - h0] = f16_to_f32(erow[i]);
+        if (threadIdx.x < HD / 2) {
+            float cs, sn;
+            rope_cs(pos, threadIdx.x, HD, a.theta, a.freq_scale, nullptr, cs, sn);
+            s_rope[threadIdx.x] = make_float2(cs, sn);
+        }
+        for (u32 l = 0; l < a.nl; ++l) {
+            const SdLayer& L = a.layers[l];
+            const u32 gl = t * a.nl + l;
+            u64* X = a.x + (u64)(gl & 1u) * xw;
+            // q|k|v: the norm of h, the rows, RoPE, K and V into the cache.
+            if (l == 0)
+                sd_stage_norm(xs, red, nullptr, 0, erow, L.attn_norm, a.eps);
+            else
+                sd_stage_norm(xs, red, a.x + (u64)((gl - 1) & 1u) * xw + X_HD, sd_tag(t, a.nl, l - 1, 4), nullptr,
+                              L.attn_norm, a.eps);
+            sd_consume<M_QKV>(a, L, r, xs, part, c);
+            {
+                u32 u0, u1;
+                sd_range(QKV / 2, u0, u1);
+                const u32 tg = sd_tag(t, a.nl, l, 0);
+                for (u32 i = threadIdx.x; i < u1 - u0; i += SD_CT) {
+                    const u32 row = 2 * (u0 + i);
+                    float y0 = sd_row_sum(part, 2 * i), y1 = sd_row_sum(part, 2 * i + 1);
+                    if (row < (u32)(QD + KVD)) {
+                        const float2 cs = s_rope[(row % HD) / 2];
+                        const float x0 = y0, x1 = y1;
+                        rope_rotate(x0, x1, cs.x, cs.y, y0, y1);
+                    }
+                    // q, k and v words follow each other as the rows do.
+                    sd_st_tag(X + X_Q + row, y0, tg);
+                    sd_st_tag(X + X_Q + row + 1, y1, tg);
+                    if (row >= (u32)QD) {
+                        const bool isk = row < (u32)(QD + KVD);
+                        const u32 rr = row - QD - (isk ? 0 : KVD);
+                        kv_put2(isk ? L.k : L.v, ((u64)(rr / HD) * a.capacity + pos) * HD + rr % HD, y0, y1);
+                    }
+                }
+            }
+            // Attention: blocks below NH * SD_ATT_S take one (head, split).
+            if (blockIdx.x < NH * SD_ATT_S)
+                sd_attend(a, L, pos, blockIdx.x / SD_ATT_S, blockIdx.x % SD_ATT_S, X, X + X_PART,
+                          sd_tag(t, a.nl, l, 0), sd_tag(t, a.nl, l, 1), att);
+            // o: h += Wo att.
+            sd_stage_attn(xs, X + X_PART, sd_tag(t, a.nl, l, 1));
+            sd_consume<M_O>(a, L, r, xs, part, c);
+            {
+                const u32 tg = sd_tag(t, a.nl, l, 2);
+                for (u32 i = threadIdx.x; i < h1 - h0; i += SD_CT) {
+                    hloc[i] += sd_row_sum(part, i);
+                    sd_st_tag(X + X_HO + h0 + i, hloc[i], tg);
+                }
+            }
+            // gate|up: the norm of h, SiLU(gate) * up.
+            sd_stage_norm(xs, red, X + X_HO, sd_tag(t, a.nl, l, 2), nullptr, L.ffn_norm, a.eps);
+            sd_consume<M_GU>(a, L, r, xs, part, c);
+            {
+                using T = Mat<M_GU>;
+                u32 u0, u1;
+                sd_range(FF, u0, u1);
+                const u32 tg = sd_tag(t, a.nl, l, 3);
+                for (u32 i = threadIdx.x; i < u1 - u0; i += SD_CT) {
+                    // Chunk ci holds n gate rows, then their n up rows.
+                    const u32 ci = i / T::UPC, j = i % T::UPC, n = min((u32)T::UPC, u1 - u0 - ci * T::UPC);
+                    const float g = sd_row_sum(part, ci * T::RPC + j), u = sd_row_sum(part, ci * T::RPC + n + j);
+                    sd_st_tag(X + X_ACT + u0 + i, g / (1.0f + __expf(-g)) * u, tg);
+                }
+            }
+            // down: h += Wd act.
+            sd_stage_plain(xs, X + X_ACT, sd_tag(t, a.nl, l, 3));
+            sd_consume<M_DN>(a, L, r, xs, part, c);
+            {
+                const u32 tg = sd_tag(t, a.nl, l, 4);
+                for (u32 i = threadIdx.x; i < h1 - h0; i += SD_CT) {
+                    hloc[i] += sd_row_sum(part, i);
+                    sd_st_tag(X + X_HD + h0 + i, hloc[i], tg);
+                }
+            }
+        }
+        // Logits: the output norm, this block's rows, its best; block 0
+        // also hands on the host's cancel word.
+        u64* bset = a.best + (u64)(t & 1u) * (gridDim.x + 1);
+        u32 done = 0;
+        if (blockIdx.x == 0 && threadIdx.x == 0) done = *(volatile const u32*)&ctl->done;
+        sd_stage_norm(xs, red, a.x + (u64)((t * a.nl + a.nl - 1) & 1u) * xw + X_HD, sd_tag(t, a.nl, a.nl - 1, 4),
+                      nullptr, a.out_norm, a.eps);
+        sd_consume<M_LOG>(a, a.layers[0], r, xs, part, c);
+        {
+            u32 u0, u1;
+            sd_range(a.vocab, u0, u1);
+            u64 k = 0;
+            for (u32 i = threadIdx.x; i < u1 - u0; i += SD_CT) k = max(k, sd_key(sd_row_sum(part, i), u0 + i));
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) k = max(k, __shfl_xor_sync(0xffffffffu, k, o));
+            if (lane == 0) keys[warp] = k;
+            sd_csync();
+            if (threadIdx.x == 0) {
+                u64 b = 0;
+                for (int i = 0; i < SD_CW; ++i) b = max(b, keys[i]);
+                bset[blockIdx.x] = b;
+                if (blockIdx.x == 0) bset[gridDim.x] = done;
+                __threadfence();
+                asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(a.flags + blockIdx.x), "r"(t + 1)
+                             : "memory");
+            }
+        }
+        // The token: every block takes the argmax of the bests (their flags
+        // also publish the K/V rows they wrote), so that all agree on it
+        // and on stopping.
+        if (threadIdx.x < gridDim.x) {
+            u32 f;
+            do {
+                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(f) : "l"(a.flags + threadIdx.x) : "memory");
+            } while (f < t + 1);
+        }
+        sd_csync();
+        u64 k = 0;
+        for (u32 i = threadIdx.x; i < gridDim.x; i += SD_CT) k = max(k, __ldcg(bset + i));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) k = max(k, __shfl_xor_sync(0xffffffffu, k, o));
+        if (lane == 0) keys[warp] = k;
+        const u32 cancel = (u32)__ldcg(bset + gridDim.x);
+        sd_csync();
+        u64 b = 0;
+#pragma unroll
+        for (int i = 0; i < SD_CW; ++i) b = max(b, keys[i]);
+        token = 0xffffffffu - (u32)b;
+        // The token goes to the host from the last block.
+        if (blockIdx.x == gridDim.x - 1 && threadIdx.x == 0) publish_token(a.conveyor, tok0 + 1 + t, token, ctl);
+        bool stop = cancel != 0u || t + 1 >= limit;
+        const u32 ns = min(ctl->n_stop, (u32)MAX_STOP);
+        for (u32 j = 0; j < ns; ++j) stop |= ctl->stop[j] == token;
+        if (stop) {
+            if (threadIdx.x == 0) s_last = t;
+            break;
+        }
+        sd_csync();  // keys are read before the next token writes them
+    }
+}
