@@ -668,14 +668,22 @@ peer_torch() {
 
 # The streaming persistent kernel (stream.rs) against the graph decode, in
 # the same call: each shape of STREAM_AB_SHAPES (default the 1B and
-# 8B F16) benched with AKUNU_CUDA_STREAM=0, then =1, each run under a time
-# limit (a kernel that hangs costs one run).
+# 8B F16) benched greedy with AKUNU_CUDA_STREAM=0, then =1, then sampled
+# (temperature 0.8, top-k 40, top-p 0.95: the in-kernel sampler) with =1,
+# then =0; each run under a time limit (a kernel that hangs costs one run).
 stream_ab_one() { # NAME FILE
-    AKUNU_CUDA_STREAM=0 timeout 300 "$BIN/akunu" bench -m "$2" --device cuda -p 512 -n 128 -r 5 2>&1 |
-        tee "$OUTDIR/bench-$1-graph.log" | grep -E "^\||kernels|floor|error" || echo "graph run failed"
-    AKUNU_CUDA_STREAM=1 AKUNU_CUDA_PERSIST=1 timeout 300 "$BIN/akunu" bench -m "$2" --device cuda -p 512 -n 128 \
-        -r 5 2>&1 | tee "$OUTDIR/bench-$1-stream.log" | grep -E "^\||kernels|floor|error|akunu:" ||
-        echo "streaming run failed"
+    local on mode args
+    for mode in greedy sampled; do
+        args=()
+        [ "$mode" = sampled ] && args=(--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1)
+        for on in 0 1; do
+            [ "$mode" = sampled ] && on=$((1 - on))
+            echo "-- $1 $mode, AKUNU_CUDA_STREAM=$on"
+            AKUNU_CUDA_STREAM=$on AKUNU_CUDA_PERSIST=1 timeout 300 "$BIN/akunu" bench -m "$2" --device cuda -p 512 \
+                -n 128 -r 5 "${args[@]}" 2>&1 | tee "$OUTDIR/bench-$1-$mode-stream$on.log" |
+                grep -E "^\||kernels|floor|error|akunu:" || echo "run failed"
+        done
+    done
 }
 
 stream_ab() {

@@ -82,29 +82,15 @@ struct PdArgs {
     u32 emb_q8, out_q8;    // 1: Q8_0, 0: Q4_1
     u32 max_pos;           // scores a block holds (shared memory)
     float eps, theta, freq_scale, scale;
-    // The in-kernel sampler (PD_SAMPLE_*; persist.rs SampleArgs): the
-    // sampled table's GumbelSample params, the recent-token buffer (header:
-    // chain start, count; then the ids) and the chain's conveyor base for
-    // the penalty window, and the blocks' published parts and candidates.
-    const u32* recent;
-    const u32* window_chain;
-    u64* samp;             // 2 sets (token parity): PD_PARTS words a block, then PD_CANDS keys a block
-    u32 mode;              // PD_SAMPLE_*
-    u32 top_k, repeat_last_n, seed_lo, seed_hi, recent_capacity;
-    float inv_t, top_p, min_p, penalty;
+    SampArgs s;            // the in-kernel sampler (chain_sampler.cuh)
     // The first res_rows rows of each block's slice of the logits weight,
     // kept in shared memory at byte res_off for the whole chain (PD_BULK;
     // persist.rs sizes them to the room left; 0: none).
     u32 res_rows, res_off;
 };
 
-// What the logits phase does with the logits (persist.rs SampleMode):
-// GREEDY the argmax; PENALTY the argmax after the repetition penalty
-// (temperature 0, or one whose inverse is not a finite positive number);
-// DENSE Gumbel-max over every token, (l - max) / T + G; TOPK Gumbel-max
-// over the top-k (<= 64) tokens left by min-p and top-p. Each is what the
-// graph's GumbelSample then Argmax choose (sampling.cu), computed over the
-// blocks' slices of the vocabulary with one exchange between blocks.
+// What the logits phase does with the logits: a.s.mode (chain_sampler.cuh,
+// PD_SAMPLE_*); a greedy table's module compiles the sampler out.
 #ifndef PD_GREEDY_ONLY
 #define PD_GREEDY_ONLY 0
 #endif
@@ -141,20 +127,15 @@ __device__ __forceinline__ u32 pd_bid() {
     return blockIdx.x;
 #endif
 }
+// The sampler's configuration (chain_sampler.cuh): every warp of the block.
+struct PdCfg {
+    static constexpr int WARPS = PD_WARPS, PICK_KPT = 24;
+    static __device__ __forceinline__ void sync() { __syncthreads(); }
+    static __device__ __forceinline__ u32 bid() { return pd_bid(); }
+};
 #ifndef PD_WBUF_ARRAY
 #define PD_WBUF_ARRAY 0
 #endif
-#define PD_SAMPLE_GREEDY 0
-#define PD_SAMPLE_PENALTY 1
-#define PD_SAMPLE_DENSE 2
-#define PD_SAMPLE_TOPK 3
-#define PD_PARTS 3   // a block's words: best key, mass (f64 bits), dense key
-#define PD_CANDS 64  // a block's published top-k keys (top-k <= 64), room a block
-// Logits a thread holds in the sampler (a block's slice <= PD_VPT x PD_THREADS).
-#define PD_VPT 4
-// Keys a thread holds in the pick: every block's top-k, G top-k <= PD_PICK_KPT
-// x PD_THREADS (persist.rs checks).
-#define PD_PICK_KPT 24
 
 __device__ __forceinline__ float pd_warp_sum(float v) {
 #pragma unroll
@@ -634,502 +615,6 @@ __device__ __forceinline__ void pd_residual(float& hreg, float* xs, const u64* s
     }
 }
 
-__device__ __forceinline__ u64 pd_key(float v, u32 idx) {
-    u32 b = __float_as_uint(v);
-    b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-    return ((u64)b << 32) | (u64)(0xffffffffu - idx);  // ties: the lower index
-}
-
-// ---------------------------------------------------------------------------
-// The in-kernel sampler (modes PD_SAMPLE_*): each block penalises, scores
-// and ranks its slice of the logits, publishes its part before the logits
-// flags, and after them every block takes the same token from all parts
-// (the graph's multi-block sampler, sampling.cu k_sample_select, does the
-// same work in two kernels and a merging block).
-// ---------------------------------------------------------------------------
-
-// -DPD_TIMING: block 0's cycles in the sampler's steps (PD_PT(i) adds the
-// cycles since the last mark to pd_pt[i]; printed with the phase cycles).
-#ifdef PD_TIMING
-__shared__ long long pd_pt[12];
-__shared__ long long pd_pt_t0;
-#define PD_PT(i)                                           \
-    do {                                                   \
-        if (pd_bid() == 0 && threadIdx.x == 0) {           \
-            const long long t1_ = clock64();               \
-            if ((i) >= 0) pd_pt[(i) < 0 ? 0 : (i)] += t1_ - pd_pt_t0;   \
-            pd_pt_t0 = t1_;                                \
-        }                                                  \
-    } while (0)
-#else
-#define PD_PT(i) \
-    do {         \
-    } while (0)
-#endif
-
-// The sampler's shared memory (persist.rs sample_smem): candidate keys,
-// the slice's logits, the penalty mask of the slice, the tokens this
-// launch chose, and a copy of the recent ids.
-struct PdSamp {
-    u64* cl;    // candidates: the slice's, then the merge's (cap keys)
-    float* lg;  // the slice's penalised logits
-    u32* mask;  // bit j: slice token j is in the penalty window
-    u32* hist;  // hist[s]: the token of this launch's step s
-    u32* rec;   // the recent ids (the header's count of them)
-    u32 cap;
-};
-
-// The candidates a block ranks: a slice's, or the pick's (128 a token,
-// measured for the default sampler's top-40 on the SmolLM2 shape's 49,152
-// tokens over 132 blocks: bench/RESULTS.md, session 21; more than the cap
-// take the pick's slow path).
-#define PD_PICK_CAP 1024
-// -DPD_PICK_SLOW=1 (tests): every pick takes the slow path.
-#ifndef PD_PICK_SLOW
-#define PD_PICK_SLOW 0
-#endif
-
-__device__ __forceinline__ PdSamp pd_samp_areas(u8* base, const PdArgs& a) {
-    PdSamp s;
-    s.cap = max(pd_per(a.vocab), PD_PICK_CAP);
-    // Rounded up to 16 bytes by an offset to base, not by casting an
-    // integer back to a pointer, so that the compiler still knows these
-    // areas are shared memory (ld.shared rather than generic loads).
-    s.cl = (u64*)(base + ((16u - (u32)(u64)base) & 15u));
-    s.lg = (float*)(s.cl + s.cap);
-    s.mask = (u32*)(s.lg + pd_per(a.vocab));
-    s.hist = s.mask + (pd_per(a.vocab) + 31) / 32;
-    s.rec = s.hist + a.max_pos;
-    return s;
-}
-
-__device__ __forceinline__ float pd_penalised(float l, float pen) {
-    return l > 0.0f ? __fdiv_rn(l, pen) : __fmul_rn(l, pen);
-}
-
-// Block max of a u64 (every thread gets it); red holds PD_WARPS words.
-// Ends synchronised.
-__device__ __forceinline__ u64 pd_block_max(u64 v, u64* red) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(FULL_MASK, v, o));
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-    __syncthreads();
-    u64 m = 0;
-#pragma unroll
-    for (int i = 0; i < PD_WARPS; ++i) m = max(m, red[i]);
-    __syncthreads();
-    return m;
-}
-
-// out[r] = the candidate of rank r (candidates larger) for r < k: the k
-// best of the C distinct nonzero keys cl[0..C), descending, and with
-// `noise` noise[r] its Gumbel noise at hash base `base`. S adjacent lanes
-// rank a candidate (S a power of two, at most PD_RANK_LANES, with S C <=
-// PD_THREADS), each counting the larger keys in every S-th pair of the
-// list, four 16-byte loads in flight, and their counts add up by
-// shuffles. (One thread a candidate with eight 8-byte loads took 5.0k
-// cycles for the pick's 128 candidates; a warp a candidate, with its
-// reduction, measured slower still: bench/RESULTS.md, session 21.) cl is
-// 16-byte aligned; out is zeroed and published before. Every thread calls
-// it; ends synchronised.
-#ifndef PD_RANK_LANES
-#define PD_RANK_LANES 8
-#endif
-__device__ __forceinline__ void pd_rank(const u64* cl, u32 C, u32 k, u64* out, float* noise = nullptr,
-                                        u32 base = 0) {
-    u32 S = 1;
-    while (S < PD_RANK_LANES && 2 * S * C <= PD_THREADS) S *= 2;
-    const u32 s = threadIdx.x & (S - 1), P = (C + 1) / 2;  // pairs; the last may hold one key
-    const ulonglong2* c2 = (const ulonglong2*)cl;
-    for (u32 q = threadIdx.x / S; q - threadIdx.x / S < C; q += PD_THREADS / S) {
-        const u64 x = q < C ? cl[q] : ~0ull;
-        u32 r = 0;
-        for (u32 j = s; j < P; j += 4 * S) {
-            ulonglong2 z[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) z[i] = j + i * S < P ? c2[j + i * S] : make_ulonglong2(0ull, 0ull);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const u32 e = 2 * (j + i * S) + 1;  // the pair's second key, past C when C is odd
-                r += (u32)(z[i].x > x) + (u32)(e < C && z[i].y > x);
-            }
-        }
-        for (u32 o = 1; o < S; o <<= 1) r += __shfl_xor_sync(FULL_MASK, r, o);
-        if (s == 0 && q < C && r < k) {
-            out[r] = x;
-            if (noise) noise[r] = gumbel_from_hash(pcg_hash(base ^ ~(u32)x));
-        }
-    }
-    __syncthreads();
-}
-
-// Appends this thread's nonzero keys of v whose ordered logit is at least
-// `bound` to list[0..cap) at counter *n: a warp's counts are scanned, and
-// its last lane takes the warp's room with one shared atomic (one a key
-// queued behind each other on the counter). Every lane of the warp calls it.
-template <int N>
-__device__ __forceinline__ void pd_append_above(const u64 (&v)[N], u32 bound, u32* n, u64* list, u32 cap) {
-    u32 c = 0;
-#pragma unroll
-    for (int i = 0; i < N; ++i) c += (u32)(v[i] != 0 && (u32)(v[i] >> 32) >= bound);
-    const u32 lane = threadIdx.x & 31;
-    u32 incl = c;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const u32 y = __shfl_up_sync(FULL_MASK, incl, o);
-        if (lane >= (u32)o) incl += y;
-    }
-    u32 q = 0;
-    if (lane == 31 && incl != 0) q = atomicAdd(n, incl);
-    q = __shfl_sync(FULL_MASK, q, 31) + incl - c;
-#pragma unroll
-    for (int i = 0; i < N; ++i)
-        if (v[i] != 0 && (u32)(v[i] >> 32) >= bound) {
-            if (q < cap) list[q] = v[i];
-            ++q;
-        }
-}
-
-// The penalty window's tokens in this block's slice [lo, lo + n), as bits
-// of sp.mask (each token once, however often it recurs): the last
-// repeat_last_n entries of the recent ids ++ the chain's tokens, as
-// sampling.cu's penalise_window reads them. The chain's tokens this launch
-// chose come from sp.hist (every block knows them), earlier ones from the
-// conveyor. Ends synchronised.
-__device__ void pd_window_mask(const PdSamp& sp, const PdArgs& a, u32 lo, u32 n, u32 kv_len, u32 t, u32 tok0,
-                               u32 chain_start, u32 nr) {
-    for (u32 w = threadIdx.x; w < (n + 31) / 32; w += PD_THREADS) sp.mask[w] = 0u;
-    __syncthreads();
-    const u32 sch = kv_len > chain_start ? kv_len - chain_start : 0u;
-    const u32 total = nr + sch, W = min(total, a.repeat_last_n), c0 = total - W;
-    for (u32 j = threadIdx.x; j < W; j += PD_THREADS) {
-        const u32 c = c0 + j;
-        u32 id;
-        if (c < nr) {
-            id = sp.rec[c];
-        } else {
-            const u32 slot = 1u + (c - nr);  // the conveyor slot (sampling.cu: chain = conveyor + 1)
-            id = slot > tok0 && slot - tok0 - 1u < t ? sp.hist[slot - tok0 - 1u] : __ldcg(a.window_chain + slot);
-        }
-        const u32 j2 = id - lo;
-        if (j2 < n) atomicOr(&sp.mask[j2 >> 5], 1u << (j2 & 31));
-    }
-    __syncthreads();
-}
-
-// Rounds of pd_bound_warp (k <= 64 = PD_CANDS needs ceil(64 / 12) = 6).
-#define PD_BOUND_ROUNDS 6
-static_assert(PD_BOUND_ROUNDS * PD_WARPS >= PD_CANDS, "pd_bound_of needs k lane bests");
-// Shared scalars of the sampler.
-struct __align__(16) PdSampShared {
-    u64 top[PD_CANDS];
-    float noise[PD_CANDS];  // the pick's: top[r]'s Gumbel noise
-    u64 ured[PD_WARPS], ured2[PD_WARPS];
-    double dred[PD_WARPS];
-    // pd_bound_warp's entries: each warp's PD_BOUND_ROUNDS largest lane
-    // bests (ordered logit << 32 | lanes holding it), 0 past the last.
-    u64 bent[PD_WARPS * PD_BOUND_ROUNDS];
-    u32 nc;
-    u32 bmax;  // pd_bound_of's bound (0: every key)
-};
-
-// Resets the selection's fields (bound, count, ranked keys) for
-// pd_bound_of, pd_append_above and pd_rank. The part calls it in the
-// logits phase and the pick at the end of the part, each published by
-// barriers before its use.
-__device__ __forceinline__ void pd_select_begin(PdSampShared& ss) {
-    if (threadIdx.x == 0) {
-        ss.nc = 0;
-        ss.bmax = 0;
-    }
-    if (threadIdx.x < PD_CANDS) ss.top[threadIdx.x] = 0;
-}
-
-// The candidates' bound, in two halves around the caller's barrier. A
-// thread's lane best is the largest ordered logit among its keys. First
-// each warp records its PD_BOUND_ROUNDS largest lane bests with the number
-// of lanes holding each (pd_bound_warp); then, after a barrier, each warp
-// tests its own recorded values and ss.bmax becomes the largest value b that
-// at least k of the recorded lanes reach (pd_bound_of, published by a
-// second barrier): at least k keys are then at or above b, so the k best
-// all are, and a candidate's rank among those at or above b is its rank
-// among all. 0 (every key) when fewer than k lanes hold a key. The former
-// bound, the smallest over the warps of each warp's ceil(k / 12)-th lane
-// best, admitted 186 candidates in the pick and most of a slice's keys in
-// the part on the default model's logits (bench/RESULTS.md, session 22);
-// this one is never looser.
-__device__ __forceinline__ void pd_bound_warp(u32 lane_best, PdSampShared& ss) {
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    u32 v = lane_best;
-#pragma unroll
-    for (int r = 0; r < PD_BOUND_ROUNDS; ++r) {
-        const u32 top = __reduce_max_sync(FULL_MASK, v);
-        const u32 lanes = top ? (u32)__popc(__ballot_sync(FULL_MASK, v == top)) : 0u;
-        if (v == top) v = 0u;
-        if (lane == 0) ss.bent[warp * PD_BOUND_ROUNDS + r] = ((u64)top << 32) | lanes;
-    }
-}
-// Each warp tests its own recorded values (their counts split over the
-// lanes, three entries a lane, and summed by shuffles, three 10-bit counts
-// a word) and raises ss.bmax to the largest that qualifies; the caller's
-// next barrier publishes it. (Every warp testing every value took about
-// 3k cycles, the 12 warps' identical work queued on the SM's schedulers.)
-__device__ __forceinline__ void pd_bound_of(u32 k, PdSampShared& ss) {
-    constexpr u32 E = PD_WARPS * PD_BOUND_ROUNDS;
-    static_assert(E <= 96 && PD_BOUND_ROUNDS == 6, "three entries a lane; two words of three counts");
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    u32 ev[3], ec[3];
-#pragma unroll
-    for (u32 i = 0; i < 3; ++i) {
-        const u32 e = lane + 32 * i;
-        const u64 x = e < E ? ss.bent[e] : 0ull;
-        ev[i] = (u32)(x >> 32);
-        ec[i] = (u32)x;
-    }
-    u32 val[PD_BOUND_ROUNDS], w[2] = {0u, 0u};
-#pragma unroll
-    for (u32 r = 0; r < PD_BOUND_ROUNDS; ++r) {
-        val[r] = (u32)(ss.bent[warp * PD_BOUND_ROUNDS + r] >> 32);
-        u32 c = 0;
-#pragma unroll
-        for (u32 i = 0; i < 3; ++i) c += ev[i] >= val[r] ? ec[i] : 0u;
-        w[r / 3] += c << (10 * (r % 3));  // at most 3 x 32 a lane, 384 a warp
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        w[0] += __shfl_xor_sync(FULL_MASK, w[0], o);
-        w[1] += __shfl_xor_sync(FULL_MASK, w[1], o);
-    }
-    u32 best = 0;
-#pragma unroll
-    for (u32 r = 0; r < PD_BOUND_ROUNDS; ++r)
-        if (val[r] != 0 && ((w[r / 3] >> (10 * (r % 3))) & 1023u) >= k) best = max(best, val[r]);
-    if (lane == 0 && best != 0) atomicMax(&ss.bmax, best);
-}
-
-// A warp's f64 sum into red[warp] (lane 0), for pd_red_sum after a barrier:
-// a block sum in a fixed order (every block that sums the same values gets
-// the same bits), with no barrier of its own.
-__device__ __forceinline__ void pd_warp_sum_f64(double v, double* red) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-}
-__device__ __forceinline__ double pd_red_sum(const double* red) {
-    double s = 0.0;
-#pragma unroll
-    for (int i = 0; i < PD_WARPS; ++i) s += red[i];
-    return s;
-}
-
-// DENSE and TOPK, before the logits flags: this block's part. sp.lg holds
-// the slice's penalised logits; bkey is the slice's best (pd_key).
-// DENSE: the best (l - max_b) / T + G of the slice (max_b its own max;
-// pd_sample_pick moves it to the global max). TOPK: the slice's mass
-// sum exp((l - max_b) / T) over finite logits, and its min(top-k, n) best
-// rank keys, descending, 0-padded to top-k. The selection's fields were
-// reset and published before (the logits phase); this resets them for
-// the pick. Four barriers: the bound's entries and the mass, the bound,
-// the appends, the ranks.
-__device__ void pd_sample_publish(const PdSamp& sp, PdSampShared& ss, const PdArgs& a, u64* set, u32 lo, u32 n,
-                                  u64 bkey, u32 base) {
-    const float mxb = rank_logit(bkey);
-    const u32 tid = threadIdx.x;
-    u64* part = set + (u64)pd_bid() * PD_PARTS;
-    if (a.mode == PD_SAMPLE_DENSE) {
-        u64 best = 0;
-        for (u32 j = tid; j < n; j += PD_THREADS) {
-            const float l = sp.lg[j];
-            if (l > NEG_INF) {
-                const float g = gumbel_from_hash(pcg_hash(base ^ (lo + j)));
-                best = max(best, pd_key(__fadd_rn(__fmul_rn(__fsub_rn(l, mxb), a.inv_t), g), lo + j));
-            }
-        }
-        best = pd_block_max(best, ss.ured);
-        if (tid == 0) {
-            part[0] = bkey;
-            part[2] = best;
-        }
-        return;
-    }
-    // TOPK: keys (0: -inf or NaN, never drawn), the mass, the lane bests.
-    PD_PT(-1);
-    u64 key[PD_VPT];
-    double mass = 0.0;
-    u32 lane_best = 0;
-#pragma unroll
-    for (int v = 0; v < PD_VPT; ++v) {
-        const u32 j = tid + v * PD_THREADS;
-        key[v] = 0;
-        if (j < n) {
-            const float l = sp.lg[j];
-            if (l > NEG_INF) {
-                mass += (double)expf(__fmul_rn(__fsub_rn(l, mxb), a.inv_t));
-                key[v] = rank_key(l, lo + j);
-                lane_best = max(lane_best, (u32)(key[v] >> 32));
-            }
-        }
-    }
-    const u32 k = min(a.top_k, n);
-    pd_bound_warp(lane_best, ss);
-    pd_warp_sum_f64(mass, ss.dred);
-    __syncthreads();
-    pd_bound_of(k, ss);
-    __syncthreads();
-    PD_PT(0);
-    pd_append_above(key, ss.bmax, &ss.nc, sp.cl, sp.cap);
-    __syncthreads();
-    PD_PT(1);
-#ifdef PD_TIMING
-    if (pd_bid() == 0 && tid == 0) pd_pt[9] += ss.nc;
-#endif
-    pd_rank(sp.cl, ss.nc, k, ss.top);
-    PD_PT(2);
-    u64* cand = set + (u64)gridDim.x * PD_PARTS + (u64)pd_bid() * a.top_k;
-    if (tid < a.top_k) cand[tid] = ss.top[tid];
-    if (tid == 0) {
-        part[0] = bkey;
-        part[1] = (u64)__double_as_longlong(pd_red_sum(ss.dred));
-    }
-    // Every thread has read ss.nc (pd_rank's barrier), and each thread
-    // below top_k reads its own ss.top word before zeroing it.
-    pd_select_begin(ss);
-}
-
-// DENSE and TOPK, after the logits flags: the token, the same in every
-// block (the same loads and the same arithmetic in the same order); with
-// TOPK only warp 0 returns it. Every thread calls it.
-__device__ u32 pd_sample_pick(const PdSamp& sp, PdSampShared& ss, const PdArgs& a, const u64* set, u32 base) {
-    const u32 tid = threadIdx.x, G = gridDim.x;
-    PD_PT(-1);
-    // One round of loads: the blocks' parts (G <= PD_THREADS) and, for
-    // TOPK, every block's list of top-k keys.
-    const u64* part = set + (u64)tid * PD_PARTS;
-    const u64 bk = tid < G ? __ldcg(part) : 0ull;
-    const u64 pw = tid < G ? __ldcg(part + (a.mode == PD_SAMPLE_DENSE ? 2 : 1)) : 0ull;
-    const u32 K = a.top_k, total = a.mode == PD_SAMPLE_TOPK ? G * K : 0u;
-    const u64* cand = set + (u64)G * PD_PARTS;
-    u64 y[PD_PICK_KPT];
-#pragma unroll
-    for (int i = 0; i < PD_PICK_KPT; ++i) {
-        const u32 q = tid + i * PD_THREADS;
-        y[i] = q < total ? __ldcg(cand + q) : 0ull;
-    }
-    // The global max (lowest id on ties) from the blocks' bests and, for
-    // TOPK, the bound's entries (pd_bound_warp over every key), published
-    // by one barrier.
-    u64 wm = bk;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) wm = max(wm, __shfl_xor_sync(FULL_MASK, wm, o));
-    if ((tid & 31) == 0) ss.ured[tid >> 5] = wm;
-    if (a.mode == PD_SAMPLE_TOPK) {
-        u32 lane_best = 0;
-#pragma unroll
-        for (int i = 0; i < PD_PICK_KPT; ++i) lane_best = max(lane_best, (u32)(y[i] >> 32));
-        pd_bound_warp(lane_best, ss);
-    }
-    __syncthreads();
-    u64 m = 0;
-#pragma unroll
-    for (int i = 0; i < PD_WARPS; ++i) m = max(m, ss.ured[i]);
-    PD_PT(3);
-    const float mx = rank_logit(m);
-    // Not finite: the argmax (every token -inf gives id 0, as the CPU).
-    if (!(fabsf(mx) < POS_INF)) return ~(u32)m;
-    if (a.mode == PD_SAMPLE_DENSE) {
-        // Each block's best, moved from its own max to the global one
-        // (ured2: other warps may still be reading ured).
-        u64 best = 0;
-        if (pw != 0) {
-            const float shift = __fmul_rn(__fsub_rn(mx, rank_logit(bk)), a.inv_t);
-            best = pd_key(__fsub_rn(rank_logit(pw), shift), ~(u32)pw);
-        }
-        return ~(u32)pd_block_max(best, ss.ured2);
-    }
-    // TOPK. The total mass, every block's moved to the global max (summed
-    // by warp 0 for the cuts), and the bound (one barrier); then the keys
-    // at or above it appended as candidates (another).
-    const double mb = __longlong_as_double((long long)pw);
-    const double mass_b = mb > 0.0 ? mb * (double)expf(__fmul_rn(__fsub_rn(rank_logit(bk), mx), a.inv_t)) : 0.0;
-    pd_warp_sum_f64(mass_b, ss.dred);
-    pd_bound_of(K, ss);
-    __syncthreads();
-    pd_append_above(y, ss.bmax, &ss.nc, sp.cl, sp.cap);
-    __syncthreads();
-    PD_PT(4);
-#ifdef PD_TIMING
-    if (pd_bid() == 0 && tid == 0) pd_pt[10] += ss.nc;
-#endif
-    if (!PD_PICK_SLOW && ss.nc <= sp.cap) {
-        pd_rank(sp.cl, ss.nc, K, ss.top, ss.noise, base);
-    } else {
-        // Too many at the bound (a warp with too few keys: short lists):
-        // the K best one at a time (keys are distinct).
-        for (u32 r = 0; r < K; ++r) {
-            u64 b = 0;
-#pragma unroll
-            for (int i = 0; i < PD_PICK_KPT; ++i) b = max(b, y[i]);
-            b = pd_block_max(b, ss.ured);
-            if (b == 0) break;
-            if (tid == 0) {
-                ss.top[r] = b;
-                ss.noise[r] = gumbel_from_hash(pcg_hash(base ^ ~(u32)b));
-            }
-#pragma unroll
-            for (int i = 0; i < PD_PICK_KPT; ++i) y[i] = y[i] == b ? 0ull : y[i];
-        }
-        __syncthreads();
-    }
-    PD_PT(6);
-    // The cuts, in warp 0 over the ranked keys (K <= 64: two a lane): min-p
-    // (a prefix: weights fall with rank), top-k, and top-p (the first rank
-    // where the running mass reaches top-p of the total), then Gumbel-max
-    // over the kept ones: ln p + G, ln p = (l - max) / T - ln(kept mass).
-    if (tid >= 32) return 0;
-    const u32 lane = tid;
-    const double mass = pd_red_sum(ss.dred);
-    const float min_w = a.min_p > 0.0f ? fminf(a.min_p, 1.0f) : 0.0f;
-    const double target = a.top_p < 1.0f ? (double)fmaxf(a.top_p, 0.0f) * mass : -1.0;
-    float sc[2];
-    double w[2];
-    bool in[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const u32 r = 2 * lane + h;
-        const u64 key = r < K ? ss.top[r] : 0;
-        sc[h] = key ? __fmul_rn(__fsub_rn(rank_logit(key), mx), a.inv_t) : NEG_INF;
-        const float e = key ? expf(sc[h]) : 0.0f;
-        in[h] = key != 0 && (min_w <= 0.0f || e >= min_w);
-        w[h] = in[h] ? (double)e : 0.0;
-    }
-    // Inclusive running mass at each rank (a scan over the lanes' pairs).
-    double run = w[0] + w[1];
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const double y = __shfl_up_sync(FULL_MASK, run, o);
-        if (lane >= (u32)o) run += y;
-    }
-    const double incl1 = run, incl0 = run - w[1];
-    // Kept: pool members up to and including the first that reaches the
-    // target (rank 0 always, being the max).
-    const bool hit0 = in[0] && target >= 0.0 && incl0 >= target, hit1 = in[1] && target >= 0.0 && incl1 >= target;
-    const u32 first_hit = __reduce_min_sync(FULL_MASK, hit0 ? 2 * lane : hit1 ? 2 * lane + 1 : NONE32);
-    const u32 pool = __popc(__ballot_sync(FULL_MASK, in[0])) + __popc(__ballot_sync(FULL_MASK, in[1]));
-    const u32 L = first_hit == NONE32 ? pool : min(pool, first_hit + 1);
-    const double kept = __shfl_sync(FULL_MASK, (L - 1) % 2 ? incl1 : incl0, (L - 1) / 2);
-    const float ln_sum = logf((float)kept);
-    u64 best = 0;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const u32 r = 2 * lane + h;
-        if (r < L) best = max(best, pd_key(__fadd_rn(__fsub_rn(sc[h], ln_sum), ss.noise[r]), ~(u32)ss.top[r]));
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(FULL_MASK, best, o));
-    PD_PT(7);
-    return ~(u32)best;
-}
-
 extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdArgs a) {
 #ifdef PD_D
     // The model's shape as constants (persist.rs compiles one module per
@@ -1143,7 +628,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
 #endif
 #if PD_GREEDY_ONLY
     // A greedy table's module (persist.rs): the sampler compiled out.
-    a.mode = PD_SAMPLE_GREEDY;
+    a.s.mode = PD_SAMPLE_GREEDY;
 #endif
     // -DPD_BLOCK_TIMES: every block's thread 0 notes %globaltimer (ns, the
     // same clock on every SM) at each mark of layer PD_BT_LAYER of token
@@ -1230,12 +715,12 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
     float* part = red + PD_WARPS;             // PD_WARPS x 64 partials, then q, k, v of the head
     __shared__ u64 wbest[PD_WARPS];
     __shared__ u32 s_token, s_cancel;
-    // The sampler (a.mode != PD_SAMPLE_GREEDY): its shared memory after the
+    // The sampler (a.s.mode != PD_SAMPLE_GREEDY): its shared memory after the
     // attention partials (the areas are recomputed where they are used, so
     // that no register holds them through the layers), its scalars, the
     // slice's best key, the penalty window's header.
-#define PD_SAMP_AREAS() pd_samp_areas((u8*)(part + (PD_WARPS + 3) * PD_HD), a)
-#define PD_PENALTY_ON (a.mode != PD_SAMPLE_GREEDY && a.penalty != 1.0f)
+#define PD_SAMP_AREAS() pd_samp_areas((u8*)(part + (PD_WARPS + 3) * PD_HD), pd_per(a.vocab), a.max_pos)
+#define PD_PENALTY_ON (a.s.mode != PD_SAMPLE_GREEDY && a.s.penalty != 1.0f)
     __shared__ PdSampShared ss;
     __shared__ u64 s_bkey;
     __shared__ u32 s_wstart, s_wn;
@@ -1283,12 +768,12 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
     // layer's barriers); the host wrote them before the launch.
     if (PD_PENALTY_ON) {
         const PdSamp sp = PD_SAMP_AREAS();
-        const u32 nr = min(__ldg(a.recent + 1), a.recent_capacity);
+        const u32 nr = min(__ldg(a.s.recent + 1), a.s.recent_capacity);
         if (threadIdx.x == 0) {
-            s_wstart = __ldg(a.recent);
+            s_wstart = __ldg(a.s.recent);
             s_wn = nr;
         }
-        for (u32 i = threadIdx.x; i < nr; i += PD_THREADS) sp.rec[i] = __ldg(a.recent + 2 + i);
+        for (u32 i = threadIdx.x; i < nr; i += PD_THREADS) sp.rec[i] = __ldg(a.s.recent + 2 + i);
     }
     for (u32 t = 0; t < limit; ++t) {
         const u32 pos = pos0 + t;
@@ -1578,14 +1063,14 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
         // With the sampler, the repetition penalty (tokens of the window,
         // sp.mask) applies to each logit as it is computed, and DENSE and
         // TOPK keep the slice's logits (sp.lg) for their part.
-        const u32 sbase = a.mode >= PD_SAMPLE_DENSE ? position_base(a.seed_lo, a.seed_hi, pos + 1) : 0u;
+        const u32 sbase = a.s.mode >= PD_SAMPLE_DENSE ? position_base(a.s.seed_lo, a.s.seed_hi, pos + 1) : 0u;
         const PdSamp sp = PD_SAMP_AREAS();
         const bool pen = PD_PENALTY_ON;
         // Two sets of parts, by the token's parity: a block can reach the
         // next token's logits while another still reads this token's parts
         // (blocks without rows of a layer wait on no one), but not the
         // logits after (the flags).
-        u64* sset = a.samp + (u64)(t & 1) * gridDim.x * (PD_PARTS + PD_CANDS);
+        u64* sset = a.s.samp + (u64)(t & 1) * gridDim.x * (PD_PARTS + PD_CANDS);
         // The bests and the cancel word likewise.
         u64* bset = a.best + (u64)(t & 1) * (gridDim.x + 1);
         {
@@ -1601,7 +1086,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             if (pd_bid() == 0 && threadIdx.x == 0) done = *(volatile const u32*)&ctl->done;
             if (pen) {
                 const PdRange r = pd_items(a.vocab);
-                pd_window_mask(sp, a, r.lo, r.n, pos + 1, t, tok0, s_wstart, s_wn);
+                pd_window_mask<PdCfg>(sp, a.s, r.lo, r.n, pos + 1, t, tok0, s_wstart, s_wn);
             }
             pd_finish_tagged(v, wv, Xl + X_H, e);
             pd_norm(xs, v, nw, a, red);
@@ -1620,8 +1105,8 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                     const u32 j = j0 + u * PD_WARPS;
                     if (j < end) {
                         float l = s[u];
-                        if (pen && ((sp.mask[j >> 5] >> (j & 31)) & 1u)) l = pd_penalised(l, a.penalty);
-                        if (a.mode >= PD_SAMPLE_DENSE && lane == 0) sp.lg[j] = l;
+                        if (pen && ((sp.mask[j >> 5] >> (j & 31)) & 1u)) l = pd_penalised(l, a.s.penalty);
+                        if (a.s.mode >= PD_SAMPLE_DENSE && lane == 0) sp.lg[j] = l;
                         best = max(best, pd_key(l, r.lo + j));
                     }
                 }
@@ -1641,7 +1126,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             if (lane == 0) wbest[warp] = best;
             // The part's selection fields, published by this barrier (the
             // part resets them for the pick).
-            if (a.mode == PD_SAMPLE_TOPK) pd_select_begin(ss);
+            if (a.s.mode == PD_SAMPLE_TOPK) pd_select_begin(ss);
             __syncthreads();
             if (threadIdx.x == 0) {
                 u64 mx = 0;
@@ -1651,9 +1136,9 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                 if (pd_bid() == 0) bset[gridDim.x] = done;
             }
             PD_TMARK(11);
-            if (a.mode >= PD_SAMPLE_DENSE) {
+            if (a.s.mode >= PD_SAMPLE_DENSE) {
                 __syncthreads();
-                pd_sample_publish(sp, ss, a, sset, r.lo, r.n, s_bkey, sbase);
+                pd_sample_publish<PdCfg>(sp, ss, a.s, sset, r.lo, r.n, s_bkey, sbase);
             }
             PD_TMARK(12);
             pd_end_flags(a.flags, ++e);
@@ -1672,8 +1157,8 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
         // system-scope fences would delay that block's q|k|v rows, which
         // every attention block waits on.
         const bool publisher = pd_bid() == PD_PUBLISHER;
-        if (a.mode >= PD_SAMPLE_DENSE) {
-            const u32 tok = pd_sample_pick(sp, ss, a, sset, sbase);
+        if (a.s.mode >= PD_SAMPLE_DENSE) {
+            const u32 tok = pd_sample_pick<PdCfg>(sp, ss, a.s, sset, sbase);
             if (threadIdx.x == 0) {
                 s_token = tok;
                 sp.hist[t] = tok;
@@ -1738,7 +1223,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                        (tm[14] + tm[11] + tm[12] + tm[13] + tm[5]) / (t + 1), tm[6] / (t + 1), tm[7] / (t + 1),
                        tm[8] / (t + 1), tm[0] / (t + 1), tm[9] / (t + 1), tm[10] / (t + 1), tm[3] / (t + 1),
                        tm[14] / (t + 1), tm[11] / (t + 1), tm[12] / (t + 1), tm[13] / (t + 1), tm[5] / (t + 1));
-            if (pd_bid() == 0 && threadIdx.x == 0 && a.mode >= PD_SAMPLE_DENSE)
+            if (pd_bid() == 0 && threadIdx.x == 0 && a.s.mode >= PD_SAMPLE_DENSE)
                 printf("persist sampler: part = bound+mass %lld + appends %lld + rank %lld; pick = loads+max+bound "
                        "%lld + mass+appends %lld + rank %lld + cuts %lld; candidates: part %lld, pick %lld\n",
                        pd_pt[0] / (t + 1), pd_pt[1] / (t + 1), pd_pt[2] / (t + 1), pd_pt[3] / (t + 1),

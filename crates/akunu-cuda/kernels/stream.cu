@@ -36,6 +36,11 @@
 #endif
 #define SD_THREADS ((SD_CW + 1) * 32)
 #define SD_CT (SD_CW * 32)
+// A sampled table's module (stream.rs): the in-kernel sampler
+// (chain_sampler.cuh) in the logits phase; a greedy one compiles it out.
+#ifndef SD_SAMPLED
+#define SD_SAMPLED 0
+#endif
 
 constexpr int D = SD_D, QD = SD_QD, KVD = SD_KVD, FF = SD_FF, NH = SD_NH, NKV = SD_NKV, HD = SD_HD;
 constexpr int QKV = QD + 2 * KVD;
@@ -61,6 +66,7 @@ struct SdArgs {
     u32* flags;  // blocks
     u32 nl, vocab, capacity, max_pos;
     float eps, theta, freq_scale, scale;
+    SampArgs s;  // the in-kernel sampler (SD_SAMPLED)
 };
 
 // The products, in the order a layer streams them, then the logits.
@@ -139,6 +145,13 @@ __device__ __forceinline__ void sd_bulk(void* dst, const void* src, u32 bytes, u
 }
 // The consumers' barrier (named barrier 1; the producer warp never joins).
 __device__ __forceinline__ void sd_csync() { asm volatile("bar.sync 1, %0;" ::"r"(SD_CT) : "memory"); }
+// The sampler's configuration (chain_sampler.cuh): the consumer warps, their
+// barrier; 33 keys a thread hold top-64 lists of 132 blocks.
+struct SdCfg {
+    static constexpr int WARPS = SD_CW, PICK_KPT = 33;
+    static __device__ __forceinline__ void sync() { sd_csync(); }
+    static __device__ __forceinline__ u32 bid() { return blockIdx.x; }
+};
 
 // x in shared memory is permuted so that lane i reads columns 8i..8i+7 of
 // each 256-column step as two conflict-free float4.
@@ -481,16 +494,11 @@ __device__ void sd_attend(const SdArgs& a, const SdLayer& L, u32 pos, u32 h, u32
     }
 }
 
-__device__ __forceinline__ u64 sd_key(float v, u32 idx) {
-    u32 b = __float_as_uint(v);
-    b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-    return ((u64)b << 32) | (u64)(0xffffffffu - idx);  // ties: the lower index
-}
-
 // Shared memory: the ring, x (FF floats), the row partials (SD_PART
 // floats), this block's h rows (64), reductions (64), the attention scratch
 // (3 HD + SD_CW HD + 2 SD_CW + max_pos / SD_ATT_S + 1), then the ring's
-// mbarriers and the warps' keys (stream.rs computes the same size).
+// mbarriers and the warps' keys, then (SD_SAMPLED) the sampler's areas
+// (pd_samp_areas; stream.rs computes the same size).
 extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdArgs a) {
     extern __shared__ __align__(128) unsigned char smem[];
     SdRing r;
@@ -510,6 +518,15 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
     // The token's RoPE angles (model.cu's rope_cs), the same in every layer:
     // computed once a token, published by the first staging's barriers.
     __shared__ float2 s_rope[HD / 2];
+#if SD_SAMPLED
+    // The sampler's scalars, the slice's best key, the penalty window's
+    // header, the token of the pick.
+    __shared__ PdSampShared ss;
+    __shared__ u64 s_bkey;
+    __shared__ u32 s_wstart, s_wn, s_token;
+    const PdSamp sp = pd_samp_areas((u8*)(keys + SD_CW), (a.vocab + gridDim.x - 1) / gridDim.x, a.max_pos);
+    const bool pen = a.s.mode != PD_SAMPLE_GREEDY && a.s.penalty != 1.0f;
+#endif
 
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31u;
     Ctl* ctl = a.ctl;
@@ -574,6 +591,18 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
     }
 
     // The consumers.
+#if SD_SAMPLED
+    // The penalty window's recent ids, copied once (published by the first
+    // layer's barriers); the host wrote them before the launch.
+    if (pen) {
+        const u32 nr = min(__ldg(a.s.recent + 1), a.s.recent_capacity);
+        if (threadIdx.x == 0) {
+            s_wstart = __ldg(a.s.recent);
+            s_wn = nr;
+        }
+        for (u32 i = threadIdx.x; i < nr; i += SD_CT) sp.rec[i] = __ldg(a.s.recent + 2 + i);
+    }
+#endif
     u32 c = 0;
     u32 h0, h1;
     sd_range(D, h0, h1);  // this block's h rows (o and down)
@@ -662,31 +691,68 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
             }
         }
         // Logits: the output norm, this block's rows, its best; block 0
-        // also hands on the host's cancel word.
+        // also hands on the host's cancel word. With the sampler, the
+        // repetition penalty applies to each logit of the window's tokens,
+        // and DENSE and TOPK keep the slice's logits (sp.lg) for the part
+        // this block publishes before its flag.
         u64* bset = a.best + (u64)(t & 1u) * (gridDim.x + 1);
         u32 done = 0;
         if (blockIdx.x == 0 && threadIdx.x == 0) done = *(volatile const u32*)&ctl->done;
+        u32 v0, v1;
+        sd_range(a.vocab, v0, v1);
+#if SD_SAMPLED
+        const u32 sbase = a.s.mode >= PD_SAMPLE_DENSE ? position_base(a.s.seed_lo, a.s.seed_hi, pos + 1) : 0u;
+        // Two sets of parts, by the token's parity, as the bests.
+        u64* sset = a.s.samp + (u64)(t & 1u) * gridDim.x * (PD_PARTS + PD_CANDS);
+        if (pen) pd_window_mask<SdCfg>(sp, a.s, v0, v1 - v0, pos + 1, t, tok0, s_wstart, s_wn);
+#endif
         sd_stage_norm(xs, red, a.x + (u64)((t * a.nl + a.nl - 1) & 1u) * xw + X_HD, sd_tag(t, a.nl, a.nl - 1, 4),
                       nullptr, a.out_norm, a.eps);
         sd_consume<M_LOG>(a, a.layers[0], r, xs, part, c);
         {
-            u32 u0, u1;
-            sd_range(a.vocab, u0, u1);
             u64 k = 0;
-            for (u32 i = threadIdx.x; i < u1 - u0; i += SD_CT) k = max(k, sd_key(sd_row_sum(part, i), u0 + i));
+            for (u32 i = threadIdx.x; i < v1 - v0; i += SD_CT) {
+                float l = sd_row_sum(part, i);
+#if SD_SAMPLED
+                if (pen && ((sp.mask[i >> 5] >> (i & 31)) & 1u)) l = pd_penalised(l, a.s.penalty);
+                if (a.s.mode >= PD_SAMPLE_DENSE) sp.lg[i] = l;
+#endif
+                k = max(k, pd_key(l, v0 + i));
+            }
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) k = max(k, __shfl_xor_sync(0xffffffffu, k, o));
             if (lane == 0) keys[warp] = k;
+#if SD_SAMPLED
+            // The part's selection fields, published by this barrier.
+            if (a.s.mode == PD_SAMPLE_TOPK) pd_select_begin(ss);
+#endif
             sd_csync();
             if (threadIdx.x == 0) {
                 u64 b = 0;
                 for (int i = 0; i < SD_CW; ++i) b = max(b, keys[i]);
                 bset[blockIdx.x] = b;
                 if (blockIdx.x == 0) bset[gridDim.x] = done;
+#if SD_SAMPLED
+                s_bkey = b;
+#else
+                __threadfence();
+                asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(a.flags + blockIdx.x), "r"(t + 1)
+                             : "memory");
+#endif
+            }
+#if SD_SAMPLED
+            if (a.s.mode >= PD_SAMPLE_DENSE) {
+                sd_csync();
+                pd_sample_publish<SdCfg>(sp, ss, a.s, sset, v0, v1 - v0, s_bkey, sbase);
+            }
+            // Every thread's writes of the part, then the flag.
+            sd_csync();
+            if (threadIdx.x == 0) {
                 __threadfence();
                 asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(a.flags + blockIdx.x), "r"(t + 1)
                              : "memory");
             }
+#endif
         }
         // The token: every block takes the argmax of the bests (their flags
         // also publish the K/V rows they wrote), so that all agree on it
@@ -698,17 +764,34 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
             } while (f < t + 1);
         }
         sd_csync();
-        u64 k = 0;
-        for (u32 i = threadIdx.x; i < gridDim.x; i += SD_CT) k = max(k, __ldcg(bset + i));
+        u32 cancel = (u32)__ldcg(bset + gridDim.x);
+#if SD_SAMPLED
+        if (a.s.mode >= PD_SAMPLE_DENSE) {
+            // The sampler's pick from every block's part (warp 0 has it).
+            const u32 tok = pd_sample_pick<SdCfg>(sp, ss, a.s, sset, sbase);
+            if (threadIdx.x == 0) {
+                s_token = tok;
+                sp.hist[t] = tok;
+            }
+            sd_csync();
+            token = s_token;
+        } else
+#endif
+        {
+            u64 k = 0;
+            for (u32 i = threadIdx.x; i < gridDim.x; i += SD_CT) k = max(k, __ldcg(bset + i));
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) k = max(k, __shfl_xor_sync(0xffffffffu, k, o));
-        if (lane == 0) keys[warp] = k;
-        const u32 cancel = (u32)__ldcg(bset + gridDim.x);
-        sd_csync();
-        u64 b = 0;
+            for (int o = 16; o > 0; o >>= 1) k = max(k, __shfl_xor_sync(0xffffffffu, k, o));
+            if (lane == 0) keys[warp] = k;
+            sd_csync();
+            u64 b = 0;
 #pragma unroll
-        for (int i = 0; i < SD_CW; ++i) b = max(b, keys[i]);
-        token = 0xffffffffu - (u32)b;
+            for (int i = 0; i < SD_CW; ++i) b = max(b, keys[i]);
+            token = 0xffffffffu - (u32)b;
+#if SD_SAMPLED
+            if (pen && threadIdx.x == 0) sp.hist[t] = token;
+#endif
+        }
         // The token goes to the host from the last block.
         if (blockIdx.x == gridDim.x - 1 && threadIdx.x == 0) publish_token(a.conveyor, tok0 + 1 + t, token, ctl);
         bool stop = cancel != 0u || t + 1 >= limit;

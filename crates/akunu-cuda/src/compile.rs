@@ -22,17 +22,26 @@ pub const SOURCES: [(&str, &str); 5] = [
 
 /// The persistent decode kernel (`persist.rs`): its own module, compiled
 /// per model shape.
-pub const PERSIST_SOURCES: [(&str, &str); 3] = [
+pub const PERSIST_SOURCES: [(&str, &str); 4] = [
     ("common.cuh", include_str!("../kernels/common.cuh")),
     ("noise.cuh", include_str!("../kernels/noise.cuh")),
+    (
+        "chain_sampler.cuh",
+        include_str!("../kernels/chain_sampler.cuh"),
+    ),
     ("persist.cu", include_str!("../kernels/persist.cu")),
 ];
 
 /// The streaming persistent decode kernel (`stream.rs`): its own module,
 /// compiled per model shape. Developer switches reach it as they reach the
 /// persistent module (`Module::Persistent`).
-pub const STREAM_SOURCES: [(&str, &str); 2] = [
+pub const STREAM_SOURCES: [(&str, &str); 4] = [
     ("common.cuh", include_str!("../kernels/common.cuh")),
+    ("noise.cuh", include_str!("../kernels/noise.cuh")),
+    (
+        "chain_sampler.cuh",
+        include_str!("../kernels/chain_sampler.cuh"),
+    ),
     ("stream.cu", include_str!("../kernels/stream.cu")),
 ];
 
@@ -323,12 +332,20 @@ mod tests {
             }
         }
         // The streaming decode module at the 1B and 8B F16 shapes
-        // (the stages and splits a 132-SM device gets), each KV cache type.
+        // (the stages and splits a 132-SM device gets): greedy with each KV
+        // cache type, and a sampled table's module (the in-kernel sampler).
         for (d, kvd, ff, nst) in [(2048, 512, 8192, 5), (4096, 1024, 14336, 4)] {
-            for kv in [super::KvType::F16, super::KvType::F32] {
+            for (kv, sampled) in [
+                (super::KvType::F16, false),
+                (super::KvType::F32, false),
+                (super::KvType::F16, true),
+            ] {
                 let mut o = super::options("sm_90", super::Module::Persistent);
                 o.extend(crate::stream::defines(d, d, kvd, ff, 32, 8, 3000, nst, 4));
                 o.push(super::kv_define(kv));
+                if sampled {
+                    o.push("-DSD_SAMPLED=1".into());
+                }
                 let bin =
                     super::compile(&super::stream_source(), &o).unwrap_or_else(|e| panic!("{e}"));
                 assert!(bin.len() > 1000);

@@ -45,14 +45,17 @@ const WARPS: u32 = 12;
 const MAXPER: u32 = 4;
 const HEAD: u32 = 64;
 /// Static shared memory of the kernel (ptxas: 400 bytes greedy, 2,048
-/// with the sampler's scalars, 2,144 in a -DPD_TIMING build), rounded up.
+/// with the sampler's scalars before chain_sampler.cuh sized them for 96
+/// bound entries, 192 more since; 2,144 + 192 in a -DPD_TIMING build),
+/// rounded up. The streaming kernel's fits too (its RoPE table, up to 512
+/// bytes, and the same sampler scalars).
 pub(crate) const STATIC_SMEM: u32 = 3072;
-/// The sampler's words a block publishes (persist.cu `PD_PARTS`) and its
+/// The sampler's words a block publishes (chain_sampler.cuh `PD_PARTS`) and its
 /// top-k keys (`PD_CANDS`, the largest top-k the kernel takes).
-const PARTS: u32 = 3;
-const CANDS: u32 = 64;
+pub(crate) const PARTS: u32 = 3;
+pub(crate) const CANDS: u32 = 64;
 /// Logits of a block's slice a thread holds in the sampler (`PD_VPT`).
-const VPT: u32 = 4;
+pub(crate) const VPT: u32 = 4;
 /// Most cache positions a chain may reach on this path: its attention runs
 /// on one block per head, which loses to the graph's split attention after
 /// a few hundred positions (bench/RESULTS.md, session 18: 1,636 tok/s from
@@ -99,6 +102,20 @@ pub(crate) struct PdArgs {
     pub theta: f32,
     pub freq_scale: f32,
     pub scale: f32,
+    pub s: SampArgs,
+    pub res_rows: u32,
+    pub res_off: u32,
+}
+
+// The kernel's parameter block: persist.cu's PdArgs, 208 bytes.
+const _: () = assert!(std::mem::size_of::<PdArgs>() == 208);
+
+/// Mirror of `SampArgs` in chain_sampler.cuh: the in-kernel sampler's
+/// settings (from the sampled table's `GumbelSample` params, per chain)
+/// and buffers, embedded in both persistent kernels' argument blocks.
+#[repr(C)]
+#[derive(Copy, Clone, Pod, Zeroable, Debug)]
+pub(crate) struct SampArgs {
     pub recent: u64,
     pub window_chain: u64,
     pub samp: u64,
@@ -112,12 +129,8 @@ pub(crate) struct PdArgs {
     pub top_p: f32,
     pub min_p: f32,
     pub penalty: f32,
-    pub res_rows: u32,
-    pub res_off: u32,
 }
-
-// The kernel's parameter block: persist.cu's PdArgs, 208 bytes.
-const _: () = assert!(std::mem::size_of::<PdArgs>() == 208);
+const _: () = assert!(std::mem::size_of::<SampArgs>() == 64);
 
 /// What the kernel's logits phase does (persist.cu `PD_SAMPLE_*`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -232,7 +245,7 @@ const PICK_KPT: u32 = 24;
 /// Shared memory of the sampler (persist.cu `pd_samp_areas`): 16 bytes of
 /// alignment, the candidates, the slice's logits, its penalty mask, a
 /// token a step, the recent ids.
-fn sample_smem(vocab: u32, g: u32, max_pos: u32) -> u64 {
+pub(crate) fn sample_smem(vocab: u32, g: u32, max_pos: u32) -> u64 {
     let per = vocab.div_ceil(g);
     let cap = per.max(PICK_CAP);
     16 + 8 * cap as u64
@@ -479,7 +492,7 @@ pub(crate) fn plan(
     a.best = scratch + x_bytes;
     a.flags = scratch + x_bytes + best_bytes;
     if samp_bytes > 0 {
-        a.samp = scratch + zeroed;
+        a.s.samp = scratch + zeroed;
     }
     Ok(Ok(Plan {
         func: f as u64,
@@ -508,12 +521,16 @@ impl Plan {
             .ok_or("the sampled table changed shape")?;
         let p: SampleParams = c.params();
         let mode = sample_mode(&p)?;
-        if mode == SampleMode::TopK && p.top_k * self.grid > PICK_KPT * WARPS * 32 {
+        // Keys the pick holds: PICK_KPT a thread of the sampler's warps
+        // (persist.cu PdCfg, stream.cu SdCfg).
+        let pick_keys = match self.args {
+            Args::Small(_) => PICK_KPT * WARPS * 32,
+            Args::Stream(_) => crate::stream::PICK_KPT * crate::stream::SAMPLER_THREADS,
+        };
+        if mode == SampleMode::TopK && p.top_k * self.grid > pick_keys {
             return Err(format!(
-                "top-k {} over {} blocks: the kernel's pick holds {} keys",
-                p.top_k,
-                self.grid,
-                PICK_KPT * WARPS * 32
+                "top-k {} over {} blocks: the kernel's pick holds {pick_keys} keys",
+                p.top_k, self.grid
             ));
         }
         if p.recent_capacity > RECENT_CAPACITY {
@@ -522,19 +539,20 @@ impl Plan {
                 p.recent_capacity
             ));
         }
-        let Args::Small(a) = &mut self.args else {
-            return Err("the streaming kernel has no sampler".into());
+        let s = match &mut self.args {
+            Args::Small(a) => &mut a.s,
+            Args::Stream(a) => &mut a.s,
         };
-        a.mode = mode as u32;
-        a.top_k = p.top_k;
-        a.repeat_last_n = p.repeat_last_n;
-        a.seed_lo = p.seed_lo;
-        a.seed_hi = p.seed_hi;
-        a.recent_capacity = p.recent_capacity;
-        a.inv_t = 1.0 / p.temperature;
-        a.top_p = p.top_p;
-        a.min_p = p.min_p;
-        a.penalty = p.repeat_penalty;
+        s.mode = mode as u32;
+        s.top_k = p.top_k;
+        s.repeat_last_n = p.repeat_last_n;
+        s.seed_lo = p.seed_lo;
+        s.seed_hi = p.seed_hi;
+        s.recent_capacity = p.recent_capacity;
+        s.inv_t = 1.0 / p.temperature;
+        s.top_p = p.top_p;
+        s.min_p = p.min_p;
+        s.penalty = p.repeat_penalty;
         Ok(self)
     }
 }
@@ -759,8 +777,8 @@ pub(crate) fn read_shape(
         want(i, KernelId::GumbelSample, "gumbel_sample")?;
         // Its window: the recent-token buffer, and the conveyor the chain's
         // tokens join it from.
-        a.recent = ptr(i, 1)?;
-        a.window_chain = ptr(i, 2)?;
+        a.s.recent = ptr(i, 1)?;
+        a.s.window_chain = ptr(i, 2)?;
     }
     let lp: GemvParams = c[lg].params();
     if lp.n_seg != 1 || lp.k != d || lp.bias != 0 || lp.softcap != 0.0 {

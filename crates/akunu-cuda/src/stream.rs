@@ -9,15 +9,18 @@
 //! The plan is read off the table as `persist.rs` reads it
 //! (`persist::read_shape` with `f16`), and it shares that module's chain
 //! integration: `persist::Plan` with [`persist::Args::Stream`], launched by
-//! `persist::launch`. Sampled tables keep the graph (the kernel has no
-//! sampler yet).
+//! `persist::launch`. A sampled table gets a module with the in-kernel
+//! sampler (`chain_sampler.cuh`, the SmolLM2 kernel's, on the consumer
+//! warps: `SD_SAMPLED`), its settings set per chain by `Plan::for_chain`.
 //!
 //! On by default on sm_90 (as the persistent kernel is); `AKUNU_CUDA_STREAM=0`
 //! keeps such models on the graph.
 
 use crate::CudaBackend;
 use crate::device::{alloc, check};
-use crate::persist::{Args, Owned, Plan, load_kernel, read_shape};
+use crate::persist::{
+    Args, CANDS, Owned, PARTS, Plan, SampArgs, VPT, load_kernel, read_shape, sample_smem,
+};
 use akunu_core::backend::BackendError;
 use akunu_core::table::DispatchTable;
 use bytemuck::{Pod, Zeroable};
@@ -25,6 +28,12 @@ use cudarc::driver::sys;
 
 /// Consumer warps (stream.cu `SD_CW`); the producer is one more.
 const CW: u32 = 8;
+/// Threads that run the in-kernel sampler: the consumers (stream.cu
+/// `SdCfg`).
+pub(crate) const SAMPLER_THREADS: u32 = CW * 32;
+/// Keys a sampler thread holds in the pick (`SdCfg::PICK_KPT`): top-64
+/// lists of 132 blocks.
+pub(crate) const PICK_KPT: u32 = 33;
 /// Bytes of a ring stage (stream.cu `SD_STB`).
 const STB: u32 = 32768;
 /// Splits of a head's attention at most (stream.cu `SD_ATT_S`).
@@ -57,8 +66,9 @@ pub(crate) struct SdArgs {
     theta: f32,
     freq_scale: f32,
     scale: f32,
+    pub s: SampArgs,
 }
-const _: () = assert!(std::mem::size_of::<SdArgs>() == 104);
+const _: () = assert!(std::mem::size_of::<SdArgs>() == 168);
 
 /// Units of each product (stream.cu `sd_units`) and rows a unit.
 fn products(d: u32, qd: u32, kvd: u32, ff: u32, vocab: u32) -> [(u32, u32); 5] {
@@ -184,15 +194,18 @@ pub(crate) fn plan(
         Ok(s) => s,
         Err(why) => return Ok(Err(why)),
     };
-    if shape.sampler.is_some() {
-        return Ok(Err(
-            "sampled chains keep the graph on the streaming kernel".into()
-        ));
-    }
     let p = shape.args;
+    let sampled = shape.sampler.is_some();
     let grid = be.sm_count();
     if let Err(why) = shape_fits(p.d, p.qd, p.kvd, p.ff, p.nh, p.vocab, grid) {
         return Ok(Err(why));
+    }
+    if sampled && p.vocab.div_ceil(grid) > VPT * SAMPLER_THREADS {
+        return Ok(Err(format!(
+            "a vocabulary of {} over {grid} blocks: the sampler takes {} logits a block",
+            p.vocab,
+            VPT * SAMPLER_THREADS
+        )));
     }
     let hd = p.qd / p.nh;
     let att_s = (grid / p.nh).clamp(1, ATT_S_MAX);
@@ -205,19 +218,26 @@ pub(crate) fn plan(
         .unwrap_or(0)
         * CW;
     let budget = be.smem_optin().saturating_sub(STATIC_SMEM) as u64;
+    // The sampler's areas follow the rest (stream.cu `pd_samp_areas`).
+    let samp = if sampled {
+        sample_smem(p.vocab, grid, max_pos)
+    } else {
+        0
+    };
+    let need = |n: u32| smem_bytes(p.ff, hd, part, n, att_s, max_pos) + samp;
     // As many stages as fit, up to 8 (three already run as fast as five on
     // the 1B shape: bench/RESULTS.md, session 25).
-    let nst = (2..=8u32)
-        .rev()
-        .find(|&n| smem_bytes(p.ff, hd, part, n, att_s, max_pos) <= budget);
-    let Some(nst) = nst else {
+    let Some(nst) = (2..=8u32).rev().find(|&n| need(n) <= budget) else {
         return Ok(Err(format!(
             "{} bytes of shared memory a block needed, {budget} available",
-            smem_bytes(p.ff, hd, part, 2, att_s, max_pos)
+            need(2)
         )));
     };
-    let smem = smem_bytes(p.ff, hd, part, nst, att_s, max_pos);
-    let defs = defines(p.d, p.qd, p.kvd, p.ff, p.nh, p.nkv, part, nst, att_s);
+    let smem = need(nst);
+    let mut defs = defines(p.d, p.qd, p.kvd, p.ff, p.nh, p.nkv, part, nst, att_s);
+    if sampled {
+        defs.push("-DSD_SAMPLED=1".into());
+    }
     let f = match kernel_for(be, &defs, owned) {
         Ok(f) => f,
         Err(e) => return Ok(Err(format!("the streaming kernel is not available: {e}"))),
@@ -247,8 +267,19 @@ pub(crate) fn plan(
     let best_bytes = 2 * (grid as u64 + 1) * 8;
     let flag_bytes = (grid as u64 * 4).next_multiple_of(8);
     let zeroed = x_bytes + best_bytes + flag_bytes;
-    let scratch = alloc(zeroed, "streaming decode scratch")?;
+    // The sampler's parts and candidates (written before they are read,
+    // each token; not zeroed).
+    let samp_bytes = if sampled {
+        2 * grid as u64 * (PARTS + CANDS) as u64 * 8
+    } else {
+        0
+    };
+    let scratch = alloc(zeroed + samp_bytes, "streaming decode scratch")?;
     owned.mem.push(scratch);
+    let mut s = p.s;
+    if sampled {
+        s.samp = scratch + zeroed;
+    }
     let args = SdArgs {
         layers: lp,
         emb: p.emb,
@@ -267,6 +298,7 @@ pub(crate) fn plan(
         theta: p.theta,
         freq_scale: p.freq_scale,
         scale: p.scale,
+        s,
     };
     Ok(Ok(Plan {
         func: f as u64,
@@ -275,7 +307,7 @@ pub(crate) fn plan(
         smem: smem as u32,
         threads,
         max_pos,
-        sampler: None,
+        sampler: shape.sampler,
         scratch: (scratch, zeroed),
     }))
 }

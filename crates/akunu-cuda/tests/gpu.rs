@@ -727,6 +727,17 @@ fn streaming_chain_matches_cpu() {
     assert_eq!(more.len(), 5, "{what}: a generation after the cancellation");
 }
 
+/// The streaming kernel's in-kernel sampler (a sampled table's module) on
+/// the llama-1b F16 shape: each sampler mode against the CPU, as
+/// `persistent_sampled_chain_matches_cpu` checks the SmolLM2 kernel's.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
+fn streaming_sampled_chain_matches_cpu() {
+    let m = synth(Shape::Llama1B, DType::F16);
+    let p = prompt(20, m.config.n_vocab);
+    sampled_chains_against_cpu(&m, &p, 24, "llama-1b f16 streaming, ");
+}
+
 /// The persistent kernel's greedy tokens against the CPU's (equal but after
 /// a near-tie), on the SmolLM2 shape with a Q4_1 and with a Q8_0 embedding
 /// (the default file's types); then a stop token and a cancellation by the
@@ -909,27 +920,20 @@ fn keeps_the_graph(
     with
 }
 
-/// The persistent kernel's sampled tokens against the CPU's sampled ones
-/// (the same Gumbel noise: equal but after a near-tie of the perturbed
-/// values), for each mode of its sampler: top-k with top-p, min-p and the
-/// repetition penalty, the largest top-k, dense Gumbel-max with and without
-/// the penalty, and the penalty alone at temperature 0. A configuration the
-/// sampler does not take (top-p without top-k) keeps the graph, whose tokens
-/// it then gives.
-#[test]
-#[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
-fn persistent_sampled_chain_matches_cpu() {
+/// Sampled chains of `m` from `p` on the persistent switch (the SmolLM2
+/// kernel or the streaming one, whichever takes the model), each sampler
+/// mode's configuration against the CPU's tokens; `label` prefixes the
+/// messages.
+fn sampled_chains_against_cpu(m: &Arc<Model>, p: &[u32], max_tokens: u32, label: &str) {
     use akunu_core::decode::DecodePath;
     use std::sync::atomic::Ordering;
-    let m = synth(Shape::SmolLm2_135M, DType::Q4_1);
-    let p = prompt(16, m.config.n_vocab);
     // The logits' scale, for the tolerance of the perturbed values.
     let greedy = GenerateOptions {
         max_tokens: 1,
         ignore_eos: true,
         ..Default::default()
     };
-    let (_, raw) = run(&mut engine(&m, cpu_kv(KvType::F16), 16, 64), &p, &greedy);
+    let (_, raw) = run(&mut engine(m, cpu_kv(KvType::F16), 16, 64), p, &greedy);
     let scale = raw[0].iter().fold(1f32, |a, v| a.max(v.abs()));
     let configs = [
         (0.8, 40, 0.95, 0.0, 1.0),
@@ -941,10 +945,11 @@ fn persistent_sampled_chain_matches_cpu() {
         (0.0, 0, 1.0, 0.0, 1.3),
     ];
     for (i, &(t, k, tp, mp, rp)) in configs.iter().enumerate() {
-        let what =
-            format!("sampled config {i} (T {t}, top-k {k}, top-p {tp}, min-p {mp}, penalty {rp})");
+        let what = format!(
+            "{label}sampled config {i} (T {t}, top-k {k}, top-p {tp}, min-p {mp}, penalty {rp})"
+        );
         let opts = GenerateOptions {
-            max_tokens: 64,
+            max_tokens,
             ignore_eos: true,
             force_path: Some(DecodePath::Sampled),
             sampling: SamplingConfig {
@@ -959,11 +964,11 @@ fn persistent_sampled_chain_matches_cpu() {
             ..Default::default()
         };
         // The CPU's perturbed logits (its sampled table rewrites them).
-        let (tc, lcs) = run(&mut engine(&m, cpu_kv(KvType::F16), 16, 64), &p, &opts);
+        let (tc, lcs) = run(&mut engine(m, cpu_kv(KvType::F16), 16, 64), p, &opts);
         let (be, chains) = cuda_persistent();
-        let mut g = engine(&m, be, 64, 64);
+        let mut g = engine(m, be, 64, 64);
         let mut tg = Vec::new();
-        g.generate(&p, &opts, &mut |id, _| {
+        g.generate(p, &opts, &mut |id, _| {
             tg.push(id);
             true
         })
@@ -991,6 +996,21 @@ fn persistent_sampled_chain_matches_cpu() {
         eprintln!("{what}: {same} of {} tokens equal to the CPU's", tg.len());
         assert!(same >= 8, "{what}: only {same} tokens compared");
     }
+}
+
+/// The persistent kernel's sampled tokens against the CPU's sampled ones
+/// (the same Gumbel noise: equal but after a near-tie of the perturbed
+/// values), for each mode of its sampler: top-k with top-p, min-p and the
+/// repetition penalty, the largest top-k, dense Gumbel-max with and without
+/// the penalty, and the penalty alone at temperature 0. A configuration the
+/// sampler does not take (top-p without top-k) keeps the graph, whose tokens
+/// it then gives.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
+fn persistent_sampled_chain_matches_cpu() {
+    let m = synth(Shape::SmolLm2_135M, DType::Q4_1);
+    let p = prompt(16, m.config.n_vocab);
+    sampled_chains_against_cpu(&m, &p, 64, "");
     // Top-p without top-k: the graph (the counter stays), its tokens.
     let opts = GenerateOptions {
         max_tokens: 32,
