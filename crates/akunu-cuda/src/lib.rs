@@ -479,8 +479,8 @@ impl CudaBackend {
         self.persist_asked = on;
     }
 
-    /// Whether greedy chains of a llama model with F16 matrices too large for
-    /// the persistent kernel run on the streaming one (`stream.rs`; on by
+    /// Whether chains (greedy or sampled) of a llama model with F16 matrices
+    /// too large for the persistent kernel run on the streaming one (`stream.rs`; on by
     /// default on sm_90, off with `AKUNU_CUDA_STREAM=0`). It needs the
     /// persistent switch on too; its chains count in
     /// [`CudaBackend::persistent_chains`].
