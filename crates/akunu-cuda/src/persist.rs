@@ -610,13 +610,15 @@ pub(crate) fn read_shape(
     let norm: NormParams = c[1].params();
     let d = emb.dim;
     let q8 = |dt: u32| -> Result<u32, String> {
+        let name =
+            DType::from_ggml(dt).map_or_else(|| format!("type {dt}"), |t| t.name().to_string());
         match dt {
             x if f16 && x == DType::F16 as u32 => Ok(0),
             x if !f16 && x == DType::Q8_0 as u32 => Ok(1),
             x if !f16 && x == DType::Q4_1 as u32 => Ok(0),
-            _ if f16 => Err(format!("an embedding or output of type {dt} (F16 only)")),
+            _ if f16 => Err(format!("an embedding or output of {name} (F16 only)")),
             _ => Err(format!(
-                "an embedding or output of type {dt} (Q4_1 or Q8_0 only)"
+                "an embedding or output of {name} (Q4_1 or Q8_0 only)"
             )),
         }
     };
