@@ -12,7 +12,8 @@
 #  4. `akunu serve` and `akunu chat` end to end on the default model, driven by
 #     the official openai Python package and raw HTTP (tools/test_server.py);
 #  5. the same reference on tiny random-weight models of every architecture
-#     (llama, qwen2, qwen3, gemma3) in F32/F16/Q8_0 (tools/arch_parity.py).
+#     (llama, llama with Llama 3.1-style RoPE divisors, qwen2, qwen3,
+#     gemma3) in F32/F16/Q8_0 (tools/arch_parity.py).
 # The GPU tests themselves run on a GPU machine: scripts/gpu.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -33,6 +33,10 @@ pub struct SynthArgs {
     /// default model, fetched on first use; tiny has a built-in tokenizer).
     #[arg(long, value_name = "GGUF")]
     pub tokenizer_from: Option<PathBuf>,
+    /// Also write `rope_freqs.weight`, the per-frequency RoPE divisors of
+    /// Llama 3.1-style scaling (1 to 8 across the frequencies).
+    #[arg(long)]
+    pub rope_freqs: bool,
     /// Output file.
     #[arg(value_name = "OUT.gguf")]
     pub out: PathBuf,
@@ -59,6 +63,7 @@ pub fn run(a: SynthArgs) -> Result<()> {
         embedding: a.embedding_type,
         seed: a.seed,
         tokenizer_from,
+        rope_freqs: a.rope_freqs,
     };
 
     let bar = indicatif::ProgressBar::new(0);

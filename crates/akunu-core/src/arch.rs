@@ -135,6 +135,10 @@ pub struct ModelConfig {
     pub rope_dim: u32,
     /// Linear RoPE scaling factor applied to positions (1.0 = none).
     pub rope_freq_scale: f32,
+    /// The file has `rope_freqs.weight` (rope_dim / 2 F32 values): each
+    /// rotated pair's frequency divided by its factor, in every layer, as
+    /// llama.cpp's converter writes Llama 3.1-style RoPE scaling.
+    pub rope_freqs: bool,
     pub rms_eps: f32,
     /// The logits reuse the token embedding matrix.
     pub tied_output: bool,
@@ -151,6 +155,9 @@ pub struct ModelConfig {
     /// Tanh soft-cap of the final logits (0 = none).
     pub final_softcap: f32,
 }
+
+/// The per-frequency RoPE divisors' tensor (Llama 3.1-style scaling).
+pub const ROPE_FREQS: &str = "rope_freqs.weight";
 
 // Sanity bounds: far beyond any real model, small enough that products of
 // them cannot overflow the u32 arithmetic of the kernels' parameters.
@@ -324,6 +331,7 @@ impl ModelConfig {
             rope_theta,
             rope_dim,
             rope_freq_scale,
+            rope_freqs: f.tensor(ROPE_FREQS).is_some(),
             rms_eps,
             tied_output,
             attn_scale,
@@ -383,6 +391,9 @@ impl ModelConfig {
         if !self.tied_output {
             v.push(("output.weight".into(), vec![d, self.n_vocab as u64]));
         }
+        if self.rope_freqs {
+            v.push((ROPE_FREQS.into(), vec![self.rope_dim as u64 / 2]));
+        }
         for l in 0..self.n_layers {
             let b = |s: &str| format!("blk.{l}.{s}");
             v.push((b("attn_norm.weight"), vec![d]));
@@ -430,7 +441,7 @@ impl ModelConfig {
                 return Err(ConfigError::TensorType {
                     name,
                     dtype: t.dtype,
-                    why: "norm weights and biases must be F32".into(),
+                    why: "norm weights, biases and RoPE factors must be F32".into(),
                 });
             }
         }

@@ -192,7 +192,7 @@ pub fn build_dispatch_table(inp: &BuildInputs) -> Result<DispatchTable, MissingW
             style: cfg.arch.rope_style,
             qkv_stride: qkv_dim,
             capacity: inp.kv.capacity,
-            freq_factors: 0,
+            freq_factors: cfg.rope_freqs as u32,
             qk_norm: cfg.arch.qk_norm as u32,
             norm_eps: cfg.rms_eps,
             kv_type: inp.kv.kv_type as u32,
@@ -202,6 +202,9 @@ pub fn build_dispatch_table(inp: &BuildInputs) -> Result<DispatchTable, MissingW
                 .buf(s.qkv, 0)
                 .buf(inp.kv.k[l as usize], 0)
                 .buf(inp.kv.v[l as usize], 0);
+        if cfg.rope_freqs {
+            rope_cmd = rope_cmd.buf(w(crate::arch::ROPE_FREQS)?.buf, 0);
+        }
         if cfg.arch.qk_norm {
             rope_cmd = rope_cmd
                 .buf(w(&b("attn_q_norm.weight"))?.buf, 0)

@@ -293,6 +293,9 @@ pub struct SynthSpec {
     /// size follows its token list. Required for the 49152-token shapes;
     /// without it, [`Shape::Tiny`] gets a small built-in byte-level BPE.
     pub tokenizer_from: Option<PathBuf>,
+    /// Write `rope_freqs.weight` (Llama 3.1-style RoPE scaling: a divisor a
+    /// rotated pair, rising from 1 to 8 across the frequencies).
+    pub rope_freqs: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -367,6 +370,10 @@ enum Init {
     Norm,
     /// N(0, BIAS_STD²), stored as F32.
     Bias,
+    /// RoPE frequency divisors as Llama 3.1's scaling makes them: 1 for the
+    /// highest quarter of the frequencies, 8 for the lowest quarter, a ramp
+    /// between; stored as F32.
+    RopeFreqs,
 }
 
 /// Standard deviation of the random biases: large enough that they matter
@@ -380,7 +387,7 @@ struct TensorPlan {
     init: Init,
 }
 
-fn plan(p: &ShapeParams, arch: SynthArch, n_vocab: u64) -> Vec<TensorPlan> {
+fn plan(p: &ShapeParams, arch: SynthArch, n_vocab: u64, rope_freqs: bool) -> Vec<TensorPlan> {
     let (d, ff) = (p.dim as u64, p.ffn_dim as u64);
     let q = (p.n_heads * p.head_dim()) as u64;
     let kv = (p.n_kv_heads * p.head_dim()) as u64;
@@ -390,6 +397,13 @@ fn plan(p: &ShapeParams, arch: SynthArch, n_vocab: u64) -> Vec<TensorPlan> {
         init,
     };
     let mut v = vec![t("token_embd.weight".into(), &[d, n_vocab], Init::Matrix)];
+    if rope_freqs {
+        v.push(t(
+            crate::arch::ROPE_FREQS.into(),
+            &[p.head_dim() as u64 / 2],
+            Init::RopeFreqs,
+        ));
+    }
     for l in 0..p.n_layers {
         let b = |s: &str| format!("blk.{l}.{s}");
         v.push(t(b("attn_norm.weight"), &[d], Init::Norm));
@@ -492,13 +506,16 @@ pub(crate) fn write_synthetic_threads(
     }
 
     let seed = spec.seed;
-    for (index, t) in plan(&p, spec.arch, n_vocab).into_iter().enumerate() {
+    for (index, t) in plan(&p, spec.arch, n_vocab, spec.rope_freqs)
+        .into_iter()
+        .enumerate()
+    {
         let dtype = match t.init {
             Init::Matrix if t.name == "token_embd.weight" => {
                 matrix_type(spec.embedding.unwrap_or(spec.dtype), t.dims[0])
             }
             Init::Matrix => matrix_type(spec.dtype, t.dims[0]),
-            Init::Norm | Init::Bias => DType::F32,
+            Init::Norm | Init::Bias | Init::RopeFreqs => DType::F32,
         };
         let dims = t.dims.clone();
         w.tensor_stream(t.name, &t.dims, dtype, move |out: &mut dyn Write| {
@@ -537,6 +554,13 @@ fn generate_tensor(
             Init::Matrix => vals.iter_mut().for_each(|v| *v *= WEIGHT_STD),
             Init::Norm => vals.iter_mut().for_each(|v| *v = 1.0 + *v * WEIGHT_STD),
             Init::Bias => vals.iter_mut().for_each(|v| *v *= BIAS_STD),
+            Init::RopeFreqs => {
+                let last = (n.max(2) - 1) as f32;
+                for (j, v) in vals.iter_mut().enumerate() {
+                    let ramp = ((j as f32 / last - 0.25) / 0.5).clamp(0.0, 1.0);
+                    *v = 1.0 + 7.0 * ramp;
+                }
+            }
         }
         let mut bytes = vec![0u8; dtype.bytes_for(n as u64).expect("whole blocks") as usize];
         quantize_into(dtype, &vals, &mut bytes).expect("chunk holds whole blocks");
@@ -705,6 +729,7 @@ mod tests {
             seed,
             tokenizer_from: None,
             embedding: None,
+            rope_freqs: false,
         }
     }
 
@@ -818,6 +843,34 @@ mod tests {
             let _ = std::fs::remove_file(&path);
         }
         assert!("mamba".parse::<SynthArch>().is_err());
+    }
+
+    #[test]
+    fn rope_freqs_load_as_llama_3_1_divisors() {
+        let path = temp("rope-freqs");
+        let s = SynthSpec {
+            rope_freqs: true,
+            ..spec(DType::F32, 4)
+        };
+        write_synthetic(&path, &s, &mut |_, _| {}).unwrap();
+        let m = Model::load(&path).unwrap();
+        assert!(m.config.rope_freqs);
+        let t = m.file.tensor(crate::arch::ROPE_FREQS).unwrap();
+        assert_eq!(t.dims, vec![m.config.rope_dim as u64 / 2]);
+        let v: Vec<f32> = m
+            .file
+            .tensor_data(t)
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        // 1 for the highest frequencies, 8 for the lowest, rising between.
+        assert_eq!((v[0], *v.last().unwrap()), (1.0, 8.0));
+        assert!(v.windows(2).all(|w| w[0] <= w[1]));
+        drop(m);
+        // Without the flag the file has no divisors.
+        write_synthetic(&path, &spec(DType::F32, 4), &mut |_, _| {}).unwrap();
+        assert!(!Model::load(&path).unwrap().config.rope_freqs);
+        let _ = std::fs::remove_file(&path);
     }
 
     #[test]
@@ -992,6 +1045,7 @@ mod tests {
                     seed: 0,
                     tokenizer_from: None,
                     embedding: None,
+                    rope_freqs: false,
                 },
                 &mut |_, _| {},
             )
@@ -1034,6 +1088,7 @@ mod tests {
             seed: 3,
             tokenizer_from: Some(src.clone()),
             embedding: None,
+            rope_freqs: false,
         };
         write_synthetic(&path, &s, &mut |_, _| {}).unwrap();
         let m = Model::load(&path).unwrap();

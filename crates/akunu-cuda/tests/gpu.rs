@@ -74,22 +74,30 @@ fn synth(shape: Shape, dtype: DType) -> Arc<Model> {
 }
 
 fn synth_arch(arch: SynthArch, shape: Shape, dtype: DType) -> Arc<Model> {
-    synth_vocab(arch, shape, dtype, shape.needs_tokenizer())
+    synth_vocab(arch, shape, dtype, shape.needs_tokenizer(), false)
 }
 
 /// A tiny shape with SmolLM2's 49,152-token vocabulary: its logits product
 /// has enough row tiles for the bulk-copy gemv (`launch::tcb_plan`), which
 /// the built-in vocabulary's 300-odd rows do not.
 fn synth_big_vocab(shape: Shape, dtype: DType) -> Arc<Model> {
-    synth_vocab(SynthArch::Llama, shape, dtype, true)
+    synth_vocab(SynthArch::Llama, shape, dtype, true, false)
 }
 
-fn synth_vocab(arch: SynthArch, shape: Shape, dtype: DType, big_vocab: bool) -> Arc<Model> {
+/// A synthetic model; `rope_freqs`: with Llama 3.1-style RoPE divisors.
+fn synth_vocab(
+    arch: SynthArch,
+    shape: Shape,
+    dtype: DType,
+    big_vocab: bool,
+    rope_freqs: bool,
+) -> Arc<Model> {
     let path = std::env::temp_dir().join(format!(
-        "akunu-gpu-test-{}-{arch}-{shape}-{}-{}.gguf",
+        "akunu-gpu-test-{}-{arch}-{shape}-{}-{}{}.gguf",
         std::process::id(),
         dtype.name(),
-        if big_vocab { "v49152" } else { "builtin" }
+        if big_vocab { "v49152" } else { "builtin" },
+        if rope_freqs { "-rope-freqs" } else { "" }
     ));
     let spec = SynthSpec {
         shape,
@@ -98,6 +106,7 @@ fn synth_vocab(arch: SynthArch, shape: Shape, dtype: DType, big_vocab: bool) -> 
         seed: 11,
         tokenizer_from: big_vocab.then(vocab),
         embedding: None,
+        rope_freqs,
     };
     write_synthetic(&path, &spec, &mut |_, _| {}).expect("writing a synthetic model");
     let m = Arc::new(Model::load(&path).expect("loading it"));
@@ -311,6 +320,28 @@ fn logits_match_cpu_for_every_architecture() {
         // Real widths (576, 9 heads of 64; Gemma 3 with a 512 window).
         let m = synth_arch(arch, Shape::SmolLm2_135M, DType::Q8_0);
         compare_with_cpu(&m, &format!("{arch} smollm2-135m q8_0"), 1e-4);
+    }
+    // Llama with Llama 3.1-style RoPE divisors (`rope_freqs.weight`; the
+    // CPU's against the NumPy reference: tools/arch_parity.py), on the graph
+    // and with the persistent switch on (whose kernels leave such models to
+    // the graph).
+    for (shape, dt) in [
+        (Shape::Tiny, DType::F32),
+        (Shape::SmolLm2_135M, DType::Q4_1),
+    ] {
+        let m = synth_vocab(SynthArch::Llama, shape, dt, shape.needs_tokenizer(), true);
+        assert!(m.config.rope_freqs);
+        let what = format!("llama {shape} {} with rope_freqs", dt.name());
+        compare_with_cpu(&m, &what, 1e-4);
+        let (be, _) = cuda_persistent();
+        compare_with_cpu_on(
+            &m,
+            &format!("{what}, persistent switch on"),
+            1e-4,
+            40,
+            16,
+            be,
+        );
     }
 }
 
