@@ -652,6 +652,86 @@ fn persistent_against_cpu_kv(
     (tg, same)
 }
 
+/// On a fresh engine with the persistent switch on, for greedy tokens `tg`
+/// of `m` from `p` (checked against the CPU's): the token `tg[stop_at]` as
+/// a stop token ends the chain on the device, with nothing computed after
+/// it; the sink ending the chain after `cancel_after` tokens stops the
+/// kernel within `max_after` more; the engine then goes on from there.
+#[allow(clippy::too_many_arguments)]
+fn stop_and_cancel_inside_a_chain(
+    m: &Arc<Model>,
+    p: &[u32],
+    opts: &GenerateOptions,
+    tg: &[u32],
+    stop_at: usize,
+    cancel_after: usize,
+    max_after: u32,
+    what: &str,
+) {
+    let mut g = engine(m, cuda_persistent().0, 64, 64);
+    let stop = tg[stop_at];
+    let first = tg.iter().position(|&t| t == stop).unwrap();
+    let mut got = Vec::new();
+    let st = g
+        .generate(
+            p,
+            &GenerateOptions {
+                stop_tokens: vec![stop],
+                ..opts.clone()
+            },
+            &mut |id, _| {
+                got.push(id);
+                true
+            },
+        )
+        .unwrap();
+    assert_eq!(got, tg[..first], "{what}: tokens before the stop token");
+    assert_eq!(st.stop_reason, akunu_core::decode::StopReason::Eos);
+    assert_eq!(
+        st.computed_after_end,
+        Some(0),
+        "{what}: work after the stop"
+    );
+    // The kernel reads the raised `done` within a token or so and stops.
+    g.reset();
+    let mut got = Vec::new();
+    let st = g
+        .generate(p, opts, &mut |id, _| {
+            got.push(id);
+            got.len() < cancel_after
+        })
+        .unwrap();
+    assert_eq!(
+        got,
+        tg[..cancel_after],
+        "{what}: tokens before the cancellation"
+    );
+    eprintln!(
+        "{what}: cancelled after {cancel_after} tokens, computed after the end {:?}",
+        st.computed_after_end
+    );
+    assert!(
+        st.computed_after_end.is_some_and(|n| n < max_after),
+        "{what}: the kernel ran on after the cancellation: {:?}",
+        st.computed_after_end
+    );
+    // The engine goes on from where the cancelled chain left it.
+    let mut more = Vec::new();
+    g.generate(
+        &[],
+        &GenerateOptions {
+            max_tokens: 5,
+            ..opts.clone()
+        },
+        &mut |id, _| {
+            more.push(id);
+            true
+        },
+    )
+    .unwrap();
+    assert_eq!(more.len(), 5, "{what}: a generation after the cancellation");
+}
+
 /// The streaming kernel (`stream.rs`, which the persistent switch gives
 /// models too large for persist.cu) on the llama-1b F16 shape: greedy tokens
 /// against the CPU's (equal but after a near-tie); a stop token inside the
@@ -669,60 +749,7 @@ fn streaming_chain_matches_cpu() {
     };
     let p = prompt(20, m.config.n_vocab);
     let (tg, same) = persistent_against_cpu(&m, &p, &opts, what);
-    let (be, _) = cuda_persistent();
-    let mut g = engine(&m, be, 64, 64);
-    // A stop token inside the chain.
-    let stop = tg[same.min(12) - 1];
-    let first = tg.iter().position(|&t| t == stop).unwrap();
-    let mut got = Vec::new();
-    let st = g
-        .generate(
-            &p,
-            &GenerateOptions {
-                stop_tokens: vec![stop],
-                ..opts.clone()
-            },
-            &mut |id, _| {
-                got.push(id);
-                true
-            },
-        )
-        .unwrap();
-    assert_eq!(got, tg[..first], "{what}: tokens before the stop token");
-    assert_eq!(
-        st.computed_after_end,
-        Some(0),
-        "{what}: work after the stop"
-    );
-    // The sink ends the chain after 5 tokens.
-    g.reset();
-    let mut got = Vec::new();
-    let st = g
-        .generate(&p, &opts, &mut |id, _| {
-            got.push(id);
-            got.len() < 5
-        })
-        .unwrap();
-    assert_eq!(got, tg[..5], "{what}: tokens before the cancellation");
-    assert!(
-        st.computed_after_end.is_some_and(|n| n < 20),
-        "{what}: the kernel ran on after the cancellation: {:?}",
-        st.computed_after_end
-    );
-    let mut more = Vec::new();
-    g.generate(
-        &[],
-        &GenerateOptions {
-            max_tokens: 5,
-            ..opts.clone()
-        },
-        &mut |id, _| {
-            more.push(id);
-            true
-        },
-    )
-    .unwrap();
-    assert_eq!(more.len(), 5, "{what}: a generation after the cancellation");
+    stop_and_cancel_inside_a_chain(&m, &p, &opts, &tg, same.min(12) - 1, 5, 20, what);
 }
 
 /// The streaming kernel's in-kernel sampler (a sampled table's module) on
@@ -763,67 +790,7 @@ fn persistent_chain_matches_cpu() {
     ] {
         let p = prompt(20, m.config.n_vocab);
         let (tg, same) = persistent_against_cpu(m, &p, &opts, what);
-
-        // A stop token inside the chain: the chain ends on the device.
-        let mut g = engine(m, cuda_persistent().0, 64, 64);
-        let stop = tg[20.min(same - 1)];
-        let first = tg.iter().position(|&t| t == stop).unwrap();
-        let mut got = Vec::new();
-        let st = g
-            .generate(
-                &p,
-                &GenerateOptions {
-                    stop_tokens: vec![stop],
-                    ..opts.clone()
-                },
-                &mut |id, _| {
-                    got.push(id);
-                    true
-                },
-            )
-            .unwrap();
-        assert_eq!(got, tg[..first], "{what}: tokens before the stop token");
-        assert_eq!(st.stop_reason, akunu_core::decode::StopReason::Eos);
-        assert_eq!(
-            st.computed_after_end,
-            Some(0),
-            "{what}: work after the stop"
-        );
-        // The sink ends the chain after 10 tokens: the kernel reads the
-        // raised `done` within a token or so and stops.
-        g.reset();
-        let mut got = Vec::new();
-        let st = g
-            .generate(&p, &opts, &mut |id, _| {
-                got.push(id);
-                got.len() < 10
-            })
-            .unwrap();
-        assert_eq!(got, tg[..10], "{what}: tokens before the cancellation");
-        eprintln!(
-            "{what}: cancelled after 10 tokens, computed after the end {:?}",
-            st.computed_after_end
-        );
-        assert!(
-            st.computed_after_end.is_some_and(|n| n < 40),
-            "{what}: the kernel ran on after the cancellation: {:?}",
-            st.computed_after_end
-        );
-        // The engine goes on from where the cancelled chain left it.
-        let mut more = Vec::new();
-        g.generate(
-            &[],
-            &GenerateOptions {
-                max_tokens: 5,
-                ..opts.clone()
-            },
-            &mut |id, _| {
-                more.push(id);
-                true
-            },
-        )
-        .unwrap();
-        assert_eq!(more.len(), 5, "{what}: a generation after the cancellation");
+        stop_and_cancel_inside_a_chain(m, &p, &opts, &tg, 20.min(same - 1), 10, 40, what);
     }
     // A chain past the kernel's last position (persist::MAX_POS, 384, in a
     // context of 512): its first 24 steps run persistent, the next 24 on
