@@ -672,12 +672,15 @@ peer_torch() {
 # (temperature 0.8, top-k 40, top-p 0.95: the in-kernel sampler) with =1,
 # then =0; each run under a time limit (a kernel that hangs costs one run).
 stream_ab_one() { # NAME FILE
-    local on mode args
+    local on mode args order
     for mode in greedy sampled; do
         args=()
-        [ "$mode" = sampled ] && args=(--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1)
-        for on in 0 1; do
-            [ "$mode" = sampled ] && on=$((1 - on))
+        order="0 1"
+        if [ "$mode" = sampled ]; then
+            args=(--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1)
+            order="1 0"
+        fi
+        for on in $order; do
             echo "-- $1 $mode, AKUNU_CUDA_STREAM=$on"
             AKUNU_CUDA_STREAM=$on AKUNU_CUDA_PERSIST=1 timeout 300 "$BIN/akunu" bench -m "$2" --device cuda -p 512 \
                 -n 128 -r 5 "${args[@]}" 2>&1 | tee "$OUTDIR/bench-$1-$mode-stream$on.log" |

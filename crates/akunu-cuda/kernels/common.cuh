@@ -355,6 +355,20 @@ __device__ __forceinline__ void rope_rotate(float x0, float x1, float c, float s
     y1 = __fmaf_rn(x0, s, __fmul_rn(x1, c));
 }
 
+// The persistent kernels' tagged words (persist.cu, stream.cu): a value in
+// the low half, the number of the phase that wrote it in the high half,
+// stored and loaded relaxed at GPU scope, so that a reader polls one word
+// for both its value and its arrival.
+__device__ __forceinline__ void tag_store(u64* a, float v, u32 tag) {
+    const u64 w = ((u64)tag << 32) | __float_as_uint(v);
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(a), "l"(w) : "memory");
+}
+__device__ __forceinline__ u64 tag_load(const u64* a) {
+    u64 w;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(a) : "memory");
+    return w;
+}
+
 // What an Argmax command does with its token: store it in conveyor slot
 // `slot`, and inside a chain publish it (and its %globaltimer stamp) to the
 // host, count the step and raise `done` at the limit or a stop token. One

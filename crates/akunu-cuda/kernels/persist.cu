@@ -143,16 +143,6 @@ __device__ __forceinline__ float pd_warp_sum(float v) {
     return v;
 }
 
-__device__ __forceinline__ void pd_st_tag(u64* a, float v, u32 tag) {
-    const u64 w = ((u64)tag << 32) | __float_as_uint(v);
-    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(a), "l"(w) : "memory");
-}
-__device__ __forceinline__ u64 pd_ld_word(const u64* a) {
-    u64 w;
-    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(a) : "memory");
-    return w;
-}
-
 // Waits until every block has finished phase e (flags; logits only).
 __device__ __forceinline__ void pd_wait_flags(const u32* flags, u32 e) {
     bool ok;
@@ -544,14 +534,14 @@ __device__ __forceinline__ void pd_request_tagged(u64 (&w)[PD_MAXPER], const u64
 #pragma unroll
     for (int j = 0; j < PD_MAXPER; ++j) {
         const u32 i = threadIdx.x + j * PD_THREADS;
-        w[j] = i < n ? pd_ld_word(src + i) : (u64)tag << 32;
+        w[j] = i < n ? tag_load(src + i) : (u64)tag << 32;
     }
 }
 __device__ __forceinline__ void pd_finish_tagged(float (&v)[PD_MAXPER], u64 (&w)[PD_MAXPER], const u64* src, u32 tag) {
 #pragma unroll
     for (int j = 0; j < PD_MAXPER; ++j) {
         const u32 i = threadIdx.x + j * PD_THREADS;
-        while ((u32)(w[j] >> 32) != tag) w[j] = pd_ld_word(src + i);
+        while ((u32)(w[j] >> 32) != tag) w[j] = tag_load(src + i);
         v[j] = __uint_as_float((u32)w[j]);
     }
 }
@@ -611,7 +601,7 @@ __device__ __forceinline__ void pd_residual(float& hreg, float* xs, const u64* s
     if (owned > 0) pd_stage_tagged(xs, src, k, e);
     if (own >= 0) {
         hreg += pd_dot_q41(q, sc, k, xs, threadIdx.x & 31);
-        if ((threadIdx.x & 31) == 0) pd_st_tag(h + own, hreg, e + 1);
+        if ((threadIdx.x & 31) == 0) tag_store(h + own, hreg, e + 1);
     }
 }
 
@@ -874,8 +864,8 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                             rope_rotate(x0, x1, cs.x, cs.y, y0, y1);
                         }
                         // q, k and v words follow each other as the rows do.
-                        pd_st_tag(X + X_Q + row, y0, e + 1);
-                        pd_st_tag(X + X_Q + row + 1, y1, e + 1);
+                        tag_store(X + X_Q + row, y0, e + 1);
+                        tag_store(X + X_Q + row + 1, y1, e + 1);
                         if (row >= a.qd) {
                             const bool isk = row < a.qd + a.kvd;
                             const u32 rr = row - a.qd - (isk ? 0 : a.kvd), g = rr / PD_HD, dim = rr % PD_HD;
@@ -908,8 +898,8 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                 if (threadIdx.x < 3 * PD_HD) {
                     const u32 which = threadIdx.x / PD_HD, d = threadIdx.x % PD_HD;
                     const u32 src = X_Q + (which == 0 ? hq * PD_HD : a.qd + (which - 1) * a.kvd + g * PD_HD) + d;
-                    u64 w = pd_ld_word(X + src);
-                    while ((u32)(w >> 32) != e) w = pd_ld_word(X + src);
+                    u64 w = tag_load(X + src);
+                    while ((u32)(w >> 32) != e) w = tag_load(X + src);
                     // The new k and v as the cache holds them (the graph's
                     // attention reads them back from it).
                     const float x = __uint_as_float((u32)w);
@@ -993,7 +983,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                     float o = sc[pos] * vn[threadIdx.x];
 #pragma unroll
                     for (int i = 0; i < PD_WARPS; ++i) o += part[i * PD_HD + threadIdx.x];
-                    pd_st_tag(X + X_ATT + hq * PD_HD + threadIdx.x, o / z, e + 1);
+                    tag_store(X + X_ATT + hq * PD_HD + threadIdx.x, o / z, e + 1);
                 }
             }
             if (PD_PREFETCH_LATE && pd_bid() < a.nh) pd_prefetch(wbuf(gl + 1), a, Ln);
@@ -1037,7 +1027,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                     const float gv = pd_dot_q41(gq, gs, a.d, xs, lane);
                     const float uv = pd_dot_q41(uq, us, a.d, xs, lane);
                     // silu as model.cu's gated activation computes it.
-                    if (lane == 0) pd_st_tag(X + X_ACT + r.lo + it, gv / (1.0f + __expf(-gv)) * uv, e + 1);
+                    if (lane == 0) tag_store(X + X_ACT + r.lo + it, gv / (1.0f + __expf(-gv)) * uv, e + 1);
                 }
                 ++e;
                 __syncthreads();

@@ -94,15 +94,6 @@ __device__ __forceinline__ u32 sd_units(int m, u32 vocab) {
 constexpr int X_HO = 0, X_HD = X_HO + D, X_Q = X_HD + D, X_K = X_Q + QD, X_V = X_K + KVD, X_ACT = X_V + KVD,
               X_PART = X_ACT + FF, SD_XW = X_PART + NH * SD_ATT_S * (HD + 2);
 
-__device__ __forceinline__ void sd_st_tag(u64* a, float v, u32 tag) {
-    const u64 w = ((u64)tag << 32) | __float_as_uint(v);
-    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(a), "l"(w) : "memory");
-}
-__device__ __forceinline__ u64 sd_ld_word(const u64* a) {
-    u64 w;
-    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(a) : "memory");
-    return w;
-}
 // Reloads, all in flight together, every word of w whose tag is not yet
 // `tag`, until all carry it (one round trip after the last producer, not one
 // for each word that had not arrived at the first load).
@@ -115,7 +106,7 @@ __device__ __forceinline__ void sd_poll(u64 (&w)[N], F addr, u32 tag) {
         if (ok) return;
 #pragma unroll
         for (int j = 0; j < N; ++j)
-            if ((u32)(w[j] >> 32) != tag) w[j] = sd_ld_word(addr(j));
+            if ((u32)(w[j] >> 32) != tag) w[j] = tag_load(addr(j));
     }
 }
 __device__ __forceinline__ float sd_val(u64 w) { return __uint_as_float((u32)w); }
@@ -304,7 +295,7 @@ __device__ void sd_stage_norm(float* xs, float* red, const u64* src, u32 tag, co
         u64 w[PER];
         auto addr = [&](int j) { return src + threadIdx.x + j * SD_CT; };
 #pragma unroll
-        for (int j = 0; j < PER; ++j) w[j] = sd_ld_word(addr(j));
+        for (int j = 0; j < PER; ++j) w[j] = tag_load(addr(j));
         sd_poll(w, addr, tag);
 #pragma unroll
         for (int j = 0; j < PER; ++j) v[j] = sd_val(w[j]);
@@ -342,7 +333,7 @@ __device__ void sd_stage_attn(float* xs, const u64* part, u32 tag) {
         };
         u64 w[HB * NW];
 #pragma unroll
-        for (int j = 0; j < HB * NW; ++j) w[j] = sd_ld_word(addr(j));
+        for (int j = 0; j < HB * NW; ++j) w[j] = tag_load(addr(j));
         sd_poll(w, addr, tag);
 #pragma unroll
         for (int hb = 0; hb < HB; ++hb) {
@@ -377,7 +368,7 @@ __device__ void sd_stage_plain(float* xs, const u64* src, u32 tag) {
         auto addr = [&](int j) { return src + b + threadIdx.x + j * SD_CT; };
         u64 w[PER];
 #pragma unroll
-        for (int j = 0; j < PER; ++j) w[j] = b + threadIdx.x + j * SD_CT < (u32)FF ? sd_ld_word(addr(j)) : (u64)tag << 32;
+        for (int j = 0; j < PER; ++j) w[j] = b + threadIdx.x + j * SD_CT < (u32)FF ? tag_load(addr(j)) : (u64)tag << 32;
         sd_poll(w, addr, tag);
 #pragma unroll
         for (int j = 0; j < PER; ++j) {
@@ -408,13 +399,13 @@ __device__ void sd_attend(const SdArgs& a, const SdLayer& L, u32 pos, u32 h, u32
     for (u32 i = tid; i < 3 * HD; i += SD_CT) {
         if (i < HD) {
             const u64* qs = X + X_Q + h * HD + i;
-            u64 w[1] = {sd_ld_word(qs)};
+            u64 w[1] = {tag_load(qs)};
             sd_poll(w, [&](int) { return qs; }, tag_qkv);
             q[i] = sd_val(w[0]) * a.scale;
         } else if (p1 == kv) {
             const u32 j = i - HD;
             const u64* src = X + (j < HD ? X_K : X_V) + kvh * HD + (j % HD);
-            u64 w[1] = {sd_ld_word(src)};
+            u64 w[1] = {tag_load(src)};
             sd_poll(w, [&](int) { return src; }, tag_qkv);
             (j < HD ? kcur : vcur)[j % HD] = kv_round(sd_val(w[0]));
         }
@@ -485,12 +476,12 @@ __device__ void sd_attend(const SdArgs& a, const SdLayer& L, u32 pos, u32 h, u32
         float v = 0.0f;
 #pragma unroll
         for (int w = 0; w < SD_CW; ++w) v += acc[w * HD + tid];
-        sd_st_tag(dst + tid, v, tag_att);
+        tag_store(dst + tid, v, tag_att);
     } else if (tid < HD + 2) {
         float ls = 0.0f;
 #pragma unroll
         for (int w = 0; w < SD_CW; ++w) ls += red[SD_CW + w];
-        sd_st_tag(dst + tid, tid == HD ? (p1 > p0 ? m : 0.0f) : ls, tag_att);
+        tag_store(dst + tid, tid == HD ? (p1 > p0 ? m : 0.0f) : ls, tag_att);
     }
 }
 
@@ -641,8 +632,8 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
                         rope_rotate(x0, x1, cs.x, cs.y, y0, y1);
                     }
                     // q, k and v words follow each other as the rows do.
-                    sd_st_tag(X + X_Q + row, y0, tg);
-                    sd_st_tag(X + X_Q + row + 1, y1, tg);
+                    tag_store(X + X_Q + row, y0, tg);
+                    tag_store(X + X_Q + row + 1, y1, tg);
                     if (row >= (u32)QD) {
                         const bool isk = row < (u32)(QD + KVD);
                         const u32 rr = row - QD - (isk ? 0 : KVD);
@@ -661,7 +652,7 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
                 const u32 tg = sd_tag(t, a.nl, l, 2);
                 for (u32 i = threadIdx.x; i < h1 - h0; i += SD_CT) {
                     hloc[i] += sd_row_sum(part, i);
-                    sd_st_tag(X + X_HO + h0 + i, hloc[i], tg);
+                    tag_store(X + X_HO + h0 + i, hloc[i], tg);
                 }
             }
             // gate|up: the norm of h, SiLU(gate) * up.
@@ -676,7 +667,7 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
                     // Chunk ci holds n gate rows, then their n up rows.
                     const u32 ci = i / T::UPC, j = i % T::UPC, n = min((u32)T::UPC, u1 - u0 - ci * T::UPC);
                     const float g = sd_row_sum(part, ci * T::RPC + j), u = sd_row_sum(part, ci * T::RPC + n + j);
-                    sd_st_tag(X + X_ACT + u0 + i, g / (1.0f + __expf(-g)) * u, tg);
+                    tag_store(X + X_ACT + u0 + i, g / (1.0f + __expf(-g)) * u, tg);
                 }
             }
             // down: h += Wd act.
@@ -686,7 +677,7 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
                 const u32 tg = sd_tag(t, a.nl, l, 4);
                 for (u32 i = threadIdx.x; i < h1 - h0; i += SD_CT) {
                     hloc[i] += sd_row_sum(part, i);
-                    sd_st_tag(X + X_HD + h0 + i, hloc[i], tg);
+                    tag_store(X + X_HD + h0 + i, hloc[i], tg);
                 }
             }
         }
