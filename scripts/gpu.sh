@@ -36,7 +36,10 @@
 #                                 stream (a streaming persistent kernel of
 #                                 the large F16 shapes, nvcc; STREAM_RUNS),
 #                                 stream-ab (akunu's streaming kernel
-#                                 against its graph; STREAM_AB_SHAPES).
+#                                 against its graph; STREAM_AB_SHAPES),
+#                                 env-ab (bench over sets of environment
+#                                 variables; ENV_SETS), ncu-stream (the
+#                                 streaming kernel under Nsight Compute).
 #                                 Logs go to $OUT (or ./gpu-out),
 #                                 a summary to stdout.
 #
@@ -689,6 +692,28 @@ stream_ab_one() { # NAME FILE
     done
 }
 
+# Decode over sets of environment variables, one bench each, in one call:
+# ENV_SETS lists the sets by spaces, a set's VAR=VALUE pairs by commas (`_`
+# for none); ENV_BENCH the bench arguments (default -p 512 -n 128 -r 3);
+# BENCH_SHAPES the shapes (default the 8B Q4_0 one).
+env_ab_one() { # NAME FILE
+    local set
+    local -a vars
+    for set in ${ENV_SETS:-_}; do
+        vars=()
+        if [ "$set" != _ ]; then IFS=, read -ra vars <<<"$set"; fi
+        echo "-- $1 $set"
+        # shellcheck disable=SC2086 # ENV_BENCH is a list of arguments
+        env "${vars[@]}" timeout 300 "$BIN/akunu" bench -m "$2" --device cuda ${ENV_BENCH:--p 512 -n 128 -r 3} \
+            --no-bandwidth 2>&1 | grep -E "tg[0-9]|error|akunu:" || echo "run failed"
+    done
+}
+
+env_ab() {
+    echo "== decode over environment sets: ${ENV_SETS:-_}"
+    each_shape "${BENCH_SHAPES:-llama-8b:q4_0}" env_ab_one
+}
+
 stream_ab() {
     echo "== decode: graph, then the streaming kernel (AKUNU_CUDA_STREAM=1)"
     each_shape "${STREAM_AB_SHAPES:-llama-1b:f16 llama-8b:f16}" stream_ab_one
@@ -713,6 +738,26 @@ ncu_one() { # NAME FILE
         --chunk 16 >"$OUTDIR/ncu-$1.txt" 2>&1 || echo "ncu failed (rc $?)"
     grep -E "k_gemv|stalled|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Theoretical Occupancy|Block Limit|Grid Size|One or More" \
         "$OUTDIR/ncu-$1.txt" | head -120
+}
+
+# The streaming persistent kernel (stream.rs) under Nsight Compute: one
+# chain of 32 tokens (the second launch), with ncu_one's sections and stall
+# metrics (over all its warps: the consumers and the producer).
+ncu_stream_one() { # NAME FILE
+    local stalls
+    stalls=$(sed -n 's/^ *--metrics \(smsp__warp_issue_stalled[^ ]*\) .*/\1/p' "$ROOT/scripts/gpu.sh" | head -1)
+    timeout 300 ncu --clock-control none --kernel-name k_stream_decode --launch-skip 1 --launch-count 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --metrics "$stalls" \
+        --section WarpStateStats --section SchedulerStats --section LaunchStats \
+        "$BIN/akunu" generate -m "$2" --device cuda --prompt-ids 1,2,3 -n 70 --ignore-eos \
+        --chunk 32 >"$OUTDIR/ncu-stream-$1.txt" 2>&1 || echo "ncu failed (rc $?)"
+    grep -E "stalled|Duration|Memory Throughput|DRAM Throughput|L2 Hit|L1/TEX Hit|Compute \(SM\)|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Active Warps|Eligible Warps|Bank" \
+        "$OUTDIR/ncu-stream-$1.txt" | head -60
+}
+
+ncu_stream() {
+    echo "== ncu: the streaming decode kernel, one chain"
+    each_shape "${NCU_SHAPES:-llama-8b:q4_0}" ncu_stream_one
 }
 
 ncu_token_one() { # NAME FILE
@@ -1197,6 +1242,8 @@ run)
         bench) bench ;;
         bench-ab) bench_ab ;;
         stream-ab) stream_ab ;;
+        env-ab) env_ab ;;
+        ncu-stream) ncu_stream ;;
         peer-torch) peer_torch ;;
         ncu) ncu_gemv ;;
         ncu-token) ncu_token ;;

@@ -71,49 +71,7 @@ template <int DT> __device__ __forceinline__ constexpr u32 tcg_img_u32() {
     return 16 * TcgT<DT>::MMAS;
 }
 
-__device__ __forceinline__ u32 hsub2_u(u32 a, u32 b) {
-    u32 r;
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-__device__ __forceinline__ u32 hfma2_u(u32 a, u32 b, u32 c) {
-    u32 r;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-    return r;
-}
-
-// The 8 weights of quant word `w` (bytes 4j..4j+3 of a Q4 block) as f16
-// pairs: l0 = elements (4j, 4j+2), l1 = (4j+1, 4j+3), h0 = (16+4j, 16+4j+2),
-// h1 = (16+4j+1, 16+4j+3); values q - 8 (Q4_0) or q (Q4_1).
-#ifndef TCG_DQ_PRMT
-#define TCG_DQ_PRMT 1
-#endif
-template <bool Q41>
-__device__ __forceinline__ void tcg_q4_pairs(u32 w, u32& l0, u32& l1, u32& h0, u32& h1) {
-    const u32 sub = Q41 ? 0x64006400u : 0x64086408u;  // 1024, 1032
-#if TCG_DQ_PRMT
-    // Nibbles to bytes, then each byte under 0x64 (1024 + q) by a byte
-    // permutation: one long-lived constant register (0x64646464), where the
-    // mask-and-OR form needs two masks and 1/16 and the compiler rebuilt
-    // them before every use (2 extra moves per word in SASS).
-    const u32 lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;
-    l0 = hsub2_u(__byte_perm(lo, 0x64646464u, 0x4240), sub);
-    l1 = hsub2_u(__byte_perm(lo, 0x64646464u, 0x4341), sub);
-    h0 = hsub2_u(__byte_perm(hi, 0x64646464u, 0x4240), sub);
-    h1 = hsub2_u(__byte_perm(hi, 0x64646464u, 0x4341), sub);
-#else
-    const u32 w8 = w >> 8;
-    l0 = (w & 0x000F000Fu) | 0x64006400u;   // 1024 + q
-    l1 = (w8 & 0x000F000Fu) | 0x64006400u;
-    h0 = (w & 0x00F000F0u) | 0x64006400u;   // 1024 + 16 q
-    h1 = (w8 & 0x00F000F0u) | 0x64006400u;
-    const u32 add = Q41 ? 0xD400D400u : 0xD480D480u;  // -64, -72
-    l0 = hsub2_u(l0, sub);
-    l1 = hsub2_u(l1, sub);
-    h0 = hfma2_u(h0, 0x2C002C00u, add);  // x / 16 - 64 (- 8)
-    h1 = hfma2_u(h1, 0x2C002C00u, add);
-#endif
-}
+// hsub2_u, hfma2_u and tcg_q4_pairs (a Q4 word as f16 pairs): tc.cuh.
 
 // The 4 weights of word `w` (bytes 4i..4i+3 of a Q8_0 block) as f16 pairs:
 // p02 = elements (4i, 4i+2), p13 = (4i+1, 4i+3).
@@ -299,12 +257,10 @@ __device__ __forceinline__ void tcg_group(const TcgW<DT>& W, u32 grp, u32 rows, 
 // of the lane-block's elements feeds product i.
 template <int DT>
 __device__ __forceinline__ u32 tcg_img_at(u32 e, u32 hl) {
+    if constexpr (DT == DT_Q4_0 || DT == DT_Q4_1) return q4_img_at(e, hl);  // tc.cuh
     constexpr u32 LB = TcgT<DT>::LB;
     const u32 lb = e / LB, grp = lb >> 2, t = lb & 3, el = e % LB;
-    u32 i;
-    if constexpr (DT == DT_Q4_0 || DT == DT_Q4_1) i = 2 * ((el & 15) >> 2) + (el >> 4);
-    else i = el >> 2;
-    const u32 idx = 2 * i;  // B0 of product i, then B1
+    const u32 idx = 2 * (el >> 2);  // B0 of product el / 4, then B1
     return grp * tcg_img_u32<DT>() + (idx >> 2) * 32 + (2 * t + hl) * 4 + (idx & 3);
 }
 

@@ -1069,21 +1069,7 @@ k_gemm(Bind b, GemvParams p, StepArg a) {
 #define TC_N 64
 #define TC_LD 40  // halves per smem row: 32 + 8 of padding (conflict-free fragments)
 
-__device__ __forceinline__ u32 pack_h2(float lo, float hi) {
-    u32 r;
-    asm("{ .reg .f16 a, b;\n cvt.rn.f16.f32 a, %1;\n cvt.rn.f16.f32 b, %2;\n mov.b32 %0, {a, b}; }"
-        : "=r"(r) : "f"(lo), "f"(hi));
-    return r;
-}
-
-
-__device__ __forceinline__ void mma_f16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// pack_h2 and mma_f16: tc.cuh.
 
 __device__ __forceinline__ bool tc_type(u32 dt) {
     return dt == DT_F16 || dt == DT_Q8_0 || dt == DT_Q4_0 || dt == DT_Q4_1;

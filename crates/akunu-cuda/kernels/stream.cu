@@ -19,8 +19,18 @@
 //     splits merged where the o product stages its input.
 //
 // stream.rs compiles one module per shape (SD_* macros) and checks what the
-// kernel assumes: plain llama layers, F16 matrices and embedding, heads of
-// SD_HD, every product's rows at least one unit a block.
+// kernel assumes: plain llama layers, F16 matrices and embedding (or, with
+// SD_Q4, Q4_0 ones in the backend's repacked layout), heads of SD_HD, every
+// product's rows at least one unit a block.
+//
+// The Q4_0 form (SD_Q4): a stage holds a tile of up to 16 rows over a
+// slice of their columns (each row's quants and scales copied by one lane
+// of the producer warp), and the consumers multiply on the tensor cores as
+// gemv_tc.cu's decode gemv does: a lane turns its nibbles into f16 pairs,
+// the input is staged as the f16 hi/lo halves of x in gemv_tc.cu's B image,
+// and each group of four blocks takes 8 m16n8k16 products. Converting and
+// multiplying in f32 instead (session 25's probe) bound the token on the
+// consumers' arithmetic at 45% of the H200's floor.
 
 #ifndef SD_CW
 #define SD_CW 8
@@ -34,6 +44,14 @@
 #ifndef SD_ATT_S
 #define SD_ATT_S 4
 #endif
+#ifndef SD_Q4
+#define SD_Q4 0
+#endif
+// A measurement switch of the Q4_0 form (wrong tokens; bench/RESULTS.md):
+// 1, the consumers take each stage without computing.
+#ifndef SD_DIAG
+#define SD_DIAG 0
+#endif
 #define SD_THREADS ((SD_CW + 1) * 32)
 #define SD_CT (SD_CW * 32)
 // A sampled table's module (stream.rs): the in-kernel sampler
@@ -46,8 +64,16 @@ constexpr int D = SD_D, QD = SD_QD, KVD = SD_KVD, FF = SD_FF, NH = SD_NH, NKV = 
 constexpr int QKV = QD + 2 * KVD;
 static_assert(QD == NH * HD && KVD == NKV * HD, "heads of SD_HD");
 
+// A matrix's storage: F16 elements, or the bytes of Q4_0 blocks repacked
+// (repack.rs: every row's quants, then every row's scales).
+#if SD_Q4
+typedef u8 sd_w_t;
+#else
+typedef u16 sd_w_t;
+#endif
+
 struct SdLayer {
-    const u16* w[7];  // q, k, v, o, gate, up, down (row-major F16)
+    const sd_w_t* w[7];  // q, k, v, o, gate, up, down (row-major)
     const float* attn_norm;
     const float* ffn_norm;
     kv_t* k;  // [kv head][capacity][HD]
@@ -56,14 +82,15 @@ struct SdLayer {
 
 struct SdArgs {
     const SdLayer* layers;
-    const u16* emb;  // vocab x d
-    const u16* out;  // vocab x d (the embedding when tied)
+    const sd_w_t* emb;  // vocab x d
+    const sd_w_t* out;  // vocab x d (the embedding when tied)
     const float* out_norm;
     u32* conveyor;  // token ids: input at ctl->tok0, outputs after it
     Ctl* ctl;
     u64* x;      // 2 x SD_XW tagged words
     u64* best;   // 2 x (blocks + 1): each block's best key, then the cancel word
     u32* flags;  // blocks
+    const u8* maps;  // SD_Q4: two CUtensorMaps (quants, scales) a matrix, layer by layer, then the output's
     u32 nl, vocab, capacity, max_pos;
     float eps, theta, freq_scale, scale;
     SampArgs s;  // the in-kernel sampler (SD_SAMPLED)
@@ -72,6 +99,23 @@ struct SdArgs {
 // The products, in the order a layer streams them, then the logits.
 enum { M_QKV = 0, M_O = 1, M_GU = 2, M_DN = 3, M_LOG = 4 };
 __host__ __device__ constexpr int sd_pow2_floor(int n) { return n >= 2 ? 2 * sd_pow2_floor(n / 2) : 1; }
+#if SD_Q4
+// A product's tiles (16 rows) and their chunks: KS slices of KC columns,
+// GPS groups of four blocks each. In a stage, row r's quants start at
+// r KC / 2 and its scales at 16 KC / 2 + r KC / 16 (a tensor-map copy
+// writes its box densely). SD_MAP_BYTES: a CUtensorMap.
+#define SD_MAP_BYTES 128
+template <int M>
+struct Mat {
+    static constexpr int K = M == M_O ? QD : M == M_DN ? FF : D;
+    static constexpr int KS = M == M_O ? SD_KS_Q : M == M_DN ? SD_KS_F : SD_KS_D;
+    static constexpr int KC = K / KS;
+    static constexpr int GPS = KC / 128;
+    static_assert(K % KS == 0 && GPS % SD_CW == 0, "a slice is whole groups for every warp");
+    static_assert(KC / 8 <= 256, "a box row is at most 256 words");
+    static_assert(16 * (KC / 2 + KC / 16) <= SD_STB, "a tile's slice fits a stage");
+};
+#else
 template <int M>
 struct Mat {
     static constexpr int UR = (M == M_QKV || M == M_GU) ? 2 : 1;  // rows a unit
@@ -85,6 +129,7 @@ struct Mat {
     static_assert(RPC <= 32, "a chunk's rows reduce by halving");
     static_assert(SEG % 256 == 0, "a warp's segment is whole 256-column steps");
 };
+#endif
 __device__ __forceinline__ u32 sd_units(int m, u32 vocab) {
     return m == M_QKV ? QKV / 2 : m == M_O ? D : m == M_GU ? FF : m == M_DN ? D : vocab;
 }
@@ -124,6 +169,17 @@ __device__ __forceinline__ bool sd_mbar_ready(u64* bar, u32 parity) {
         : "memory");
     return ok != 0;
 }
+// mbarrier wait that may suspend the thread until the phase completes or a
+// time limit passes; whether it completed.
+__device__ __forceinline__ bool sd_mbar_try(u64* bar, u32 parity) {
+    u32 ok;
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+    return ok != 0;
+}
 __device__ __forceinline__ void sd_mbar_arrive(u64* bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
@@ -150,6 +206,30 @@ __device__ __forceinline__ u32 sd_xperm(u32 k) {
     const u32 r = k & 255u, l = r >> 3, j = r & 7u;
     return (k & ~255u) + (j >> 2) * 128u + l * 4u + (j & 3u);
 }
+// Element e of a product's input, v, into the staged x: permuted f32
+// (F16), or its f16 hi and lo halves at their places in the B image (Q4:
+// tc.cuh q4_img_at; element e is half (e >> 1) & 1 of word e & 1 of the
+// pair of e & ~3).
+__device__ __forceinline__ void sd_put(float* xs, u32 e, float v) {
+#if SD_Q4
+    u16* img = (u16*)xs;
+    const u32 w = q4_img_at(e & ~3u, 0) + (e & 1u), half = (e >> 1) & 1u;
+    img[2 * w + half] = f16_bits(v);
+    img[2 * (w + 4) + half] = f16_bits(v - f16_round(v));  // lo: the next B lane's words
+#else
+    xs[sd_xperm(e)] = v;
+#endif
+}
+// Element i of token's embedding row.
+__device__ __forceinline__ float sd_emb(const sd_w_t* emb, u32 vocab, u32 token, u32 i) {
+#if SD_Q4
+    const u8 b = emb[(u64)token * (D / 2) + (i >> 5) * 16 + (i & 15u)];
+    const int q = (int)((i & 16u) ? b >> 4 : b & 15u) - 8;
+    return f16_to_f32(ld_u16(emb + (u64)vocab * (D / 2) + ((u64)token * (D / 32) + (i >> 5)) * 2)) * (float)q;
+#else
+    return f16_to_f32(emb[(u64)token * D + i]);
+#endif
+}
 __device__ __forceinline__ float sd_dot8(uint4 q, float4 a, float4 b) {
     const float2 w0 = f16x2_to_f32(q.x), w1 = f16x2_to_f32(q.y), w2 = f16x2_to_f32(q.z), w3 = f16x2_to_f32(q.w);
     float s = w0.x * a.x;
@@ -168,6 +248,13 @@ __device__ __forceinline__ void sd_range(u32 units, u32& u0, u32& u1) {
     u1 = (u32)((u64)units * (blockIdx.x + 1) / gridDim.x);
 }
 
+struct SdRing {
+    unsigned char* buf;  // SD_NST x SD_STB
+    u64* full;
+    u64* empty;
+};
+
+#if !SD_Q4
 // The chunks of this block's share of product M of layer L (or the logits),
 // in order: f(src0, bytes0, src1, bytes1, rows) for each, src1 a second copy
 // into the same stage after the first (gate|up: the up rows). q|k|v chunks
@@ -204,11 +291,6 @@ __device__ __forceinline__ void sd_chunks(const SdArgs& a, const SdLayer& L, F f
     }
 }
 
-struct SdRing {
-    unsigned char* buf;  // SD_NST x SD_STB
-    u64* full;
-    u64* empty;
-};
 
 // The sums of N rows' lane partials over the warp by halving: afterwards
 // lane l holds the sum of row (l >> (5 - log2 N)) % N.
@@ -241,7 +323,7 @@ struct SdLog2<1> {
 // (this block's rows in order, SD_CW a row). Ends synchronised.
 template <int M>
 __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer& L, const SdRing& r, const float* xs,
-                                           float* part, u32& c) {
+                                           float* part, u32& c, const uint4*) {
     using T = Mat<M>;
     constexpr int STEPS = T::SEG / 256, N = T::RPC, SH = 5 - SdLog2<N>::v;
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31u;
@@ -275,6 +357,171 @@ __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer& L, co
     });
     sd_csync();
 }
+#else
+// A run of rows of one matrix in this block's share of product M: the
+// matrix (0..6 the layer's, as SdLayer::w; 7 the output), its first row
+// there, how many, and where they start among the block's row partials.
+// q|k|v: the block's concatenated rows cut at the matrices' bounds (their
+// partials in row order, as the F16 form keeps them); gate|up: the gate
+// rows, then the up rows.
+struct SdSeg {
+    u32 m, r0, n, part;
+};
+template <int M>
+__device__ __forceinline__ int sd_segs(const SdArgs& a, SdSeg (&s)[3]) {
+    u32 u0, u1;
+    sd_range(sd_units(M, a.vocab), u0, u1);
+    if (M == M_QKV) {
+        const u32 b = 2 * u0, e = 2 * u1;
+        const u32 lo[3] = {0, QD, QD + KVD}, hi[3] = {QD, QD + KVD, QKV};
+        int n = 0;
+#pragma unroll
+        for (int g = 0; g < 3; ++g) {
+            const u32 x = max(b, lo[g]), y = min(e, hi[g]);
+            if (x < y) s[n++] = {(u32)g, x - lo[g], y - x, x - b};
+        }
+        return n;
+    }
+    if (M == M_GU) {
+        s[0] = {4, u0, u1 - u0, 0};
+        s[1] = {5, u0, u1 - u0, u1 - u0};
+        return 2;
+    }
+    s[0] = {M == M_O ? 3u : M == M_DN ? 6u : 7u, u0, u1 - u0, 0};
+    return 1;
+}
+
+// A 2-D tensor-map copy (the tile's 16 rows of one slice, quants or
+// scales) into shared memory, completing on bar.
+__device__ __forceinline__ void sd_tile_copy(void* dst, const u8* map, u32 x, u32 y, u64* bar, u64 policy) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, "
+        "%3}], [%4], %5;" ::"r"(smem_u32(dst)),
+        "l"(map), "r"(x), "r"(y), "r"(smem_u32(bar)), "l"(policy)
+        : "memory");
+}
+
+// The producer's side of product M of layer l (nl: the logits): for each
+// 16-row tile and slice, wait for a free stage (or learn that the chain
+// ended before token t), then copy the quants and scales with two
+// tensor-map copies (stream.rs: the maps of every matrix; rows past a
+// matrix's end land as zeros, and the copies count whole boxes). One copy
+// a row piece instead, 32 a stage, ran at 1.4 us a stage whatever its
+// bytes (bench/RESULTS.md, session 27).
+template <int M>
+__device__ __forceinline__ void sd_produce(const SdArgs& a, u32 l, const SdRing& r, u32 t, u32& c, bool& ended,
+                                           u64 policy, const volatile u32* last) {
+    using T = Mat<M>;
+    SdSeg sg[3];
+    const int ns = sd_segs<M>(a, sg);
+    for (int j = 0; j < ns; ++j) {
+        const u8* map = a.maps + (u64)(sg[j].m == 7 ? a.nl * 7 : l * 7 + sg[j].m) * 2 * SD_MAP_BYTES;
+        for (u32 i = 0; i < sg[j].n; i += 16) {
+            for (u32 k = 0; k < (u32)T::KS; ++k) {
+                const u32 st = c % SD_NST, n = c / SD_NST;
+                // try_wait suspends the thread a while: the spin of test_wait
+                // took issue slots from the consumer warps beside it.
+                if (n > 0)
+                    while (!sd_mbar_try(&r.empty[st], (n - 1) & 1u)) {
+                        if (t > *last) {
+                            ended = true;
+                            return;
+                        }
+                    }
+                if (t > *last) {
+                    ended = true;
+                    return;
+                }
+                unsigned char* dst = r.buf + (u64)st * SD_STB;
+                mbar_expect_tx(&r.full[st], 16 * (T::KC / 2 + T::KC / 16));
+                sd_tile_copy(dst, map, k * (T::KC / 8), sg[j].r0 + i, &r.full[st], policy);
+                sd_tile_copy(dst + 16 * (T::KC / 2), map + SD_MAP_BYTES, k * (T::KC / 64), sg[j].r0 + i, &r.full[st],
+                             policy);
+                ++c;
+            }
+        }
+    }
+}
+
+// The consumers' side of product M: lane (g, t) multiplies rows g and
+// g + 8 of each tile, block t of each of its warp's groups (group G of a
+// row goes to warp G % SD_CW, NGW of each chunk), against the B image of the staged input xs
+// (lanes that feed no B read zeros); the four lanes of a row are then
+// summed into part (SD_CW a row). Ends synchronised.
+template <int M>
+__device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer&, const SdRing& r, const float* xs,
+                                           float* part, u32& c, const uint4* zeros) {
+    using T = Mat<M>;
+    constexpr int NGW = T::GPS / SD_CW;  // groups a warp takes of each chunk
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31u, g = lane >> 2, t = lane & 3u;
+    const u32* img = (const u32*)xs;
+    const bool feeds = (g >> 1) == t;
+    SdSeg sg[3];
+    const int ns = sd_segs<M>(a, sg);
+    for (int sj = 0; sj < ns; ++sj) {
+        for (u32 i = 0; i < sg[sj].n; i += 16) {
+            float acc0 = 0.0f, acc1 = 0.0f;
+            for (u32 k = 0; k < (u32)T::KS; ++k) {
+                const u32 s = c % SD_NST, n = c / SD_NST;
+                mbar_wait(&r.full[s], n & 1u);
+                const u8* st = r.buf + (u64)s * SD_STB;
+                // All of the warp's loads first, then its products in NGW x 2
+                // independent chains: a warp's groups one after another
+                // left each chunk a chain of dependent loads and products.
+                uint4 qa[NGW], qb[NGW], bv[NGW][4];
+                float d0[NGW], d1[NGW];
+#pragma unroll
+                for (int gi = 0; gi < NGW; ++gi) {
+                    const u32 j = warp + gi * SD_CW, off = (j * 4 + t) * 16;
+                    qa[gi] = *(const uint4*)(st + g * (T::KC / 2) + off);
+                    qb[gi] = *(const uint4*)(st + (g + 8) * (T::KC / 2) + off);
+                    const u8* sc = st + 16 * (T::KC / 2) + (j * 4 + t) * 2;
+                    d0[gi] = f16_to_f32(*(const u16*)(sc + g * (T::KC / 16)));
+                    d1[gi] = f16_to_f32(*(const u16*)(sc + (g + 8) * (T::KC / 16)));
+                    const uint4* bp = feeds ? (const uint4*)(img + (k * T::GPS + j) * 128 + g * 4) : zeros;
+#pragma unroll
+                    for (int w = 0; w < 4; ++w) bv[gi][w] = bp[w * 8];
+                }
+                if (SD_DIAG != 1) {
+                    float cc[NGW][2][4] = {};
+#pragma unroll
+                    for (int w = 0; w < 4; ++w) {
+#pragma unroll
+                        for (int gi = 0; gi < NGW; ++gi) {
+                            // Word w of the block: products 2w (low nibbles), 2w + 1.
+                            const u32 wa = w == 0 ? qa[gi].x : w == 1 ? qa[gi].y : w == 2 ? qa[gi].z : qa[gi].w;
+                            const u32 wb = w == 0 ? qb[gi].x : w == 1 ? qb[gi].y : w == 2 ? qb[gi].z : qb[gi].w;
+                            u32 lo[4], hi[4];
+                            tcg_q4_pairs<false>(wa, lo[0], lo[2], hi[0], hi[2]);
+                            tcg_q4_pairs<false>(wb, lo[1], lo[3], hi[1], hi[3]);
+                            mma_f16(cc[gi][0], lo, bv[gi][w].x, bv[gi][w].y);
+                            mma_f16(cc[gi][1], hi, bv[gi][w].z, bv[gi][w].w);
+                        }
+                    }
+#pragma unroll
+                    for (int gi = 0; gi < NGW; ++gi) {
+                        acc0 = fmaf(d0[gi], (cc[gi][0][0] + cc[gi][1][0]) + (cc[gi][0][1] + cc[gi][1][1]), acc0);
+                        acc1 = fmaf(d1[gi], (cc[gi][0][2] + cc[gi][1][2]) + (cc[gi][0][3] + cc[gi][1][3]), acc1);
+                    }
+                }
+                __syncwarp();
+                if (lane == 0) sd_mbar_arrive(&r.empty[s]);  // the stage is read
+                ++c;
+            }
+            acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
+            acc0 += __shfl_xor_sync(0xffffffffu, acc0, 2);
+            acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
+            acc1 += __shfl_xor_sync(0xffffffffu, acc1, 2);
+            // Rows of the box past the run belong to the next one (or to
+            // another block): not this run's.
+            const u32 valid = min(16u, sg[sj].n - i), p = sg[sj].part + i;
+            if (t == 0 && g < valid) part[(p + g) * SD_CW + warp] = acc0;
+            if (t == 0 && g + 8 < valid) part[(p + g + 8) * SD_CW + warp] = acc1;
+        }
+    }
+    sd_csync();
+}
+#endif
 __device__ __forceinline__ float sd_row_sum(const float* part, u32 r) {
     float s = 0.0f;
 #pragma unroll
@@ -282,10 +529,10 @@ __device__ __forceinline__ float sd_row_sum(const float* part, u32 r) {
     return s;
 }
 
-// x = rmsnorm(h) * w into xs (permuted): h the tagged words at src, or the
-// embedding row when src is null. Ends synchronised.
-__device__ void sd_stage_norm(float* xs, float* red, const u64* src, u32 tag, const u16* emb_row, const float* nw,
-                              float eps) {
+// x = rmsnorm(h) * w into xs (sd_put): h the tagged words at src, or
+// token's embedding row when src is null. Ends synchronised.
+__device__ void sd_stage_norm(float* xs, float* red, const u64* src, u32 tag, const SdArgs& a, u32 token,
+                              const float* nw, float eps) {
     constexpr int PER = D / SD_CT;
     static_assert(D % SD_CT == 0, "d is a multiple of the consumer threads");
     float v[PER], wn[PER];
@@ -301,7 +548,7 @@ __device__ void sd_stage_norm(float* xs, float* red, const u64* src, u32 tag, co
         for (int j = 0; j < PER; ++j) v[j] = sd_val(w[j]);
     } else {
 #pragma unroll
-        for (int j = 0; j < PER; ++j) v[j] = f16_to_f32(emb_row[threadIdx.x + j * SD_CT]);
+        for (int j = 0; j < PER; ++j) v[j] = sd_emb(a.emb, a.vocab, token, threadIdx.x + j * SD_CT);
     }
     float ss = 0.0f;
 #pragma unroll
@@ -314,7 +561,7 @@ __device__ void sd_stage_norm(float* xs, float* red, const u64* src, u32 tag, co
     for (int i = 0; i < SD_CW; ++i) tot += red[i];
     const float ri = rms_inv(tot, D, eps);
 #pragma unroll
-    for (int j = 0; j < PER; ++j) xs[sd_xperm(threadIdx.x + j * SD_CT)] = v[j] * ri * wn[j];
+    for (int j = 0; j < PER; ++j) sd_put(xs, threadIdx.x + j * SD_CT, v[j] * ri * wn[j]);
     sd_csync();
 }
 
@@ -355,7 +602,7 @@ __device__ void sd_stage_attn(float* xs, const u64* part, u32 tag) {
             }
             const float inv = 1.0f / den;
 #pragma unroll
-            for (int k = 0; k < VPL; ++k) xs[sd_xperm((h0 + hb) * HD + lane + 32 * k)] = out[k] * inv;
+            for (int k = 0; k < VPL; ++k) sd_put(xs, (h0 + hb) * HD + lane + 32 * k, out[k] * inv);
         }
     }
     sd_csync();
@@ -373,7 +620,7 @@ __device__ void sd_stage_plain(float* xs, const u64* src, u32 tag) {
 #pragma unroll
         for (int j = 0; j < PER; ++j) {
             const u32 i = b + threadIdx.x + j * SD_CT;
-            if (i < (u32)FF) xs[sd_xperm(i)] = sd_val(w[j]);
+            if (i < (u32)FF) sd_put(xs, i, sd_val(w[j]));
         }
     }
     sd_csync();
@@ -503,6 +750,14 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
     r.full = bars;
     r.empty = bars + SD_NST;
     u64* keys = bars + 2 * SD_NST;  // SD_CW
+#if SD_Q4
+    // What the B reads of lanes that feed no B land on (sd_consume).
+    uint4* zeros = (uint4*)(((u64)(keys + SD_CW) + 15) & ~(u64)15);
+    u8* after = (u8*)(zeros + 32);
+#else
+    const uint4* zeros = nullptr;
+    u8* after = (u8*)(keys + SD_CW);
+#endif
     // The last token of the chain, once the consumers know it (a stop token
     // or the host's cancel): the producer issues nothing past it.
     __shared__ volatile u32 s_last;
@@ -515,7 +770,7 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
     __shared__ PdSampShared ss;
     __shared__ u64 s_bkey;
     __shared__ u32 s_wstart, s_wn, s_token;
-    const PdSamp sp = pd_samp_areas((u8*)(keys + SD_CW), (a.vocab + gridDim.x - 1) / gridDim.x, a.max_pos);
+    const PdSamp sp = pd_samp_areas(after, (a.vocab + gridDim.x - 1) / gridDim.x, a.max_pos);
     const bool pen = a.s.mode != PD_SAMPLE_GREEDY && a.s.penalty != 1.0f;
 #endif
 
@@ -530,10 +785,31 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
         s_last = 0xffffffffu;
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
+#if SD_Q4
+    if (threadIdx.x < 32) zeros[threadIdx.x] = make_uint4(0, 0, 0, 0);
+#endif
     __syncthreads();
 
     if (warp == SD_CW) {
         // The producer: the chain's schedule of this block's rows.
+#if SD_Q4
+        if (lane == 0) {
+            u64 policy;
+            asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+            u32 c = 0;
+            bool ended = false;
+            for (u32 t = 0; t < limit && !ended; ++t) {
+                for (u32 l = 0; l < a.nl && !ended; ++l) {
+                    sd_produce<M_QKV>(a, l, r, t, c, ended, policy, &s_last);
+                    sd_produce<M_O>(a, l, r, t, c, ended, policy, &s_last);
+                    sd_produce<M_GU>(a, l, r, t, c, ended, policy, &s_last);
+                    sd_produce<M_DN>(a, l, r, t, c, ended, policy, &s_last);
+                }
+                sd_produce<M_LOG>(a, a.nl, r, t, c, ended, policy, &s_last);
+            }
+            for (u32 k = c > SD_NST ? c - SD_NST : 0; k < c; ++k) mbar_wait(&r.full[k % SD_NST], (k / SD_NST) & 1u);
+        }
+#else
         if (lane == 0) {
             u64 policy;
             asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
@@ -578,6 +854,7 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
             // memory must not be written after that): the last SD_NST.
             for (u32 k = c > SD_NST ? c - SD_NST : 0; k < c; ++k) mbar_wait(&r.full[k % SD_NST], (k / SD_NST) & 1u);
         }
+#endif
         return;
     }
 
@@ -601,8 +878,7 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
     const u32 xw = SD_XW;
     for (u32 t = 0; t < limit; ++t) {
         const u32 pos = pos0 + t;
-        const u16* erow = a.emb + (u64)token * D;
-        for (u32 i = h0 + threadIdx.x; i < h1; i += SD_CT) hloc[i - h0] = f16_to_f32(erow[i]);
+        for (u32 i = h0 + threadIdx.x; i < h1; i += SD_CT) hloc[i - h0] = sd_emb(a.emb, a.vocab, token, i);
         if (threadIdx.x < HD / 2) {
             float cs, sn;
             rope_cs(pos, threadIdx.x, HD, a.theta, a.freq_scale, nullptr, cs, sn);
@@ -614,11 +890,11 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
             u64* X = a.x + (u64)(gl & 1u) * xw;
             // q|k|v: the norm of h, the rows, RoPE, K and V into the cache.
             if (l == 0)
-                sd_stage_norm(xs, red, nullptr, 0, erow, L.attn_norm, a.eps);
+                sd_stage_norm(xs, red, nullptr, 0, a, token, L.attn_norm, a.eps);
             else
-                sd_stage_norm(xs, red, a.x + (u64)((gl - 1) & 1u) * xw + X_HD, sd_tag(t, a.nl, l - 1, 4), nullptr,
+                sd_stage_norm(xs, red, a.x + (u64)((gl - 1) & 1u) * xw + X_HD, sd_tag(t, a.nl, l - 1, 4), a, 0,
                               L.attn_norm, a.eps);
-            sd_consume<M_QKV>(a, L, r, xs, part, c);
+            sd_consume<M_QKV>(a, L, r, xs, part, c, zeros);
             {
                 u32 u0, u1;
                 sd_range(QKV / 2, u0, u1);
@@ -647,7 +923,7 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
                           sd_tag(t, a.nl, l, 0), sd_tag(t, a.nl, l, 1), att);
             // o: h += Wo att.
             sd_stage_attn(xs, X + X_PART, sd_tag(t, a.nl, l, 1));
-            sd_consume<M_O>(a, L, r, xs, part, c);
+            sd_consume<M_O>(a, L, r, xs, part, c, zeros);
             {
                 const u32 tg = sd_tag(t, a.nl, l, 2);
                 for (u32 i = threadIdx.x; i < h1 - h0; i += SD_CT) {
@@ -656,23 +932,28 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
                 }
             }
             // gate|up: the norm of h, SiLU(gate) * up.
-            sd_stage_norm(xs, red, X + X_HO, sd_tag(t, a.nl, l, 2), nullptr, L.ffn_norm, a.eps);
-            sd_consume<M_GU>(a, L, r, xs, part, c);
+            sd_stage_norm(xs, red, X + X_HO, sd_tag(t, a.nl, l, 2), a, 0, L.ffn_norm, a.eps);
+            sd_consume<M_GU>(a, L, r, xs, part, c, zeros);
             {
                 using T = Mat<M_GU>;
                 u32 u0, u1;
                 sd_range(FF, u0, u1);
                 const u32 tg = sd_tag(t, a.nl, l, 3);
                 for (u32 i = threadIdx.x; i < u1 - u0; i += SD_CT) {
+#if SD_Q4
+                    // The gate rows, then the up rows (sd_segs).
+                    const float g = sd_row_sum(part, i), u = sd_row_sum(part, u1 - u0 + i);
+#else
                     // Chunk ci holds n gate rows, then their n up rows.
                     const u32 ci = i / T::UPC, j = i % T::UPC, n = min((u32)T::UPC, u1 - u0 - ci * T::UPC);
                     const float g = sd_row_sum(part, ci * T::RPC + j), u = sd_row_sum(part, ci * T::RPC + n + j);
+#endif
                     tag_store(X + X_ACT + u0 + i, g / (1.0f + __expf(-g)) * u, tg);
                 }
             }
             // down: h += Wd act.
             sd_stage_plain(xs, X + X_ACT, sd_tag(t, a.nl, l, 3));
-            sd_consume<M_DN>(a, L, r, xs, part, c);
+            sd_consume<M_DN>(a, L, r, xs, part, c, zeros);
             {
                 const u32 tg = sd_tag(t, a.nl, l, 4);
                 for (u32 i = threadIdx.x; i < h1 - h0; i += SD_CT) {
@@ -697,9 +978,9 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
         u64* sset = a.s.samp + (u64)(t & 1u) * gridDim.x * (PD_PARTS + PD_CANDS);
         if (pen) pd_window_mask<SdCfg>(sp, a.s, v0, v1 - v0, pos + 1, t, tok0, s_wstart, s_wn);
 #endif
-        sd_stage_norm(xs, red, a.x + (u64)((t * a.nl + a.nl - 1) & 1u) * xw + X_HD, sd_tag(t, a.nl, a.nl - 1, 4),
-                      nullptr, a.out_norm, a.eps);
-        sd_consume<M_LOG>(a, a.layers[0], r, xs, part, c);
+        sd_stage_norm(xs, red, a.x + (u64)((t * a.nl + a.nl - 1) & 1u) * xw + X_HD, sd_tag(t, a.nl, a.nl - 1, 4), a,
+                      0, a.out_norm, a.eps);
+        sd_consume<M_LOG>(a, a.layers[0], r, xs, part, c, zeros);
         {
             u64 k = 0;
             for (u32 i = threadIdx.x; i < v1 - v0; i += SD_CT) {

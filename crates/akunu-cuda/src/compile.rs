@@ -12,9 +12,10 @@ use std::ffi::{CStr, CString};
 use std::path::PathBuf;
 
 /// The kernel sources, in the order they are concatenated.
-pub const SOURCES: [(&str, &str); 5] = [
+pub const SOURCES: [(&str, &str); 6] = [
     ("common.cuh", include_str!("../kernels/common.cuh")),
     ("noise.cuh", include_str!("../kernels/noise.cuh")),
+    ("tc.cuh", include_str!("../kernels/tc.cuh")),
     ("model.cu", include_str!("../kernels/model.cu")),
     ("gemv_tc.cu", include_str!("../kernels/gemv_tc.cu")),
     ("sampling.cu", include_str!("../kernels/sampling.cu")),
@@ -35,9 +36,10 @@ pub const PERSIST_SOURCES: [(&str, &str); 4] = [
 /// The streaming persistent decode kernel (`stream.rs`): its own module,
 /// compiled per model shape. Developer switches reach it as they reach the
 /// persistent module (`Module::Persistent`).
-pub const STREAM_SOURCES: [(&str, &str); 4] = [
+pub const STREAM_SOURCES: [(&str, &str); 5] = [
     ("common.cuh", include_str!("../kernels/common.cuh")),
     ("noise.cuh", include_str!("../kernels/noise.cuh")),
+    ("tc.cuh", include_str!("../kernels/tc.cuh")),
     (
         "chain_sampler.cuh",
         include_str!("../kernels/chain_sampler.cuh"),
@@ -331,17 +333,24 @@ mod tests {
                 assert!(bin.len() > 1000);
             }
         }
-        // The streaming decode module at the 1B and 8B F16 shapes
-        // (the stages and splits a 132-SM device gets): greedy with each KV
-        // cache type, and a sampled table's module (the in-kernel sampler).
-        for (d, kvd, ff, nst) in [(2048, 512, 8192, 5), (4096, 1024, 14336, 4)] {
+        // The streaming decode module at the 1B and 8B shapes, F16
+        // and Q4_0 (the stages and splits a 132-SM device gets): greedy with
+        // each KV cache type, and a sampled table's module (the in-kernel
+        // sampler).
+        for (d, kvd, ff, nst, q4) in [
+            (2048, 512, 8192, 5, false),
+            (4096, 1024, 14336, 4, false),
+            (2048, 512, 8192, 5, true),
+            (4096, 1024, 14336, 4, true),
+        ] {
+            let geo = crate::stream::shape_fits(d, d, kvd, ff, 32, 49152, 132, q4).unwrap();
             for (kv, sampled) in [
                 (super::KvType::F16, false),
                 (super::KvType::F32, false),
                 (super::KvType::F16, true),
             ] {
                 let mut o = super::options("sm_90", super::Module::Persistent);
-                o.extend(crate::stream::defines(d, d, kvd, ff, 32, 8, 3000, nst, 4));
+                o.extend(crate::stream::defines(d, d, kvd, ff, 32, 8, 3072, nst, 4, geo));
                 o.push(super::kv_define(kv));
                 if sampled {
                     o.push("-DSD_SAMPLED=1".into());

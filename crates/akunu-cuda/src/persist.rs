@@ -395,7 +395,7 @@ pub(crate) fn plan(
     table: &DispatchTable,
     owned: &mut Owned,
 ) -> Result<Result<Plan, String>, BackendError> {
-    let shape = match read_shape(be, table, false) {
+    let shape = match read_shape(be, table, DType::Q4_1) {
         Ok(s) => s,
         Err(why) => return Ok(Err(why)),
     };
@@ -566,14 +566,16 @@ pub(crate) struct Shape {
 
 /// The model read off a greedy (or sampled) llama table, or why the kernel
 /// cannot run it.
-/// `f16`: the matrices, embedding and output F16 with heads of 64 or 128
-/// (the streaming kernel, `stream.rs`); otherwise Q4_1 matrices, a Q4_1 or
-/// Q8_0 embedding and output, heads of 64 (this kernel).
+/// `mats`: the matrices' type. F16 or Q4_0 (the streaming kernel,
+/// `stream.rs`): the embedding and output of that type too, heads of 64 or
+/// 128. Q4_1 (this kernel): a Q4_1 or Q8_0 embedding and output, heads of
+/// 64.
 pub(crate) fn read_shape(
     be: &CudaBackend,
     table: &DispatchTable,
-    f16: bool,
+    mats: DType,
 ) -> Result<Shape, String> {
+    let streaming = mats != DType::Q4_1;
     let c = &table.commands;
     // A sampled table: the greedy layout with its sampler before the argmax.
     let sampler =
@@ -613,10 +615,13 @@ pub(crate) fn read_shape(
         let name =
             DType::from_ggml(dt).map_or_else(|| format!("type {dt}"), |t| t.name().to_string());
         match dt {
-            x if f16 && x == DType::F16 as u32 => Ok(0),
-            x if !f16 && x == DType::Q8_0 as u32 => Ok(1),
-            x if !f16 && x == DType::Q4_1 as u32 => Ok(0),
-            _ if f16 => Err(format!("an embedding or output of {name} (F16 only)")),
+            x if streaming && x == mats as u32 => Ok(0),
+            x if !streaming && x == DType::Q8_0 as u32 => Ok(1),
+            x if !streaming && x == DType::Q4_1 as u32 => Ok(0),
+            _ if streaming => Err(format!(
+                "an embedding or output of {name} ({} only)",
+                mats.name()
+            )),
             _ => Err(format!(
                 "an embedding or output of {name} (Q4_1 or Q8_0 only)"
             )),
@@ -626,11 +631,7 @@ pub(crate) fn read_shape(
     if emb.scale != 1.0 {
         return Err("a scaled embedding".into());
     }
-    let (want_dt, dt_name) = if f16 {
-        (DType::F16 as u32, "F16")
-    } else {
-        (DType::Q4_1 as u32, "Q4_1")
-    };
+    let (want_dt, dt_name) = (mats as u32, mats.name());
     let mut a = PdArgs::zeroed();
     let mut layers = Vec::with_capacity(nl as usize);
     let mut attn_norm = ptr(1, 1)?;
@@ -688,7 +689,7 @@ pub(crate) fn read_shape(
                 "layer {l}: the down projection is not {dt_name} after SwiGLU"
             ));
         }
-        let head_ok = rope.head_dim == HEAD || (f16 && rope.head_dim == 128);
+        let head_ok = rope.head_dim == HEAD || (streaming && rope.head_dim == 128);
         if !head_ok
             || rope.rope_dim != rope.head_dim
             || rope.style != ROPE_NORM
@@ -704,7 +705,7 @@ pub(crate) fn read_shape(
                 rope.head_dim,
                 rope.rope_dim,
                 rope.style,
-                if f16 { "64 or 128" } else { "64" }
+                if streaming { "64 or 128" } else { "64" }
             ));
         }
         if att.softcap != 0.0 || att.window != 0 {
@@ -787,7 +788,7 @@ pub(crate) fn read_shape(
         return Err("the logits product has a bias or a soft-cap".into());
     }
     let sizes_ok = [a.d, a.qd, a.ff].iter().all(|&k| k % 64 == 0)
-        && (f16 || a.d <= MAXPER * WARPS * 32)
+        && (streaming || a.d <= MAXPER * WARPS * 32)
         && a.nh > 0;
     if !sizes_ok {
         return Err(format!(

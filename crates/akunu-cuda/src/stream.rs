@@ -1,5 +1,5 @@
 //! The streaming persistent decode kernel (`kernels/stream.cu`): a greedy
-//! chain of a llama model with F16 matrices as one cooperative launch, for
+//! chain of a llama model with F16 or Q4_0 matrices as one cooperative launch, for
 //! models too large for `persist.rs`'s kernel (which keeps a layer's rows in
 //! shared memory). Each SM streams its share of every product through a
 //! ring of shared-memory stages while its consumer warps wait for the
@@ -7,11 +7,15 @@
 //! (bench/RESULTS.md, session 25: 8B F16 at 92% of the H200's floor).
 //!
 //! The plan is read off the table as `persist.rs` reads it
-//! (`persist::read_shape` with `f16`), and it shares that module's chain
+//! (`persist::read_shape`, F16 or Q4_0), and it shares that module's chain
 //! integration: `persist::Plan` with [`persist::Args::Stream`], launched by
 //! `persist::launch`. A sampled table gets a module with the in-kernel
 //! sampler (`chain_sampler.cuh`, the SmolLM2 kernel's, on the consumer
 //! warps: `SD_SAMPLED`), its settings set per chain by `Plan::for_chain`.
+//!
+//! Q4_0 models get the module's `SD_Q4` form: stages of 16-row tiles over
+//! a slice of their columns ([`q4_slices`]), each copied by two tensor-map
+//! copies (quants and scales: [`q4_maps`]), multiplied on the tensor cores.
 //!
 //! On by default on sm_90 (as the persistent kernel is); `AKUNU_CUDA_STREAM=0`
 //! keeps such models on the graph.
@@ -19,9 +23,12 @@
 use crate::CudaBackend;
 use crate::device::{alloc, check};
 use crate::persist::{
-    Args, CANDS, Owned, PARTS, Plan, SampArgs, VPT, load_kernel, read_shape, sample_smem,
+    Args, CANDS, Owned, PARTS, PdArgs, PdLayer, Plan, SampArgs, VPT, load_kernel, read_shape,
+    sample_smem,
 };
 use akunu_core::backend::BackendError;
+use akunu_core::dtype::DType;
+use akunu_core::ops::{GemvParams, KernelId};
 use akunu_core::table::DispatchTable;
 use bytemuck::{Pod, Zeroable};
 use cudarc::driver::sys;
@@ -34,8 +41,15 @@ pub(crate) const SAMPLER_THREADS: u32 = CW * 32;
 /// Keys a sampler thread holds in the pick (`SdCfg::PICK_KPT`): top-64
 /// lists of 132 blocks.
 pub(crate) const PICK_KPT: u32 = 33;
-/// Bytes of a ring stage (stream.cu `SD_STB`).
+/// Bytes of a ring stage (stream.cu `SD_STB`) of the F16 form.
 const STB: u32 = 32768;
+/// The most columns of a Q4_0 tile's slice: a tensor-map box row is at most
+/// 256 elements (u32 words of 8 quants). `AKUNU_CUDA_STREAM_Q4_KC` sets a
+/// smaller bound and `AKUNU_CUDA_STREAM_Q4_L2` the maps' L2 promotion (0
+/// none, 1 64 B, 2 128 B, 3 256 B: the default) for A/B runs.
+const KC_Q4_MAX: u32 = 2048;
+static Q4_KC: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_STREAM_Q4_KC");
+static Q4_L2: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_STREAM_Q4_L2");
 /// Splits of a head's attention at most (stream.cu `SD_ATT_S`).
 const ATT_S_MAX: u32 = 4;
 /// Positions the kernel serves: its attention scratch holds a split's
@@ -58,6 +72,7 @@ pub(crate) struct SdArgs {
     x: u64,
     best: u64,
     flags: u64,
+    maps: u64,
     nl: u32,
     vocab: u32,
     capacity: u32,
@@ -68,15 +83,39 @@ pub(crate) struct SdArgs {
     scale: f32,
     pub s: SampArgs,
 }
-const _: () = assert!(std::mem::size_of::<SdArgs>() == 168);
+const _: () = assert!(std::mem::size_of::<SdArgs>() == 176);
 
 /// Units of each product (stream.cu `sd_units`) and rows a unit.
 fn products(d: u32, qd: u32, kvd: u32, ff: u32, vocab: u32) -> [(u32, u32); 5] {
     [((qd + 2 * kvd) / 2, 2), (d, 1), (ff, 2), (d, 1), (vocab, 1)]
 }
 
-/// Why the kernel cannot take a shape on `grid` SMs, if it cannot.
-fn shape_fits(
+/// A Q4_0 product of `k` columns in the streaming kernel (stream.cu `Mat`
+/// with `SD_Q4`): the fewest slices `ks` of its columns (the same whole
+/// number of 128-column groups for every consumer warp, at most
+/// [`KC_Q4_MAX`] columns), and the bytes of a 16-row tile's slice (quants,
+/// then scales).
+pub(crate) fn q4_slices(k: u32) -> Option<(u32, u32)> {
+    let max = Q4_KC.number().unwrap_or(KC_Q4_MAX).min(KC_Q4_MAX);
+    (1..=k / (128 * CW))
+        .map(|ks| (ks, k / ks))
+        .find(|&(ks, kc)| k.is_multiple_of(ks) && kc.is_multiple_of(128 * CW) && kc <= max)
+        .map(|(ks, kc)| (ks, 16 * (kc / 2 + kc / 16)))
+}
+
+/// How the kernel is specialised for its matrices' type: the stage size
+/// and, for Q4_0, the slices of the d-, q- and ffn-column products.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub(crate) struct Geometry {
+    q4: bool,
+    stb: u32,
+    ks: [u32; 3],
+}
+
+/// Why the kernel cannot take a shape on `grid` SMs, if it cannot, or how
+/// it is specialised for it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn shape_fits(
     d: u32,
     qd: u32,
     kvd: u32,
@@ -84,10 +123,33 @@ fn shape_fits(
     nh: u32,
     vocab: u32,
     grid: u32,
-) -> Result<(), String> {
-    // A warp's columns are whole 256-column steps of every product's input
-    // (k / SD_CW); the norm stages d over the consumer threads.
-    if [d, qd, ff].iter().any(|&k| !k.is_multiple_of(256 * CW)) {
+    q4: bool,
+) -> Result<Geometry, String> {
+    let mut geo = Geometry {
+        q4,
+        stb: STB,
+        ks: [1; 3],
+    };
+    if q4 {
+        // Columns in whole groups for each consumer warp (which also
+        // covers the norm's staging of d over the consumer threads).
+        if [d, qd, ff].iter().any(|&k| !k.is_multiple_of(128 * CW)) {
+            return Err(format!(
+                "d = {d}, q = {qd}, ffn = {ff}: the streaming kernel takes Q4_0 products of multiples of {} columns",
+                128 * CW
+            ));
+        }
+        geo.stb = 0;
+        for (i, k) in [d, qd, ff].into_iter().enumerate() {
+            let (ks, bytes) = q4_slices(k).ok_or_else(|| {
+                format!("{k}-column Q4_0 rows do not split into slices of whole 256 columns")
+            })?;
+            geo.ks[i] = ks;
+            geo.stb = geo.stb.max(bytes);
+        }
+    } else if [d, qd, ff].iter().any(|&k| !k.is_multiple_of(256 * CW)) {
+        // A warp's columns are whole 256-column steps of every product's
+        // input (k / SD_CW); the norm stages d over the consumer threads.
         return Err(format!(
             "d = {d}, q = {qd}, ffn = {ff}: the streaming kernel takes multiples of {}",
             256 * CW
@@ -114,13 +176,88 @@ fn shape_fits(
         }
     }
     // The largest unit fits a stage.
-    if 4 * d > STB || 2 * qd > STB || 2 * ff > STB {
+    if !q4 && (4 * d > STB || 2 * qd > STB || 2 * ff > STB) {
         return Err(format!(
             "rows of {} bytes do not fit a {STB}-byte stage",
             (4 * d).max(2 * ff)
         ));
     }
-    Ok(())
+    Ok(geo)
+}
+
+/// Row partials a block keeps (stream.cu `part`): the most rows it has of
+/// any product, SD_CW a row.
+fn part_floats(d: u32, qd: u32, kvd: u32, ff: u32, vocab: u32, grid: u32) -> u32 {
+    products(d, qd, kvd, ff, vocab)
+        .iter()
+        .map(|&(units, ur)| units.div_ceil(grid) * ur)
+        .max()
+        .unwrap_or(0)
+        * CW
+}
+
+/// The tensor maps of the Q4_0 form (stream.cu `SdArgs::maps`): for each
+/// layer's seven matrices (q, k, v, o, gate, up, down), then the output,
+/// one map of the quants (u32 words, 8 quants each: `k / 8` a row) and one
+/// of the scales (`k / 64` words a row) of the backend's repacked layout
+/// (repack.rs), with boxes of 16 rows by one slice (`ks` of the d-, q- and
+/// ffn-column products).
+fn q4_maps(layers: &[PdLayer], p: &PdArgs, ks: [u32; 3]) -> Result<Vec<u64>, String> {
+    let (d, qd, kvd, ff) = (p.d as u64, p.qd as u64, p.kvd as u64, p.ff as u64);
+    use sys::CUtensorMapL2promotion as P;
+    let promotion = match Q4_L2.number::<u32>() {
+        Some(0) => P::CU_TENSOR_MAP_L2_PROMOTION_NONE,
+        Some(1) => P::CU_TENSOR_MAP_L2_PROMOTION_L2_64B,
+        Some(2) => P::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        _ => P::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+    };
+    let mut out = Vec::new();
+    let mut add = |base: u64, rows: u64, k: u64, ks: u32| -> Result<(), String> {
+        let kc = k / ks as u64;
+        for (addr, words, box_words) in [(base, k / 8, kc / 8), (base + rows * k / 2, k / 64, kc / 64)] {
+            let mut map = sys::CUtensorMap { opaque: [0; 16] };
+            let dims = [words, rows];
+            let strides = [words * 4];
+            let boxes = [box_words as u32, 16];
+            let elem = [1u32, 1];
+            // SAFETY: every pointer refers to a live local array of the rank
+            // the call is given (2 dims and box sizes, 1 stride); the map is
+            // a local the call writes.
+            let r = unsafe {
+                sys::cuTensorMapEncodeTiled(
+                    &mut map,
+                    sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT32,
+                    2,
+                    addr as *mut std::ffi::c_void,
+                    dims.as_ptr(),
+                    strides.as_ptr(),
+                    boxes.as_ptr(),
+                    elem.as_ptr(),
+                    sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                    sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+                    promotion,
+                    sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+                )
+            };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                return Err(format!("encoding a tensor map of a Q4_0 matrix: {r:?}"));
+            }
+            out.extend_from_slice(&map.opaque);
+        }
+        Ok(())
+    };
+    for l in layers {
+        let [q, k, v, o, gate, up, down] = l.w;
+        add(q, qd, d, ks[0])?;
+        add(k, kvd, d, ks[0])?;
+        add(v, kvd, d, ks[0])?;
+        add(o, d, qd, ks[1])?;
+        add(gate, ff, d, ks[0])?;
+        add(up, ff, d, ks[0])?;
+        add(down, d, ff, ks[2])?;
+    }
+    add(p.out, p.vocab as u64, d, ks[0])?;
+    Ok(out)
 }
 
 /// The macro definitions that specialise stream.cu.
@@ -135,8 +272,9 @@ pub(crate) fn defines(
     part: u32,
     nst: u32,
     att_s: u32,
+    geo: Geometry,
 ) -> Vec<String> {
-    [
+    let mut defs: Vec<String> = [
         ("SD_D", d),
         ("SD_QD", qd),
         ("SD_KVD", kvd),
@@ -148,19 +286,36 @@ pub(crate) fn defines(
         ("SD_NST", nst),
         ("SD_ATT_S", att_s),
         ("SD_CW", CW),
-        ("SD_STB", STB),
+        ("SD_STB", geo.stb),
     ]
     .iter()
     .map(|(k, v)| format!("-D{k}={v}"))
-    .collect()
+    .collect();
+    if geo.q4 {
+        defs.push("-DSD_Q4=1".into());
+        for (name, ks) in ["SD_KS_D", "SD_KS_Q", "SD_KS_F"].iter().zip(geo.ks) {
+            defs.push(format!("-D{name}={ks}"));
+        }
+    }
+    defs
 }
 
 /// Dynamic shared memory of the kernel (stream.cu `k_stream_decode`): the
 /// ring, x, the row partials, h rows and reductions, the attention scratch,
-/// the mbarriers and keys.
-fn smem_bytes(ff: u32, hd: u32, part: u32, nst: u32, att_s: u32, max_pos: u32) -> u64 {
+/// the mbarriers and keys, and for Q4_0 the zeros that B reads of lanes
+/// that feed none land on (aligned to 16 bytes).
+fn smem_bytes(
+    ff: u32,
+    hd: u32,
+    part: u32,
+    nst: u32,
+    att_s: u32,
+    max_pos: u32,
+    geo: Geometry,
+) -> u64 {
     let floats = ff + part + 64 + 64 + 3 * hd + CW * hd + 2 * CW + max_pos / att_s + 1;
-    nst as u64 * STB as u64 + 4 * floats as u64 + 8 + (2 * nst + CW) as u64 * 8
+    let zeros = if geo.q4 { 16 + 512 } else { 0 };
+    nst as u64 * geo.stb as u64 + 4 * floats as u64 + 8 + (2 * nst + CW) as u64 * 8 + zeros
 }
 
 fn kernel_for(
@@ -190,16 +345,22 @@ pub(crate) fn plan(
     if be.info.cc.0 < 9 {
         return Ok(Err("the streaming kernel needs sm_90 (bulk copies)".into()));
     }
-    let shape = match read_shape(be, table, true) {
+    // Q4_0 tables take the module's SD_Q4 form; anything else must be F16.
+    let q4 = table.commands.get(2).is_some_and(|c| {
+        c.kernel == KernelId::Gemv && c.params::<GemvParams>().dtype[0] == DType::Q4_0 as u32
+    });
+    let mats = if q4 { DType::Q4_0 } else { DType::F16 };
+    let shape = match read_shape(be, table, mats) {
         Ok(s) => s,
         Err(why) => return Ok(Err(why)),
     };
     let p = shape.args;
     let sampled = shape.sampler.is_some();
     let grid = be.sm_count();
-    if let Err(why) = shape_fits(p.d, p.qd, p.kvd, p.ff, p.nh, p.vocab, grid) {
-        return Ok(Err(why));
-    }
+    let geo = match shape_fits(p.d, p.qd, p.kvd, p.ff, p.nh, p.vocab, grid, q4) {
+        Ok(g) => g,
+        Err(why) => return Ok(Err(why)),
+    };
     if sampled && p.vocab.div_ceil(grid) > VPT * SAMPLER_THREADS {
         return Ok(Err(format!(
             "a vocabulary of {} over {grid} blocks: the sampler takes {} logits a block",
@@ -210,13 +371,7 @@ pub(crate) fn plan(
     let hd = p.qd / p.nh;
     let att_s = (grid / p.nh).clamp(1, ATT_S_MAX);
     let max_pos = MAX_POS.min(p.capacity);
-    // Row partials: the most rows a block has of any product, SD_CW a row.
-    let part = products(p.d, p.qd, p.kvd, p.ff, p.vocab)
-        .iter()
-        .map(|&(units, ur)| units.div_ceil(grid) * ur)
-        .max()
-        .unwrap_or(0)
-        * CW;
+    let part = part_floats(p.d, p.qd, p.kvd, p.ff, p.vocab, grid);
     let budget = be.smem_optin().saturating_sub(STATIC_SMEM) as u64;
     // The sampler's areas follow the rest (stream.cu `pd_samp_areas`).
     let samp = if sampled {
@@ -224,7 +379,7 @@ pub(crate) fn plan(
     } else {
         0
     };
-    let need = |n: u32| smem_bytes(p.ff, hd, part, n, att_s, max_pos) + samp;
+    let need = |n: u32| smem_bytes(p.ff, hd, part, n, att_s, max_pos, geo) + samp;
     // As many stages as fit, up to 8 (three already run as fast as five on
     // the 1B shape: bench/RESULTS.md, session 25).
     let Some(nst) = (2..=8u32).rev().find(|&n| need(n) <= budget) else {
@@ -234,7 +389,7 @@ pub(crate) fn plan(
         )));
     };
     let smem = need(nst);
-    let mut defs = defines(p.d, p.qd, p.kvd, p.ff, p.nh, p.nkv, part, nst, att_s);
+    let mut defs = defines(p.d, p.qd, p.kvd, p.ff, p.nh, p.nkv, part, nst, att_s, geo);
     if sampled {
         defs.push("-DSD_SAMPLED=1".into());
     }
@@ -260,6 +415,24 @@ pub(crate) fn plan(
         unsafe { sys::cuMemcpyHtoD_v2(lp, bytes.as_ptr() as *const _, bytes.len()) },
         "writing the streaming decode layer table",
     )?;
+    let maps = if q4 {
+        let words = match q4_maps(&shape.layers, &p, geo.ks) {
+            Ok(w) => w,
+            Err(why) => return Ok(Err(why)),
+        };
+        let bytes: &[u8] = bytemuck::cast_slice(&words);
+        let m = alloc(bytes.len() as u64, "streaming decode tensor maps")?;
+        owned.mem.push(m);
+        // SAFETY: `m` holds bytes.len() bytes (aligned for the maps'
+        // 64 bytes: allocations are 256-byte aligned); the source is live.
+        check(
+            unsafe { sys::cuMemcpyHtoD_v2(m, bytes.as_ptr() as *const _, bytes.len()) },
+            "writing the streaming decode tensor maps",
+        )?;
+        m
+    } else {
+        0
+    };
     // Tagged words (two sets: stream.cu SD_XW), bests with the cancel word
     // (two sets), flags: zeroed per chain.
     let xw = (2 * p.d + p.qd + 2 * p.kvd + p.ff + p.nh * att_s * (hd + 2)) as u64;
@@ -290,6 +463,7 @@ pub(crate) fn plan(
         x: scratch,
         best: scratch + x_bytes,
         flags: scratch + x_bytes + best_bytes,
+        maps,
         nl: p.nl,
         vocab: p.vocab,
         capacity: p.capacity,
@@ -316,30 +490,58 @@ pub(crate) fn plan(
 mod tests {
     use super::*;
 
+    const F16: Geometry = Geometry {
+        q4: false,
+        stb: STB,
+        ks: [1; 3],
+    };
+
     #[test]
     fn the_issue_shapes_fit_and_others_say_why() {
-        // llama-1b and llama-8b on 132 SMs.
-        assert!(shape_fits(2048, 2048, 512, 8192, 32, 49152, 132).is_ok());
-        assert!(shape_fits(4096, 4096, 1024, 14336, 32, 49152, 132).is_ok());
-        // SmolLM2: d 576 is not whole steps of the warps' columns.
-        assert!(shape_fits(576, 576, 192, 1536, 9, 49152, 132).is_err());
-        // Too few heads' rows for every block.
-        assert!(shape_fits(2048, 2048, 512, 8192, 32, 100, 132).is_err());
+        // llama-1b and llama-8b on 132 SMs, F16 and Q4_0.
+        for q4 in [false, true] {
+            assert!(shape_fits(2048, 2048, 512, 8192, 32, 49152, 132, q4).is_ok());
+            assert!(shape_fits(4096, 4096, 1024, 14336, 32, 49152, 132, q4).is_ok());
+            // SmolLM2: d 576 is not whole steps of the warps' columns.
+            assert!(shape_fits(576, 576, 192, 1536, 9, 49152, 132, q4).is_err());
+            // Too few heads' rows for every block.
+            assert!(shape_fits(2048, 2048, 512, 8192, 32, 100, 132, q4).is_err());
+        }
+    }
+
+    #[test]
+    fn q4_rows_split_into_slices_of_a_box() {
+        // 2048 columns: one slice, 16 x (1024 + 128) bytes.
+        assert_eq!(q4_slices(2048), Some((1, 18432)));
+        assert_eq!(q4_slices(4096), Some((2, 18432)));
+        // llama-8b's down product: seven slices of 16 groups.
+        assert_eq!(q4_slices(14336), Some((7, 18432)));
+        // 5,120 = 5 x 1,024 (1,280 is not a group for each of 8 warps).
+        assert_eq!(q4_slices(5120), Some((5, 9216)));
+        // 1,536 columns are 12 groups: none splits evenly over 8 warps.
+        assert_eq!(q4_slices(1536), None);
+        let g = shape_fits(4096, 4096, 1024, 14336, 32, 49152, 132, true).unwrap();
+        assert_eq!((g.stb, g.ks), (18432, [2, 2, 7]));
     }
 
     #[test]
     fn the_ring_gets_what_shared_memory_leaves() {
         // llama-8b, H100/H200 (227 KiB opt-in less the static room): the
         // probe's four stages fit, five do not.
-        let part = 49152u32.div_ceil(132) * CW;
+        let part = part_floats(4096, 4096, 1024, 14336, 49152, 132);
+        assert_eq!(part, 49152u32.div_ceil(132) * CW);
         let budget = (232448 - STATIC_SMEM) as u64;
-        assert!(smem_bytes(14336, 128, part, 4, 4, 4096) <= budget);
-        assert!(smem_bytes(14336, 128, part, 5, 4, 4096) > budget);
+        assert!(smem_bytes(14336, 128, part, 4, 4, 4096, F16) <= budget);
+        assert!(smem_bytes(14336, 128, part, 5, 4, 4096, F16) > budget);
         // A sampled table's module adds the sampler's areas (30 KB at 4,096
         // positions): three stages still fit, which ran as fast as four
         // (bench/RESULTS.md, session 26: sampled 8B 0.4% under greedy).
         let samp = sample_smem(49152, 132, 4096);
-        assert!(smem_bytes(14336, 128, part, 3, 4, 4096) + samp <= budget);
-        assert!(smem_bytes(14336, 128, part, 4, 4, 4096) + samp > budget);
+        assert!(smem_bytes(14336, 128, part, 3, 4, 4096, F16) + samp <= budget);
+        assert!(smem_bytes(14336, 128, part, 4, 4, 4096, F16) + samp > budget);
+        // Q4_0: eight stages of 18,432 bytes fit greedy, six sampled.
+        let q4 = shape_fits(4096, 4096, 1024, 14336, 32, 49152, 132, true).unwrap();
+        assert!(smem_bytes(14336, 128, part, 8, 4, 4096, q4) <= budget);
+        assert!(smem_bytes(14336, 128, part, 6, 4, 4096, q4) + samp <= budget);
     }
 }

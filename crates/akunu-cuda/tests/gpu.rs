@@ -763,6 +763,32 @@ fn streaming_sampled_chain_matches_cpu() {
     sampled_chains_against_cpu(&m, &p, 24, "llama-1b f16 streaming, ");
 }
 
+/// The streaming kernel's Q4_0 form (16-row tiles over column slices,
+/// tensor-core consumers): greedy tokens against the CPU's on the llama-1b
+/// shape (one slice of 2,048 columns, four of the down product) and the
+/// llama-8b one (two slices, down in four of 28 groups each, which the
+/// warps share unevenly; heads of 128), with the stop and cancellation
+/// checks on the first; then each sampler mode on llama-1b.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
+fn streaming_q4_0_chain_matches_cpu() {
+    let opts = GenerateOptions {
+        max_tokens: 32,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let m = synth(Shape::Llama1B, DType::Q4_0);
+    let what = "llama-1b q4_0 streaming";
+    let p = prompt(20, m.config.n_vocab);
+    let (tg, same) = persistent_against_cpu(&m, &p, &opts, what);
+    stop_and_cancel_inside_a_chain(&m, &p, &opts, &tg, same.min(12) - 1, 5, 20, what);
+    sampled_chains_against_cpu(&m, &p, 24, "llama-1b q4_0 streaming, ");
+    drop(m);
+    let m = synth(Shape::Llama8B, DType::Q4_0);
+    let p = prompt(20, m.config.n_vocab);
+    persistent_against_cpu(&m, &p, &opts, "llama-8b q4_0 streaming");
+}
+
 /// The persistent kernel's greedy tokens against the CPU's (equal but after
 /// a near-tie), on the SmolLM2 shape with a Q4_1 and with a Q8_0 embedding
 /// (the default file's types); then a stop token and a cancellation by the
