@@ -38,8 +38,7 @@
 #                                 stream-ab (akunu's streaming kernel
 #                                 against its graph; STREAM_AB_SHAPES),
 #                                 env-ab (bench over sets of environment
-#                                 variables; ENV_SETS), ncu-stream (the
-#                                 streaming kernel under Nsight Compute).
+#                                 variables; ENV_SETS).
 #                                 Logs go to $OUT (or ./gpu-out),
 #                                 a summary to stdout.
 #
@@ -740,26 +739,6 @@ ncu_one() { # NAME FILE
         "$OUTDIR/ncu-$1.txt" | head -120
 }
 
-# The streaming persistent kernel (stream.rs) under Nsight Compute: one
-# chain of 32 tokens (the second launch), with ncu_one's sections and stall
-# metrics (over all its warps: the consumers and the producer).
-ncu_stream_one() { # NAME FILE
-    local stalls
-    stalls=$(sed -n 's/^ *--metrics \(smsp__warp_issue_stalled[^ ]*\) .*/\1/p' "$ROOT/scripts/gpu.sh" | head -1)
-    timeout 300 ncu --clock-control none --kernel-name k_stream_decode --launch-skip 1 --launch-count 1 \
-        --section SpeedOfLight --section MemoryWorkloadAnalysis --metrics "$stalls" \
-        --section WarpStateStats --section SchedulerStats --section LaunchStats \
-        "$BIN/akunu" generate -m "$2" --device cuda --prompt-ids 1,2,3 -n 70 --ignore-eos \
-        --chunk 32 >"$OUTDIR/ncu-stream-$1.txt" 2>&1 || echo "ncu failed (rc $?)"
-    grep -E "stalled|Duration|Memory Throughput|DRAM Throughput|L2 Hit|L1/TEX Hit|Compute \(SM\)|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Active Warps|Eligible Warps|Bank" \
-        "$OUTDIR/ncu-stream-$1.txt" | head -60
-}
-
-ncu_stream() {
-    echo "== ncu: the streaming decode kernel, one chain"
-    each_shape "${NCU_SHAPES:-llama-8b:q4_0}" ncu_stream_one
-}
-
 ncu_token_one() { # NAME FILE
     # One decode token's kernels, each timed alone (Nsight Compute
     # serializes them: no launch gaps, no overlap), summed by kernel.
@@ -1243,7 +1222,6 @@ run)
         bench-ab) bench_ab ;;
         stream-ab) stream_ab ;;
         env-ab) env_ab ;;
-        ncu-stream) ncu_stream ;;
         peer-torch) peer_torch ;;
         ncu) ncu_gemv ;;
         ncu-token) ncu_token ;;

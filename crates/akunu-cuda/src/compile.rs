@@ -350,7 +350,9 @@ mod tests {
                 (super::KvType::F16, true),
             ] {
                 let mut o = super::options("sm_90", super::Module::Persistent);
-                o.extend(crate::stream::defines(d, d, kvd, ff, 32, 8, 3072, nst, 4, geo));
+                o.extend(crate::stream::defines(
+                    d, d, kvd, ff, 32, 8, 3072, nst, 4, geo,
+                ));
                 o.push(super::kv_define(kv));
                 if sampled {
                     o.push("-DSD_SAMPLED=1".into());

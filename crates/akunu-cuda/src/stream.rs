@@ -214,7 +214,10 @@ fn q4_maps(layers: &[PdLayer], p: &PdArgs, ks: [u32; 3]) -> Result<Vec<u64>, Str
     let mut out = Vec::new();
     let mut add = |base: u64, rows: u64, k: u64, ks: u32| -> Result<(), String> {
         let kc = k / ks as u64;
-        for (addr, words, box_words) in [(base, k / 8, kc / 8), (base + rows * k / 2, k / 64, kc / 64)] {
+        for (addr, words, box_words) in [
+            (base, k / 8, kc / 8),
+            (base + rows * k / 2, k / 64, kc / 64),
+        ] {
             let mut map = sys::CUtensorMap { opaque: [0; 16] };
             let dims = [words, rows];
             let strides = [words * 4];
