@@ -23,9 +23,9 @@
 // SD_Q4, Q4_0 ones in the backend's repacked layout), heads of SD_HD, every
 // product's rows at least one unit a block.
 //
-// The Q4_0 form (SD_Q4): a stage holds a tile of up to 16 rows over a
-// slice of their columns (each row's quants and scales copied by one lane
-// of the producer warp), and the consumers multiply on the tensor cores as
+// The Q4_0 form (SD_Q4): a stage holds a tile of 16 rows of one matrix over
+// a slice of their columns (two tensor-map copies: the quants, the scales),
+// and the consumers multiply on the tensor cores as
 // gemv_tc.cu's decode gemv does: a lane turns its nibbles into f16 pairs,
 // the input is staged as the f16 hi/lo halves of x in gemv_tc.cu's B image,
 // and each group of four blocks takes 8 m16n8k16 products. Converting and
@@ -291,7 +291,6 @@ __device__ __forceinline__ void sd_chunks(const SdArgs& a, const SdLayer& L, F f
     }
 }
 
-
 // The sums of N rows' lane partials over the warp by halving: afterwards
 // lane l holds the sum of row (l >> (5 - log2 N)) % N.
 template <int N>
@@ -323,7 +322,7 @@ struct SdLog2<1> {
 // (this block's rows in order, SD_CW a row). Ends synchronised.
 template <int M>
 __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer& L, const SdRing& r, const float* xs,
-                                           float* part, u32& c, const uint4*) {
+                                           float* part, u32& c, const uint4* /* the Q4_0 form's zeros */) {
     using T = Mat<M>;
     constexpr int STEPS = T::SEG / 256, N = T::RPC, SH = 5 - SdLog2<N>::v;
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31u;
@@ -419,8 +418,8 @@ __device__ __forceinline__ void sd_produce(const SdArgs& a, u32 l, const SdRing&
         for (u32 i = 0; i < sg[j].n; i += 16) {
             for (u32 k = 0; k < (u32)T::KS; ++k) {
                 const u32 st = c % SD_NST, n = c / SD_NST;
-                // try_wait suspends the thread a while: the spin of test_wait
-                // took issue slots from the consumer warps beside it.
+                // try_wait may suspend the thread rather than spin (measured
+                // the same as test_wait's spin: bench/RESULTS.md, session 27).
                 if (n > 0)
                     while (!sd_mbar_try(&r.empty[st], (n - 1) & 1u)) {
                         if (t > *last) {
@@ -445,9 +444,9 @@ __device__ __forceinline__ void sd_produce(const SdArgs& a, u32 l, const SdRing&
 
 // The consumers' side of product M: lane (g, t) multiplies rows g and
 // g + 8 of each tile, block t of each of its warp's groups (group G of a
-// row goes to warp G % SD_CW, NGW of each chunk), against the B image of the staged input xs
-// (lanes that feed no B read zeros); the four lanes of a row are then
-// summed into part (SD_CW a row). Ends synchronised.
+// row goes to warp G % SD_CW: NGW of each chunk), against the B image of
+// the staged input xs (lanes that feed no B read zeros); the four lanes of
+// a row are then summed into part (SD_CW a row). Ends synchronised.
 template <int M>
 __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer&, const SdRing& r, const float* xs,
                                            float* part, u32& c, const uint4* zeros) {
@@ -466,8 +465,8 @@ __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer&, cons
                 mbar_wait(&r.full[s], n & 1u);
                 const u8* st = r.buf + (u64)s * SD_STB;
                 // All of the warp's loads first, then its products in NGW x 2
-                // independent chains: a warp's groups one after another
-                // left each chunk a chain of dependent loads and products.
+                // independent chains (measured the same as one group after
+                // another: bench/RESULTS.md, session 27).
                 uint4 qa[NGW], qb[NGW], bv[NGW][4];
                 float d0[NGW], d1[NGW];
 #pragma unroll

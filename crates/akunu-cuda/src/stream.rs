@@ -142,7 +142,10 @@ pub(crate) fn shape_fits(
         geo.stb = 0;
         for (i, k) in [d, qd, ff].into_iter().enumerate() {
             let (ks, bytes) = q4_slices(k).ok_or_else(|| {
-                format!("{k}-column Q4_0 rows do not split into slices of whole 256 columns")
+                format!(
+                    "{k}-column Q4_0 rows do not split into slices of at most {KC_Q4_MAX} columns, \
+                     the same whole groups for each of the {CW} consumer warps"
+                )
             })?;
             geo.ks[i] = ks;
             geo.stb = geo.stb.max(bytes);
