@@ -159,25 +159,18 @@ __device__ __forceinline__ float sd_val(u64 w) { return __uint_as_float((u32)w);
 // zeroed).
 __device__ __forceinline__ u32 sd_tag(u32 t, u32 nl, u32 l, u32 ph) { return ((t * nl + l) * 8u + ph) + 1u; }
 
-// mbarrier test without suspending the thread.
-__device__ __forceinline__ bool sd_mbar_ready(u64* bar, u32 parity) {
+// Whether the mbarrier's phase of `parity` has completed: test_wait
+// answers at once, try_wait (SUSPEND) may first suspend the thread until
+// it completes or a time limit passes.
+#define SD_MBAR_POLL(OP) \
+    "{\n .reg .pred p;\n mbarrier." OP ".parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+template <bool SUSPEND>
+__device__ __forceinline__ bool sd_mbar_done(u64* bar, u32 parity) {
     u32 ok;
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(ok)
-        : "r"(smem_u32(bar)), "r"(parity)
-        : "memory");
-    return ok != 0;
-}
-// mbarrier wait that may suspend the thread until the phase completes or a
-// time limit passes; whether it completed.
-__device__ __forceinline__ bool sd_mbar_try(u64* bar, u32 parity) {
-    u32 ok;
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(ok)
-        : "r"(smem_u32(bar)), "r"(parity)
-        : "memory");
+    if constexpr (SUSPEND)
+        asm volatile(SD_MBAR_POLL("try_wait") : "=r"(ok) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+    else
+        asm volatile(SD_MBAR_POLL("test_wait") : "=r"(ok) : "r"(smem_u32(bar)), "r"(parity) : "memory");
     return ok != 0;
 }
 __device__ __forceinline__ void sd_mbar_arrive(u64* bar) {
@@ -421,7 +414,7 @@ __device__ __forceinline__ void sd_produce(const SdArgs& a, u32 l, const SdRing&
                 // try_wait may suspend the thread rather than spin (measured
                 // the same as test_wait's spin: bench/RESULTS.md, session 27).
                 if (n > 0)
-                    while (!sd_mbar_try(&r.empty[st], (n - 1) & 1u)) {
+                    while (!sd_mbar_done<true>(&r.empty[st], (n - 1) & 1u)) {
                         if (t > *last) {
                             ended = true;
                             return;
@@ -819,7 +812,7 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
                 const u32 s = c % SD_NST, n = c / SD_NST;
                 if (n > 0) {
                     // Wait for the stage, or for the chain to end before t.
-                    while (!sd_mbar_ready(&r.empty[s], (n - 1) & 1u)) {
+                    while (!sd_mbar_done<false>(&r.empty[s], (n - 1) & 1u)) {
                         if (t > s_last) {
                             ended = true;
                             return;

@@ -262,6 +262,20 @@ pub(crate) struct Owned {
     pub modules: Vec<sys::CUmodule>,
 }
 
+/// A copy of `bytes` in a new device buffer that `owned` releases; `what`
+/// names it in errors. Device allocations are 256-byte aligned, enough for
+/// any table a kernel reads (tensor maps need 64).
+pub(crate) fn upload(owned: &mut Owned, bytes: &[u8], what: &str) -> Result<Dptr, BackendError> {
+    let p = alloc(bytes.len() as u64, what)?;
+    owned.mem.push(p);
+    // SAFETY: `p` holds bytes.len() bytes; the source is a live slice.
+    check(
+        unsafe { sys::cuMemcpyHtoD_v2(p, bytes.as_ptr() as *const _, bytes.len()) },
+        &format!("writing the {what}"),
+    )?;
+    Ok(p)
+}
+
 /// The macro definitions that specialise persist.cu for a shape.
 pub(crate) fn shape_defines(d: u32, qd: u32, kvd: u32, ff: u32, nh: u32, nkv: u32) -> Vec<String> {
     [
@@ -465,14 +479,7 @@ pub(crate) fn plan(
         .iter()
         .flat_map(|l| bytemuck::bytes_of(l).to_vec())
         .collect();
-    let lp = alloc(bytes.len() as u64, "persistent decode layer table")?;
-    owned.mem.push(lp);
-    // SAFETY: `lp` holds bytes.len() bytes; the source is a live Vec.
-    check(
-        unsafe { sys::cuMemcpyHtoD_v2(lp, bytes.as_ptr() as *const _, bytes.len()) },
-        "writing the persistent decode layer table",
-    )?;
-    a.layers = lp;
+    a.layers = upload(owned, &bytes, "persistent decode layer table")?;
     // Tagged words (two sets), bests (+ the cancel word; two sets), flags, and the
     // sampler's parts and candidates (every word written before it is
     // read, each token).

@@ -21,10 +21,10 @@
 //! keeps such models on the graph.
 
 use crate::CudaBackend;
-use crate::device::{alloc, check};
+use crate::device::alloc;
 use crate::persist::{
     Args, CANDS, Owned, PARTS, PdArgs, PdLayer, Plan, SampArgs, VPT, load_kernel, read_shape,
-    sample_smem,
+    sample_smem, upload,
 };
 use akunu_core::backend::BackendError;
 use akunu_core::dtype::DType;
@@ -414,28 +414,17 @@ pub(crate) fn plan(
         .iter()
         .flat_map(|l| bytemuck::bytes_of(l).to_vec())
         .collect();
-    let lp = alloc(bytes.len() as u64, "streaming decode layer table")?;
-    owned.mem.push(lp);
-    // SAFETY: `lp` holds bytes.len() bytes; the source is a live Vec.
-    check(
-        unsafe { sys::cuMemcpyHtoD_v2(lp, bytes.as_ptr() as *const _, bytes.len()) },
-        "writing the streaming decode layer table",
-    )?;
+    let lp = upload(owned, &bytes, "streaming decode layer table")?;
     let maps = if q4 {
         let words = match q4_maps(&shape.layers, &p, geo.ks) {
             Ok(w) => w,
             Err(why) => return Ok(Err(why)),
         };
-        let bytes: &[u8] = bytemuck::cast_slice(&words);
-        let m = alloc(bytes.len() as u64, "streaming decode tensor maps")?;
-        owned.mem.push(m);
-        // SAFETY: `m` holds bytes.len() bytes (aligned for the maps'
-        // 64 bytes: allocations are 256-byte aligned); the source is live.
-        check(
-            unsafe { sys::cuMemcpyHtoD_v2(m, bytes.as_ptr() as *const _, bytes.len()) },
-            "writing the streaming decode tensor maps",
-        )?;
-        m
+        upload(
+            owned,
+            bytemuck::cast_slice(&words),
+            "streaming decode tensor maps",
+        )?
     } else {
         0
     };
