@@ -207,8 +207,9 @@ __device__ __forceinline__ void sd_put(float* xs, u32 e, float v) {
 #if SD_Q4
     u16* img = (u16*)xs;
     const u32 w = q4_img_at(e & ~3u, 0) + (e & 1u), half = (e >> 1) & 1u;
-    img[2 * w + half] = f16_bits(v);
-    img[2 * (w + 4) + half] = f16_bits(v - f16_round(v));  // lo: the next B lane's words
+    const u16 hi = f16_bits(v);
+    img[2 * w + half] = hi;
+    img[2 * (w + 4) + half] = f16_bits(v - f16_to_f32(hi));  // lo: the next B lane's words
 #else
     xs[sd_xperm(e)] = v;
 #endif
