@@ -32,7 +32,7 @@
 // sampler's threads; the plans check).
 #define PD_VPT 4
 // The most warps a sampler runs on (the sizes of PdSampShared's arrays).
-#define PD_SAMP_MAXW 12
+#define PD_SAMP_MAXW 16
 
 // The sampler's settings and buffers (persist.rs SampArgs): the sampled
 // table's GumbelSample params, the recent-token buffer (header: chain start,

@@ -47,8 +47,10 @@
 #ifndef SD_Q4
 #define SD_Q4 0
 #endif
-// A measurement switch of the Q4_0 form (wrong tokens; bench/RESULTS.md):
-// 1, the consumers take each stage without computing.
+// Measurement switches (wrong tokens; bench/RESULTS.md), bits of SD_DIAG:
+// 1, the Q4_0 form's consumers take each stage without computing; 2, no
+// wait for a tagged word (sd_poll takes what one load finds), so that the
+// phases do not wait for each other and the stream alone paces a token.
 #ifndef SD_DIAG
 #define SD_DIAG 0
 #endif
@@ -144,6 +146,7 @@ constexpr int X_HO = 0, X_HD = X_HO + D, X_Q = X_HD + D, X_K = X_Q + QD, X_V = X
 // for each word that had not arrived at the first load).
 template <int N, class F>
 __device__ __forceinline__ void sd_poll(u64 (&w)[N], F addr, u32 tag) {
+    if (SD_DIAG & 2) return;
     for (;;) {
         bool ok = true;
 #pragma unroll
@@ -186,9 +189,13 @@ __device__ __forceinline__ void sd_bulk(void* dst, const void* src, u32 bytes, u
 // The consumers' barrier (named barrier 1; the producer warp never joins).
 __device__ __forceinline__ void sd_csync() { asm volatile("bar.sync 1, %0;" ::"r"(SD_CT) : "memory"); }
 // The sampler's configuration (chain_sampler.cuh): the consumer warps, their
-// barrier; 33 keys a thread hold top-64 lists of 132 blocks.
+// barrier; SD_PICK_KPT keys a thread (stream.rs: top-64 lists of 132
+// blocks over the consumer threads).
+#ifndef SD_PICK_KPT
+#define SD_PICK_KPT 33
+#endif
 struct SdCfg {
-    static constexpr int WARPS = SD_CW, PICK_KPT = 33;
+    static constexpr int WARPS = SD_CW, PICK_KPT = SD_PICK_KPT;
     static __device__ __forceinline__ void sync() { sd_csync(); }
     static __device__ __forceinline__ u32 bid() { return blockIdx.x; }
 };
@@ -475,7 +482,7 @@ __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer&, cons
 #pragma unroll
                     for (int w = 0; w < 4; ++w) bv[gi][w] = bp[w * 8];
                 }
-                if (SD_DIAG != 1) {
+                if ((SD_DIAG & 1) == 0) {
                     float cc[NGW][2][4] = {};
 #pragma unroll
                     for (int w = 0; w < 4; ++w) {

@@ -532,7 +532,7 @@ impl Plan {
         // (persist.cu PdCfg, stream.cu SdCfg).
         let pick_keys = match self.args {
             Args::Small(_) => PICK_KPT * WARPS * 32,
-            Args::Stream(_) => crate::stream::PICK_KPT * crate::stream::SAMPLER_THREADS,
+            Args::Stream(_) => crate::stream::pick_kpt(self.threads / 32 - 1) * (self.threads - 32),
         };
         if mode == SampleMode::TopK && p.top_k * self.grid > pick_keys {
             return Err(format!(

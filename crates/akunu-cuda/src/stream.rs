@@ -33,14 +33,21 @@ use akunu_core::table::DispatchTable;
 use bytemuck::{Pod, Zeroable};
 use cudarc::driver::sys;
 
-/// Consumer warps (stream.cu `SD_CW`); the producer is one more.
-const CW: u32 = 8;
-/// Threads that run the in-kernel sampler: the consumers (stream.cu
-/// `SdCfg`).
-pub(crate) const SAMPLER_THREADS: u32 = CW * 32;
-/// Keys a sampler thread holds in the pick (`SdCfg::PICK_KPT`): top-64
-/// lists of 132 blocks.
-pub(crate) const PICK_KPT: u32 = 33;
+/// Consumer warps (stream.cu `SD_CW`) of the F16 form; the producer is one
+/// more.
+const CW_F16: u32 = 8;
+/// Consumer warps of the Q4_0 form, where the shape allows (otherwise
+/// [`CW_F16`]): its consumers convert nibbles and multiply on the tensor
+/// cores in short dependent chains, which two warps a scheduler left
+/// bound on latency (bench/RESULTS.md, session 28).
+/// `AKUNU_CUDA_STREAM_Q4_CW=8` keeps eight for A/B runs.
+const CW_Q4: u32 = 16;
+static Q4_CW: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_STREAM_Q4_CW");
+/// Keys a sampler thread holds in the pick (stream.cu `SD_PICK_KPT`), over
+/// `cw` consumer warps: top-64 lists of 132 blocks.
+pub(crate) fn pick_kpt(cw: u32) -> u32 {
+    (64 * 132u32).div_ceil(cw * 32)
+}
 /// Bytes of a ring stage (stream.cu `SD_STB`) of the F16 form.
 const STB: u32 = 32768;
 /// The most columns of a Q4_0 tile's slice: a tensor-map box row is at most
@@ -92,14 +99,14 @@ fn products(d: u32, qd: u32, kvd: u32, ff: u32, vocab: u32) -> [(u32, u32); 5] {
 
 /// A Q4_0 product of `k` columns in the streaming kernel (stream.cu `Mat`
 /// with `SD_Q4`): the fewest slices `ks` of its columns (the same whole
-/// number of 128-column groups for every consumer warp, at most
+/// number of 128-column groups for each of `cw` consumer warps, at most
 /// [`KC_Q4_MAX`] columns), and the bytes of a 16-row tile's slice (quants,
 /// then scales).
-pub(crate) fn q4_slices(k: u32) -> Option<(u32, u32)> {
+pub(crate) fn q4_slices(k: u32, cw: u32) -> Option<(u32, u32)> {
     let max = Q4_KC.number().unwrap_or(KC_Q4_MAX).min(KC_Q4_MAX);
-    (1..=k / (128 * CW))
+    (1..=k / (128 * cw))
         .map(|ks| (ks, k / ks))
-        .find(|&(ks, kc)| k.is_multiple_of(ks) && kc.is_multiple_of(128 * CW) && kc <= max)
+        .find(|&(ks, kc)| k.is_multiple_of(ks) && kc.is_multiple_of(128 * cw) && kc <= max)
         .map(|(ks, kc)| (ks, 16 * (kc / 2 + kc / 16)))
 }
 
@@ -110,10 +117,13 @@ pub(crate) struct Geometry {
     q4: bool,
     stb: u32,
     ks: [u32; 3],
+    /// Consumer warps.
+    cw: u32,
 }
 
 /// Why the kernel cannot take a shape on `grid` SMs, if it cannot, or how
-/// it is specialised for it.
+/// it is specialised for it: Q4_0 with [`CW_Q4`] consumer warps where the
+/// shape allows, else (and F16) with [`CW_F16`].
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn shape_fits(
     d: u32,
@@ -125,50 +135,71 @@ pub(crate) fn shape_fits(
     grid: u32,
     q4: bool,
 ) -> Result<Geometry, String> {
+    let fits = |cw| shape_fits_with(d, qd, kvd, ff, nh, vocab, grid, q4, cw);
+    if q4 && !Q4_CW.is("8") {
+        fits(CW_Q4).or_else(|_| fits(CW_F16))
+    } else {
+        fits(CW_F16)
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn shape_fits_with(
+    d: u32,
+    qd: u32,
+    kvd: u32,
+    ff: u32,
+    nh: u32,
+    vocab: u32,
+    grid: u32,
+    q4: bool,
+    cw: u32,
+) -> Result<Geometry, String> {
     let mut geo = Geometry {
         q4,
         stb: STB,
         ks: [1; 3],
+        cw,
     };
     if q4 {
         // Columns in whole groups for each consumer warp (which also
         // covers the norm's staging of d over the consumer threads).
-        if [d, qd, ff].iter().any(|&k| !k.is_multiple_of(128 * CW)) {
+        if [d, qd, ff].iter().any(|&k| !k.is_multiple_of(128 * cw)) {
             return Err(format!(
                 "d = {d}, q = {qd}, ffn = {ff}: the streaming kernel takes Q4_0 products of multiples of {} columns",
-                128 * CW
+                128 * cw
             ));
         }
         geo.stb = 0;
         for (i, k) in [d, qd, ff].into_iter().enumerate() {
-            let (ks, bytes) = q4_slices(k).ok_or_else(|| {
+            let (ks, bytes) = q4_slices(k, cw).ok_or_else(|| {
                 format!(
                     "{k}-column Q4_0 rows do not split into slices of at most {KC_Q4_MAX} columns, \
-                     the same whole groups for each of the {CW} consumer warps"
+                     the same whole groups for each of the {cw} consumer warps"
                 )
             })?;
             geo.ks[i] = ks;
             geo.stb = geo.stb.max(bytes);
         }
-    } else if [d, qd, ff].iter().any(|&k| !k.is_multiple_of(256 * CW)) {
+    } else if [d, qd, ff].iter().any(|&k| !k.is_multiple_of(256 * cw)) {
         // A warp's columns are whole 256-column steps of every product's
         // input (k / SD_CW); the norm stages d over the consumer threads.
         return Err(format!(
             "d = {d}, q = {qd}, ffn = {ff}: the streaming kernel takes multiples of {}",
-            256 * CW
+            256 * cw
         ));
     }
     // A consumer thread polls each block's flag at the token's end.
-    if grid > CW * 32 {
+    if grid > cw * 32 {
         return Err(format!(
             "{grid} SMs: the streaming kernel polls at most {} flags",
-            CW * 32
+            cw * 32
         ));
     }
-    if !nh.is_multiple_of(2 * CW) || nh > grid {
+    if !nh.is_multiple_of(2 * cw) || nh > grid {
         return Err(format!(
             "{nh} heads: the streaming kernel takes multiples of {} up to the SMs",
-            2 * CW
+            2 * cw
         ));
     }
     // Every block has rows of every product (the two sets of tagged words
@@ -190,13 +221,13 @@ pub(crate) fn shape_fits(
 
 /// Row partials a block keeps (stream.cu `part`): the most rows it has of
 /// any product, SD_CW a row.
-fn part_floats(d: u32, qd: u32, kvd: u32, ff: u32, vocab: u32, grid: u32) -> u32 {
+fn part_floats(d: u32, qd: u32, kvd: u32, ff: u32, vocab: u32, grid: u32, cw: u32) -> u32 {
     products(d, qd, kvd, ff, vocab)
         .iter()
         .map(|&(units, ur)| units.div_ceil(grid) * ur)
         .max()
         .unwrap_or(0)
-        * CW
+        * cw
 }
 
 /// The tensor maps of the Q4_0 form (stream.cu `SdArgs::maps`): for each
@@ -291,7 +322,8 @@ pub(crate) fn defines(
         ("SD_PART", part),
         ("SD_NST", nst),
         ("SD_ATT_S", att_s),
-        ("SD_CW", CW),
+        ("SD_CW", geo.cw),
+        ("SD_PICK_KPT", pick_kpt(geo.cw)),
         ("SD_STB", geo.stb),
     ]
     .iter()
@@ -319,9 +351,10 @@ fn smem_bytes(
     max_pos: u32,
     geo: Geometry,
 ) -> u64 {
-    let floats = ff + part + 64 + 64 + 3 * hd + CW * hd + 2 * CW + max_pos / att_s + 1;
+    let cw = geo.cw;
+    let floats = ff + part + 64 + 64 + 3 * hd + cw * hd + 2 * cw + max_pos / att_s + 1;
     let zeros = if geo.q4 { 16 + 512 } else { 0 };
-    nst as u64 * geo.stb as u64 + 4 * floats as u64 + 8 + (2 * nst + CW) as u64 * 8 + zeros
+    nst as u64 * geo.stb as u64 + 4 * floats as u64 + 8 + (2 * nst + cw) as u64 * 8 + zeros
 }
 
 fn kernel_for(
@@ -367,17 +400,17 @@ pub(crate) fn plan(
         Ok(g) => g,
         Err(why) => return Ok(Err(why)),
     };
-    if sampled && p.vocab.div_ceil(grid) > VPT * SAMPLER_THREADS {
+    if sampled && p.vocab.div_ceil(grid) > VPT * geo.cw * 32 {
         return Ok(Err(format!(
             "a vocabulary of {} over {grid} blocks: the sampler takes {} logits a block",
             p.vocab,
-            VPT * SAMPLER_THREADS
+            VPT * geo.cw * 32
         )));
     }
     let hd = p.qd / p.nh;
     let att_s = (grid / p.nh).clamp(1, ATT_S_MAX);
     let max_pos = MAX_POS.min(p.capacity);
-    let part = part_floats(p.d, p.qd, p.kvd, p.ff, p.vocab, grid);
+    let part = part_floats(p.d, p.qd, p.kvd, p.ff, p.vocab, grid, geo.cw);
     let budget = be.smem_optin().saturating_sub(STATIC_SMEM) as u64;
     // The sampler's areas follow the rest (stream.cu `pd_samp_areas`).
     let samp = if sampled {
@@ -403,7 +436,7 @@ pub(crate) fn plan(
         Ok(f) => f,
         Err(e) => return Ok(Err(format!("the streaming kernel is not available: {e}"))),
     };
-    let threads = (CW + 1) * 32;
+    let threads = (geo.cw + 1) * 32;
     if be.occupancy(f, threads, smem as u32) < 1 {
         return Ok(Err("the streaming kernel does not fit an SM".into()));
     }
@@ -489,6 +522,7 @@ mod tests {
         q4: false,
         stb: STB,
         ks: [1; 3],
+        cw: CW_F16,
     };
 
     #[test]
@@ -507,24 +541,39 @@ mod tests {
     #[test]
     fn q4_rows_split_into_slices_of_a_box() {
         // 2048 columns: one slice, 16 x (1024 + 128) bytes.
-        assert_eq!(q4_slices(2048), Some((1, 18432)));
-        assert_eq!(q4_slices(4096), Some((2, 18432)));
+        assert_eq!(q4_slices(2048, 8), Some((1, 18432)));
+        assert_eq!(q4_slices(4096, 8), Some((2, 18432)));
         // llama-8b's down product: seven slices of 16 groups.
-        assert_eq!(q4_slices(14336), Some((7, 18432)));
-        // 5,120 = 5 x 1,024 (1,280 is not a group for each of 8 warps).
-        assert_eq!(q4_slices(5120), Some((5, 9216)));
+        assert_eq!(q4_slices(14336, 8), Some((7, 18432)));
+        assert_eq!(q4_slices(14336, 16), Some((7, 18432)));
+        // 5,120 = 5 x 1,024 (1,280 is not a group for each of 8 warps);
+        // 16 warps need slices of 2,048 columns, which 5,120 is not.
+        assert_eq!(q4_slices(5120, 8), Some((5, 9216)));
+        assert_eq!(q4_slices(5120, 16), None);
         // 1,536 columns are 12 groups: none splits evenly over 8 warps.
-        assert_eq!(q4_slices(1536), None);
+        assert_eq!(q4_slices(1536, 8), None);
+        // The issue's shapes take 16 consumer warps; a 5,120-wide model
+        // falls back to 8.
         let g = shape_fits(4096, 4096, 1024, 14336, 32, 49152, 132, true).unwrap();
-        assert_eq!((g.stb, g.ks), (18432, [2, 2, 7]));
+        assert_eq!((g.stb, g.ks, g.cw), (18432, [2, 2, 7], 16));
+        let g = shape_fits(2048, 2048, 512, 8192, 32, 49152, 132, true).unwrap();
+        assert_eq!((g.ks, g.cw), ([1, 1, 4], 16));
+        let g = shape_fits(5120, 5120, 1024, 14336, 32, 49152, 132, true).unwrap();
+        assert_eq!((g.ks, g.cw), ([5, 5, 7], 8));
+        // F16 keeps 8.
+        let g = shape_fits(4096, 4096, 1024, 14336, 32, 49152, 132, false).unwrap();
+        assert_eq!(g.cw, 8);
+        // The sampler's pick holds top-64 lists of 132 blocks either way.
+        assert!(pick_kpt(8) * 8 * 32 >= 64 * 132 && pick_kpt(16) * 16 * 32 >= 64 * 132);
+        assert_eq!((pick_kpt(8), pick_kpt(16)), (33, 17));
     }
 
     #[test]
     fn the_ring_gets_what_shared_memory_leaves() {
         // llama-8b, H100/H200 (227 KiB opt-in less the static room): the
         // probe's four stages fit, five do not.
-        let part = part_floats(4096, 4096, 1024, 14336, 49152, 132);
-        assert_eq!(part, 49152u32.div_ceil(132) * CW);
+        let part = part_floats(4096, 4096, 1024, 14336, 49152, 132, CW_F16);
+        assert_eq!(part, 49152u32.div_ceil(132) * 8);
         let budget = (232448 - STATIC_SMEM) as u64;
         assert!(smem_bytes(14336, 128, part, 4, 4, 4096, F16) <= budget);
         assert!(smem_bytes(14336, 128, part, 5, 4, 4096, F16) > budget);
@@ -534,9 +583,13 @@ mod tests {
         let samp = sample_smem(49152, 132, 4096);
         assert!(smem_bytes(14336, 128, part, 3, 4, 4096, F16) + samp <= budget);
         assert!(smem_bytes(14336, 128, part, 4, 4, 4096, F16) + samp > budget);
-        // Q4_0: eight stages of 18,432 bytes fit greedy, six sampled.
+        // Q4_0 with 16 consumer warps (twice the row partials): seven
+        // stages of 18,432 bytes fit greedy, five sampled.
         let q4 = shape_fits(4096, 4096, 1024, 14336, 32, 49152, 132, true).unwrap();
-        assert!(smem_bytes(14336, 128, part, 8, 4, 4096, q4) <= budget);
-        assert!(smem_bytes(14336, 128, part, 6, 4, 4096, q4) + samp <= budget);
+        let part = part_floats(4096, 4096, 1024, 14336, 49152, 132, q4.cw);
+        assert!(smem_bytes(14336, 128, part, 7, 4, 4096, q4) <= budget);
+        assert!(smem_bytes(14336, 128, part, 8, 4, 4096, q4) > budget);
+        assert!(smem_bytes(14336, 128, part, 5, 4, 4096, q4) + samp <= budget);
+        assert!(smem_bytes(14336, 128, part, 6, 4, 4096, q4) + samp > budget);
     }
 }
