@@ -30,7 +30,10 @@
 // the input is staged as the f16 hi/lo halves of x in gemv_tc.cu's B image,
 // and each group of four blocks takes 8 m16n8k16 products. Converting and
 // multiplying in f32 instead (session 25's probe) bound the token on the
-// consumers' arithmetic at 45% of the H200's floor.
+// consumers' arithmetic at 45% of the H200's floor. stream.rs gives this
+// form 16 consumer warps where the shape allows (8 otherwise, and in the
+// F16 form): with two a scheduler, the nibble conversions and products of
+// a stage ran as short dependent chains with little to hide their latency.
 
 #ifndef SD_CW
 #define SD_CW 8
