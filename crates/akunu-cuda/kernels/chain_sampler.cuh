@@ -74,7 +74,8 @@ __shared__ long long pd_pt_t0;
 
 // The sampler's shared memory (persist.rs sample_smem): candidate keys,
 // the slice's logits, the penalty mask of the slice, the tokens this
-// launch chose, and a copy of the recent ids.
+// launch chose (or, pd_samp_areas' hist, in global memory), and a copy of
+// the recent ids.
 struct PdSamp {
     u64* cl;    // candidates: the slice's, then the merge's (cap keys)
     float* lg;  // the slice's penalised logits
@@ -95,8 +96,10 @@ struct PdSamp {
 #endif
 
 // per: the most logits a block's slice holds; max_pos: the tokens a launch
-// can choose.
-__device__ __forceinline__ PdSamp pd_samp_areas(u8* base, u32 per, u32 max_pos) {
+// can choose. hist: where the block keeps those tokens in global memory
+// (the streaming kernel, whose shared memory is worth more as ring
+// stages), or null to keep them here.
+__device__ __forceinline__ PdSamp pd_samp_areas(u8* base, u32 per, u32 max_pos, u32* hist = nullptr) {
     PdSamp s;
     s.cap = max(per, PD_PICK_CAP);
     // Rounded up to 16 bytes by an offset to base, not by casting an
@@ -105,8 +108,13 @@ __device__ __forceinline__ PdSamp pd_samp_areas(u8* base, u32 per, u32 max_pos) 
     s.cl = (u64*)(base + ((16u - (u32)(u64)base) & 15u));
     s.lg = (float*)(s.cl + s.cap);
     s.mask = (u32*)(s.lg + per);
-    s.hist = s.mask + (per + 31) / 32;
-    s.rec = s.hist + max_pos;
+    if (hist) {
+        s.hist = hist;
+        s.rec = s.mask + (per + 31) / 32;
+    } else {
+        s.hist = s.mask + (per + 31) / 32;
+        s.rec = s.hist + max_pos;
+    }
     return s;
 }
 

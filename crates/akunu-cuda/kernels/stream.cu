@@ -773,7 +773,11 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
     __shared__ PdSampShared ss;
     __shared__ u64 s_bkey;
     __shared__ u32 s_wstart, s_wn, s_token;
-    const PdSamp sp = pd_samp_areas(after, (a.vocab + gridDim.x - 1) / gridDim.x, a.max_pos);
+    // The tokens this launch chose, block by block in global memory after
+    // the parts and candidates (stream.rs): in shared memory they would
+    // cost a ring stage.
+    u32* hist = (u32*)(a.s.samp + 2 * (u64)gridDim.x * (PD_PARTS + PD_CANDS)) + (u64)blockIdx.x * a.max_pos;
+    const PdSamp sp = pd_samp_areas(after, (a.vocab + gridDim.x - 1) / gridDim.x, a.max_pos, hist);
     const bool pen = a.s.mode != PD_SAMPLE_GREEDY && a.s.penalty != 1.0f;
 #endif
 

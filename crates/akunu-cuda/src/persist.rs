@@ -244,14 +244,15 @@ const PICK_KPT: u32 = 24;
 
 /// Shared memory of the sampler (persist.cu `pd_samp_areas`): 16 bytes of
 /// alignment, the candidates, the slice's logits, its penalty mask, a
-/// token a step, the recent ids.
-pub(crate) fn sample_smem(vocab: u32, g: u32, max_pos: u32) -> u64 {
+/// token a step (`hist` of them: the launch's positions, or 0 where the
+/// kernel keeps them in global memory), the recent ids.
+pub(crate) fn sample_smem(vocab: u32, g: u32, hist: u32) -> u64 {
     let per = vocab.div_ceil(g);
     let cap = per.max(PICK_CAP);
     16 + 8 * cap as u64
         + 4 * per as u64
         + 4 * per.div_ceil(32) as u64
-        + 4 * max_pos as u64
+        + 4 * hist as u64
         + 4 * RECENT_CAPACITY as u64
 }
 
