@@ -135,88 +135,76 @@ pub(crate) fn shape_fits(
     grid: u32,
     q4: bool,
 ) -> Result<Geometry, String> {
-    let fits = |cw| shape_fits_with(d, qd, kvd, ff, nh, vocab, grid, q4, cw);
-    if q4 && !Q4_CW.is("8") {
-        fits(CW_Q4).or_else(|_| fits(CW_F16))
-    } else {
-        fits(CW_F16)
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-fn shape_fits_with(
-    d: u32,
-    qd: u32,
-    kvd: u32,
-    ff: u32,
-    nh: u32,
-    vocab: u32,
-    grid: u32,
-    q4: bool,
-    cw: u32,
-) -> Result<Geometry, String> {
-    let mut geo = Geometry {
-        q4,
-        stb: STB,
-        ks: [1; 3],
-        cw,
-    };
-    if q4 {
-        // Columns in whole groups for each consumer warp (which also
-        // covers the norm's staging of d over the consumer threads).
-        if [d, qd, ff].iter().any(|&k| !k.is_multiple_of(128 * cw)) {
+    // The shape with cw consumer warps.
+    let with = |cw: u32| -> Result<Geometry, String> {
+        let mut geo = Geometry {
+            q4,
+            stb: STB,
+            ks: [1; 3],
+            cw,
+        };
+        if q4 {
+            // Columns in whole groups for each consumer warp (which also
+            // covers the norm's staging of d over the consumer threads).
+            if [d, qd, ff].iter().any(|&k| !k.is_multiple_of(128 * cw)) {
+                return Err(format!(
+                    "d = {d}, q = {qd}, ffn = {ff}: the streaming kernel takes Q4_0 products of multiples of {} columns",
+                    128 * cw
+                ));
+            }
+            geo.stb = 0;
+            for (i, k) in [d, qd, ff].into_iter().enumerate() {
+                let (ks, bytes) = q4_slices(k, cw).ok_or_else(|| {
+                    format!(
+                        "{k}-column Q4_0 rows do not split into slices of at most {KC_Q4_MAX} columns, \
+                         the same whole groups for each of the {cw} consumer warps"
+                    )
+                })?;
+                geo.ks[i] = ks;
+                geo.stb = geo.stb.max(bytes);
+            }
+        } else if [d, qd, ff].iter().any(|&k| !k.is_multiple_of(256 * cw)) {
+            // A warp's columns are whole 256-column steps of every product's
+            // input (k / SD_CW); the norm stages d over the consumer threads.
             return Err(format!(
-                "d = {d}, q = {qd}, ffn = {ff}: the streaming kernel takes Q4_0 products of multiples of {} columns",
-                128 * cw
+                "d = {d}, q = {qd}, ffn = {ff}: the streaming kernel takes multiples of {}",
+                256 * cw
             ));
         }
-        geo.stb = 0;
-        for (i, k) in [d, qd, ff].into_iter().enumerate() {
-            let (ks, bytes) = q4_slices(k, cw).ok_or_else(|| {
-                format!(
-                    "{k}-column Q4_0 rows do not split into slices of at most {KC_Q4_MAX} columns, \
-                     the same whole groups for each of the {cw} consumer warps"
-                )
-            })?;
-            geo.ks[i] = ks;
-            geo.stb = geo.stb.max(bytes);
+        // A consumer thread polls each block's flag at the token's end.
+        if grid > cw * 32 {
+            return Err(format!(
+                "{grid} SMs: the streaming kernel polls at most {} flags",
+                cw * 32
+            ));
         }
-    } else if [d, qd, ff].iter().any(|&k| !k.is_multiple_of(256 * cw)) {
-        // A warp's columns are whole 256-column steps of every product's
-        // input (k / SD_CW); the norm stages d over the consumer threads.
-        return Err(format!(
-            "d = {d}, q = {qd}, ffn = {ff}: the streaming kernel takes multiples of {}",
-            256 * cw
-        ));
-    }
-    // A consumer thread polls each block's flag at the token's end.
-    if grid > cw * 32 {
-        return Err(format!(
-            "{grid} SMs: the streaming kernel polls at most {} flags",
-            cw * 32
-        ));
-    }
-    if !nh.is_multiple_of(2 * cw) || nh > grid {
-        return Err(format!(
-            "{nh} heads: the streaming kernel takes multiples of {} up to the SMs",
-            2 * cw
-        ));
-    }
-    // Every block has rows of every product (the two sets of tagged words
-    // rely on it).
-    for (units, _) in products(d, qd, kvd, ff, vocab) {
-        if units < grid {
-            return Err(format!("a product of {units} units over {grid} SMs"));
+        if !nh.is_multiple_of(2 * cw) || nh > grid {
+            return Err(format!(
+                "{nh} heads: the streaming kernel takes multiples of {} up to the SMs",
+                2 * cw
+            ));
         }
+        // Every block has rows of every product (the two sets of tagged words
+        // rely on it).
+        for (units, _) in products(d, qd, kvd, ff, vocab) {
+            if units < grid {
+                return Err(format!("a product of {units} units over {grid} SMs"));
+            }
+        }
+        // The largest unit fits a stage.
+        if !q4 && (4 * d > STB || 2 * qd > STB || 2 * ff > STB) {
+            return Err(format!(
+                "rows of {} bytes do not fit a {STB}-byte stage",
+                (4 * d).max(2 * ff)
+            ));
+        }
+        Ok(geo)
+    };
+    if q4 && !Q4_CW.is("8") {
+        with(CW_Q4).or_else(|_| with(CW_F16))
+    } else {
+        with(CW_F16)
     }
-    // The largest unit fits a stage.
-    if !q4 && (4 * d > STB || 2 * qd > STB || 2 * ff > STB) {
-        return Err(format!(
-            "rows of {} bytes do not fit a {STB}-byte stage",
-            (4 * d).max(2 * ff)
-        ));
-    }
-    Ok(geo)
 }
 
 /// Row partials a block keeps (stream.cu `part`): the most rows it has of
