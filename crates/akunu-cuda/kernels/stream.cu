@@ -799,12 +799,12 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
 
     if (warp == SD_CW) {
         // The producer: the chain's schedule of this block's rows.
-#if SD_Q4
         if (lane == 0) {
             u64 policy;
             asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
             u32 c = 0;
             bool ended = false;
+#if SD_Q4
             for (u32 t = 0; t < limit && !ended; ++t) {
                 for (u32 l = 0; l < a.nl && !ended; ++l) {
                     sd_produce<M_QKV>(a, l, r, t, c, ended, policy, &s_last);
@@ -814,14 +814,7 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
                 }
                 sd_produce<M_LOG>(a, a.nl, r, t, c, ended, policy, &s_last);
             }
-            for (u32 k = c > SD_NST ? c - SD_NST : 0; k < c; ++k) mbar_wait(&r.full[k % SD_NST], (k / SD_NST) & 1u);
-        }
 #else
-        if (lane == 0) {
-            u64 policy;
-            asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-            u32 c = 0;
-            bool ended = false;
             auto issue = [&](u32 t, const unsigned char* s0, u32 b0, const unsigned char* s1, u32 b1, u32) {
                 if (ended) return;
                 const u32 s = c % SD_NST, n = c / SD_NST;
@@ -857,11 +850,11 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
                 sd_chunks<M_LOG>(a, a.layers[0], [&](const unsigned char* s0, u32 b0, const unsigned char* s1,
                                                      u32 b1, u32 rows) { issue(t, s0, b0, s1, b1, rows); });
             }
+#endif
             // Every copy issued lands before the block exits (its shared
             // memory must not be written after that): the last SD_NST.
             for (u32 k = c > SD_NST ? c - SD_NST : 0; k < c; ++k) mbar_wait(&r.full[k % SD_NST], (k / SD_NST) & 1u);
         }
-#endif
         return;
     }
 
