@@ -38,7 +38,9 @@
 #                                 stream-ab (akunu's streaming kernel
 #                                 against its graph; STREAM_AB_SHAPES),
 #                                 env-ab (bench over sets of environment
-#                                 variables; ENV_SETS).
+#                                 variables; ENV_SETS), stream-clock (the
+#                                 streaming kernel's waits, SD_DIAG=4;
+#                                 STREAM_CLOCK_SETS).
 #                                 Logs go to $OUT (or ./gpu-out),
 #                                 a summary to stdout.
 #
@@ -343,6 +345,61 @@ print(f"launches {len(ns)}  ns/token median {st.median(ns):.0f} (min {min(ns):.0
       "us/token@block-0 SM: " + " ".join(f"{n / 1e3:.1f}@{s}" for n, s in zip(ns, sm)))
 ' || true
     done
+}
+
+# Where the streaming kernel's time goes (-DSD_DIAG=4, stream.cu): over
+# every block and launch of a decode bench, the share of its cycles the
+# producer waited for a free stage (the consumers behind) and the first
+# consumer thread waited for a full stage (the stream behind) or for other
+# blocks' tagged words, and the shares of its sections of a token.
+# STREAM_CLOCK_SETS: environment sets as ENV_SETS (AKUNU_CUDA_DEFINES=
+# -DSD_DIAG=5 adds SD_DIAG's bit 1).
+stream_clock_one() { # NAME FILE
+    local set
+    local -a vars
+    for set in ${STREAM_CLOCK_SETS:-_}; do
+        vars=()
+        if [ "$set" != _ ]; then IFS=, read -ra vars <<<"$set"; fi
+        echo "-- $1 $set"
+        env AKUNU_CUDA_DEFINES="-DSD_DIAG=4" "${vars[@]}" timeout 300 "$BIN/akunu" bench -m "$2" --device cuda \
+            -p 512 -n 128 -r 1 --no-bandwidth >"$OUTDIR/stream-clock.log" 2>&1 || echo "run failed"
+        grep -E "tg[0-9]" "$OUTDIR/stream-clock.log" || true
+        python3 - "$OUTDIR/stream-clock.log" <<'PY'
+import sys
+p, c, n, toks = [0, 0], [0, 0, 0], 0, 0
+for l in open(sys.argv[1]):
+    w = l.split()
+    if len(w) < 5 or w[0] != "sd_clk":
+        continue
+    if w[1] == "P":
+        p[0] += int(w[3]); p[1] += int(w[4])
+    elif len(w) >= 7:
+        c[0] += int(w[3]); c[1] += int(w[4]); c[2] += int(w[5]); toks += int(w[6]); n += 1
+if not p[1] or not c[2]:
+    sys.exit("no sd_clk lines")
+print(f"producer waited for a free stage {100 * p[0] / p[1]:.1f}% of its cycles; consumer 0 waited for a full "
+      f"stage {100 * c[0] / c[2]:.1f}%, for tagged words {100 * c[1] / c[2]:.1f}% ({n} block launches, "
+      f"{c[2] / toks:.0f} cycles a token)")
+# Consumer 0's sections of a token (stream.cu SD_MARK), as shares of its
+# cycles: blocks that attend (the first 128 on the issue's shapes) and the rest.
+names = ["norm>qkv", "qkv", "rope+kv", "attend", "merge>o", "o", "o sums", "norm>gu", "gu", "gu sums",
+         "act>down", "down", "down sums", "logits", "token"]
+att = int(sys.argv[2]) if len(sys.argv) > 2 else 128
+for label, pick in (("attending blocks", lambda b: b < att), ("other blocks", lambda b: b >= att)):
+    tot = [0] * 15
+    for l in open(sys.argv[1]):
+        w = l.split()
+        if len(w) == 17 and w[0] == "sd_sec" and pick(int(w[1])):
+            tot = [a + int(b) for a, b in zip(tot, w[2:])]
+    if sum(tot):
+        print(f"  {label}: " + ", ".join(f"{n} {100 * v / sum(tot):.1f}%" for n, v in zip(names, tot)))
+PY
+    done
+}
+
+stream_clock() {
+    echo "== streaming kernel: where the cycles go (SD_DIAG=4)"
+    each_shape "${BENCH_SHAPES:-llama-8b:q4_0}" stream_clock_one
 }
 
 # Every block's phase ends in one layer of one token of the persistent
@@ -1254,6 +1311,7 @@ run)
         probe) probe ;;
         mega) mega ;;
         stream) stream ;;
+        stream-clock) stream_clock ;;
         *)
             echo "unknown step $what" >&2
             exit 2

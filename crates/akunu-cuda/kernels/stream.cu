@@ -53,9 +53,32 @@
 // Measurement switches (wrong tokens; bench/RESULTS.md), bits of SD_DIAG:
 // 1, the Q4_0 form's consumers take each stage without computing; 2, no
 // wait for a tagged word (sd_poll takes what one load finds), so that the
-// phases do not wait for each other and the stream alone paces a token.
+// phases do not wait for each other and the stream alone paces a token;
+// 4, clock counts (right tokens): each block prints, at the end of a
+// launch, the cycles its producer waited for a free stage, those its first
+// consumer thread waited for a full stage, for tagged words (the other
+// blocks) and in all, and that thread's cycles in each section of a token
+// (SD_MARK; scripts/gpu.sh stream-clock sums them).
 #ifndef SD_DIAG
 #define SD_DIAG 0
+#endif
+#if SD_DIAG & 4
+__shared__ unsigned long long sd_clk[2];  // consumer: full stages, tagged words
+__shared__ unsigned long long sd_pclk;    // producer: free stages
+__shared__ unsigned long long sd_sec[15];  // consumer: each section of a token (SD_MARK)
+#define SD_MARK(i)                                         \
+    if (threadIdx.x == 0) {                                \
+        const long long now_ = clock64();                  \
+        sd_sec[i] += (unsigned long long)(now_ - sd_last); \
+        sd_last = now_;                                    \
+    }
+#define SD_CLK_BEGIN(slot) const long long sd_t0_##slot = (SD_DIAG & 4) && threadIdx.x == 0 ? clock64() : 0
+#define SD_CLK_END(slot) \
+    if ((SD_DIAG & 4) && threadIdx.x == 0) sd_clk[slot] += (unsigned long long)(clock64() - sd_t0_##slot)
+#else
+#define SD_CLK_BEGIN(slot)
+#define SD_CLK_END(slot)
+#define SD_MARK(i)
 #endif
 #define SD_THREADS ((SD_CW + 1) * 32)
 #define SD_CT (SD_CW * 32)
@@ -150,11 +173,15 @@ constexpr int X_HO = 0, X_HD = X_HO + D, X_Q = X_HD + D, X_K = X_Q + QD, X_V = X
 template <int N, class F>
 __device__ __forceinline__ void sd_poll(u64 (&w)[N], F addr, u32 tag) {
     if (SD_DIAG & 2) return;
+    SD_CLK_BEGIN(1);
     for (;;) {
         bool ok = true;
 #pragma unroll
         for (int j = 0; j < N; ++j) ok &= (u32)(w[j] >> 32) == tag;
-        if (ok) return;
+        if (ok) {
+            SD_CLK_END(1);
+            return;
+        }
 #pragma unroll
         for (int j = 0; j < N; ++j)
             if ((u32)(w[j] >> 32) != tag) w[j] = tag_load(addr(j));
@@ -340,7 +367,9 @@ __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer& L, co
     u32 row0 = 0;  // this chunk's first row among the block's rows
     sd_chunks<M>(a, L, [&](const unsigned char*, u32, const unsigned char*, u32, u32 rows) {
         const u32 s = c % SD_NST, n = c / SD_NST;
+        SD_CLK_BEGIN(0);
         mbar_wait(&r.full[s], n & 1u);
+        SD_CLK_END(0);
         const uint4* wq = (const uint4*)(r.buf + (u64)s * SD_STB) + warp * (T::SEG / 8) + lane;
         float acc[N];
 #pragma unroll
@@ -424,6 +453,9 @@ __device__ __forceinline__ void sd_produce(const SdArgs& a, u32 l, const SdRing&
                 const u32 st = c % SD_NST, n = c / SD_NST;
                 // try_wait may suspend the thread rather than spin (measured
                 // the same as test_wait's spin: bench/RESULTS.md, session 27).
+#if SD_DIAG & 4
+                const long long p0 = clock64();
+#endif
                 if (n > 0)
                     while (!sd_mbar_done<true>(&r.empty[st], (n - 1) & 1u)) {
                         if (t > *last) {
@@ -431,6 +463,9 @@ __device__ __forceinline__ void sd_produce(const SdArgs& a, u32 l, const SdRing&
                             return;
                         }
                     }
+#if SD_DIAG & 4
+                sd_pclk += (unsigned long long)(clock64() - p0);
+#endif
                 if (t > *last) {
                     ended = true;
                     return;
@@ -446,6 +481,12 @@ __device__ __forceinline__ void sd_produce(const SdArgs& a, u32 l, const SdRing&
     }
 }
 
+// Tried and not kept (bench/RESULTS.md, session 29): the scales' tensor
+// map swizzled, so that the eight rows a scale load takes sit in
+// different banks, not one (536 tok/s against 544 unswizzled on the 8B
+// shape, in a build that loaded B under a predicate); and every tile of a
+// slice taken before the next, with the slice's B fragments kept in
+// registers (458 against 594: each row's slices were then read far apart).
 // The consumers' side of product M: lane (g, t) multiplies rows g and
 // g + 8 of each tile, block t of each of its warp's groups (group G of a
 // row goes to warp G % SD_CW: NGW of each chunk), against the B image of
@@ -466,7 +507,9 @@ __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer&, cons
             float acc0 = 0.0f, acc1 = 0.0f;
             for (u32 k = 0; k < (u32)T::KS; ++k) {
                 const u32 s = c % SD_NST, n = c / SD_NST;
+                SD_CLK_BEGIN(0);
                 mbar_wait(&r.full[s], n & 1u);
+                SD_CLK_END(0);
                 const u8* st = r.buf + (u64)s * SD_STB;
                 // All of the warp's loads first, then its products in NGW x 2
                 // independent chains (measured the same as one group after
@@ -735,21 +778,30 @@ __device__ void sd_attend(const SdArgs& a, const SdLayer& L, u32 pos, u32 h, u32
     }
 }
 
-// Shared memory: the ring, x (FF floats), the row partials (SD_PART
-// floats), this block's h rows (64), reductions (64), the attention scratch
-// (3 HD + SD_CW HD + 2 SD_CW + max_pos / SD_ATT_S + 1), then the ring's
-// mbarriers and the warps' keys, then (SD_SAMPLED) the sampler's areas
-// (pd_samp_areas; stream.rs computes the same size).
+// Shared memory: the ring; x, the row partials and the attention scratch
+// in SD_REGION floats (stream.rs `layout`: a product's input from the
+// start, the partials of every product but down at SD_IMG, down's at FF,
+// the attention scratch at SD_ATT_OFF, after q|k|v's partials); this
+// block's h rows (64), reductions (64); then the ring's mbarriers and the
+// warps' keys, then (SD_SAMPLED) the sampler's areas (pd_samp_areas;
+// stream.rs computes the same size).
+constexpr int SD_IMG = D > QD ? D : QD;
+static_assert(SD_ATT_OFF >= SD_IMG && SD_REGION >= FF, "stream.rs lays the scratch out");
 extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdArgs a) {
     extern __shared__ __align__(128) unsigned char smem[];
     SdRing r;
     r.buf = smem;
     float* xs = (float*)(smem + (u64)SD_NST * SD_STB);
-    float* part = xs + FF;
-    float* hloc = part + SD_PART;
+    float* part = xs + SD_IMG;  // every product's but down's
+    float* part_dn = xs + FF;
+    float* att = xs + SD_ATT_OFF;
+    float* hloc = xs + SD_REGION;
     float* red = hloc + 64;
-    float* att = red + 64;
-    u64* bars = (u64*)(((u64)(att + 3 * HD + SD_CW * HD + 2 * SD_CW + a.max_pos / SD_ATT_S + 1) + 7) & ~(u64)7);
+    // The barriers' address through a move the compiler cannot see into:
+    // with it a constant, ptxas spilled 136 bytes where it spills 8
+    // (session 29's layout).
+    u64* bars;
+    asm("mov.b64 %0, %1;" : "=l"(bars) : "l"(((u64)(red + 64) + 7) & ~(u64)7));
     r.full = bars;
     r.empty = bars + SD_NST;
     u64* keys = bars + 2 * SD_NST;  // SD_CW
@@ -794,6 +846,14 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
     }
 #if SD_Q4
     if (threadIdx.x < 32) zeros[threadIdx.x] = make_uint4(0, 0, 0, 0);
+#endif
+#if SD_DIAG & 4
+    if (threadIdx.x == 0) {
+        sd_clk[0] = sd_clk[1] = sd_pclk = 0;
+        for (int i = 0; i < 15; ++i) sd_sec[i] = 0;
+    }
+    const long long clk0 = clock64();
+    long long sd_last = clk0;
 #endif
     __syncthreads();
 
@@ -854,6 +914,9 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
             // Every copy issued lands before the block exits (its shared
             // memory must not be written after that): the last SD_NST.
             for (u32 k = c > SD_NST ? c - SD_NST : 0; k < c; ++k) mbar_wait(&r.full[k % SD_NST], (k / SD_NST) & 1u);
+#if SD_DIAG & 4
+            printf("sd_clk P %u %llu %llu\n", blockIdx.x, sd_pclk, (unsigned long long)(clock64() - clk0));
+#endif
         }
         return;
     }
@@ -884,6 +947,7 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
             rope_cs(pos, threadIdx.x, HD, a.theta, a.freq_scale, nullptr, cs, sn);
             s_rope[threadIdx.x] = make_float2(cs, sn);
         }
+        SD_MARK(14);
         for (u32 l = 0; l < a.nl; ++l) {
             const SdLayer& L = a.layers[l];
             const u32 gl = t * a.nl + l;
@@ -894,7 +958,9 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
             else
                 sd_stage_norm(xs, red, a.x + (u64)((gl - 1) & 1u) * xw + X_HD, sd_tag(t, a.nl, l - 1, 4), a, 0,
                               L.attn_norm, a.eps);
+            SD_MARK(0);
             sd_consume<M_QKV>(a, L, r, xs, part, c, zeros);
+            SD_MARK(1);
             {
                 u32 u0, u1;
                 sd_range(QKV / 2, u0, u1);
@@ -917,13 +983,17 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
                     }
                 }
             }
+            SD_MARK(2);
             // Attention: blocks below NH * SD_ATT_S take one (head, split).
             if (blockIdx.x < NH * SD_ATT_S)
                 sd_attend(a, L, pos, blockIdx.x / SD_ATT_S, blockIdx.x % SD_ATT_S, X, X + X_PART,
                           sd_tag(t, a.nl, l, 0), sd_tag(t, a.nl, l, 1), att);
+            SD_MARK(3);
             // o: h += Wo att.
             sd_stage_attn(xs, X + X_PART, sd_tag(t, a.nl, l, 1));
+            SD_MARK(4);
             sd_consume<M_O>(a, L, r, xs, part, c, zeros);
+            SD_MARK(5);
             {
                 const u32 tg = sd_tag(t, a.nl, l, 2);
                 for (u32 i = threadIdx.x; i < h1 - h0; i += SD_CT) {
@@ -931,9 +1001,12 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
                     tag_store(X + X_HO + h0 + i, hloc[i], tg);
                 }
             }
+            SD_MARK(6);
             // gate|up: the norm of h, SiLU(gate) * up.
             sd_stage_norm(xs, red, X + X_HO, sd_tag(t, a.nl, l, 2), a, 0, L.ffn_norm, a.eps);
+            SD_MARK(7);
             sd_consume<M_GU>(a, L, r, xs, part, c, zeros);
+            SD_MARK(8);
             {
                 using T = Mat<M_GU>;
                 u32 u0, u1;
@@ -951,16 +1024,21 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
                     tag_store(X + X_ACT + u0 + i, g / (1.0f + __expf(-g)) * u, tg);
                 }
             }
+            sd_csync();  // down's input lies over these partials
+            SD_MARK(9);
             // down: h += Wd act.
             sd_stage_plain(xs, X + X_ACT, sd_tag(t, a.nl, l, 3));
-            sd_consume<M_DN>(a, L, r, xs, part, c, zeros);
+            SD_MARK(10);
+            sd_consume<M_DN>(a, L, r, xs, part_dn, c, zeros);
+            SD_MARK(11);
             {
                 const u32 tg = sd_tag(t, a.nl, l, 4);
                 for (u32 i = threadIdx.x; i < h1 - h0; i += SD_CT) {
-                    hloc[i] += sd_row_sum(part, i);
+                    hloc[i] += sd_row_sum(part_dn, i);
                     tag_store(X + X_HD + h0 + i, hloc[i], tg);
                 }
             }
+            SD_MARK(12);
         }
         // Logits: the output norm, this block's rows, its best; block 0
         // also hands on the host's cancel word. With the sampler, the
@@ -981,6 +1059,7 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
         sd_stage_norm(xs, red, a.x + (u64)((t * a.nl + a.nl - 1) & 1u) * xw + X_HD, sd_tag(t, a.nl, a.nl - 1, 4), a,
                       0, a.out_norm, a.eps);
         sd_consume<M_LOG>(a, a.layers[0], r, xs, part, c, zeros);
+        SD_MARK(13);
         {
             u64 k = 0;
             for (u32 i = threadIdx.x; i < v1 - v0; i += SD_CT) {
@@ -1071,6 +1150,16 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
         for (u32 j = 0; j < ns; ++j) stop |= ctl->stop[j] == token;
         if (stop) {
             if (threadIdx.x == 0) s_last = t;
+#if SD_DIAG & 4
+            if (threadIdx.x == 0)
+            {
+                printf("sd_clk C %u %llu %llu %llu %u\n", blockIdx.x, sd_clk[0], sd_clk[1],
+                       (unsigned long long)(clock64() - clk0), t + 1);
+                printf("sd_sec %u %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu\n",
+                       blockIdx.x, sd_sec[0], sd_sec[1], sd_sec[2], sd_sec[3], sd_sec[4], sd_sec[5], sd_sec[6],
+                       sd_sec[7], sd_sec[8], sd_sec[9], sd_sec[10], sd_sec[11], sd_sec[12], sd_sec[13], sd_sec[14]);
+            }
+#endif
             break;
         }
         sd_csync();  // keys are read before the next token writes them

@@ -350,8 +350,10 @@ mod tests {
                 (super::KvType::F16, true),
             ] {
                 let mut o = super::options("sm_90", super::Module::Persistent);
+                let att = crate::stream::att_floats(128, geo.cw, 4096, 4);
+                let lay = crate::stream::layout(d, d, kvd, ff, 49152, 132, geo.cw, att);
                 o.extend(crate::stream::defines(
-                    d, d, kvd, ff, 32, 8, 3072, nst, 4, geo,
+                    d, d, kvd, ff, 32, 8, lay, nst, 4, geo,
                 ));
                 o.push(super::kv_define(kv));
                 if sampled {

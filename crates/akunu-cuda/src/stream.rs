@@ -57,6 +57,11 @@ const STB: u32 = 32768;
 const KC_Q4_MAX: u32 = 2048;
 static Q4_KC: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_STREAM_Q4_KC");
 static Q4_L2: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_STREAM_Q4_L2");
+/// Ring stages at most. A stage the consumers have not yet taken holds
+/// the stream while they wait for another block (bench/RESULTS.md,
+/// session 29).
+const MAX_NST: u32 = 12;
+static NST: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_STREAM_NST");
 /// Splits of a head's attention at most (stream.cu `SD_ATT_S`).
 const ATT_S_MAX: u32 = 4;
 /// Positions the kernel serves: its attention scratch holds a split's
@@ -118,7 +123,7 @@ pub(crate) struct Geometry {
     stb: u32,
     ks: [u32; 3],
     /// Consumer warps.
-    cw: u32,
+    pub cw: u32,
 }
 
 /// Why the kernel cannot take a shape on `grid` SMs, if it cannot, or how
@@ -207,15 +212,49 @@ pub(crate) fn shape_fits(
     }
 }
 
-/// Row partials a block keeps (stream.cu `part`): the most rows it has of
-/// any product, SD_CW a row.
-fn part_floats(d: u32, qd: u32, kvd: u32, ff: u32, vocab: u32, grid: u32, cw: u32) -> u32 {
-    products(d, qd, kvd, ff, vocab)
-        .iter()
-        .map(|&(units, ur)| units.div_ceil(grid) * ur)
-        .max()
-        .unwrap_or(0)
-        * cw
+/// The consumers' scratch after the ring (stream.cu `k_stream_decode`), in
+/// floats from x's start: a product's input, its row partials after it
+/// (SD_CW a row of the block's rows), and the attention scratch, laid over
+/// each other where their lifetimes allow (docs/ARCHITECTURE.md, "the
+/// streaming persistent kernel"). Each byte given back is ring.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub(crate) struct Layout {
+    /// Floats of x, the partials and the attention scratch together.
+    pub region: u32,
+    /// Where the attention scratch starts: after the q|k|v partials, which
+    /// are read while attention runs.
+    pub att_off: u32,
+}
+
+/// The layout of a shape's scratch on `grid` blocks of `cw` consumer warps,
+/// with `att` floats of attention scratch. The input of every product but
+/// down (d or q columns) is followed by its partials; down's (ffn columns)
+/// by its own, rows of d: the other products' partials lie over down's
+/// input, which is staged only after gate|up's partials are summed.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn layout(
+    d: u32,
+    qd: u32,
+    kvd: u32,
+    ff: u32,
+    vocab: u32,
+    grid: u32,
+    cw: u32,
+    att: u32,
+) -> Layout {
+    let [qkv, o, gu, dn, log] =
+        products(d, qd, kvd, ff, vocab).map(|(units, ur)| units.div_ceil(grid) * ur * cw);
+    let img = d.max(qd);
+    let att_off = img + qkv;
+    let region = (img + qkv.max(o).max(gu).max(log).max(qkv + att)).max(ff + dn);
+    Layout { region, att_off }
+}
+
+/// Floats of the attention scratch (stream.cu `sd_attend`): q, the current
+/// k and v, a head's values for each consumer warp, the warps' maxima and
+/// sums, and a split's scores.
+pub(crate) fn att_floats(hd: u32, cw: u32, max_pos: u32, att_s: u32) -> u32 {
+    3 * hd + cw * hd + 2 * cw + max_pos / att_s + 1
 }
 
 /// The tensor maps of the Q4_0 form (stream.cu `SdArgs::maps`): for each
@@ -294,7 +333,7 @@ pub(crate) fn defines(
     ff: u32,
     nh: u32,
     nkv: u32,
-    part: u32,
+    lay: Layout,
     nst: u32,
     att_s: u32,
     geo: Geometry,
@@ -307,7 +346,8 @@ pub(crate) fn defines(
         ("SD_NH", nh),
         ("SD_NKV", nkv),
         ("SD_HD", qd / nh),
-        ("SD_PART", part),
+        ("SD_REGION", lay.region),
+        ("SD_ATT_OFF", lay.att_off),
         ("SD_NST", nst),
         ("SD_ATT_S", att_s),
         ("SD_CW", geo.cw),
@@ -327,22 +367,13 @@ pub(crate) fn defines(
 }
 
 /// Dynamic shared memory of the kernel (stream.cu `k_stream_decode`): the
-/// ring, x, the row partials, h rows and reductions, the attention scratch,
-/// the mbarriers and keys, and for Q4_0 the zeros that B reads of lanes
-/// that feed none land on (aligned to 16 bytes).
-fn smem_bytes(
-    ff: u32,
-    hd: u32,
-    part: u32,
-    nst: u32,
-    att_s: u32,
-    max_pos: u32,
-    geo: Geometry,
-) -> u64 {
-    let cw = geo.cw;
-    let floats = ff + part + 64 + 64 + 3 * hd + cw * hd + 2 * cw + max_pos / att_s + 1;
+/// ring, the scratch's region ([`layout`]), h rows and reductions, the
+/// mbarriers and keys, and for Q4_0 the zeros that B reads of lanes that
+/// feed none land on (aligned to 16 bytes).
+fn smem_bytes(lay: Layout, nst: u32, geo: Geometry) -> u64 {
+    let floats = lay.region + 64 + 64;
     let zeros = if geo.q4 { 16 + 512 } else { 0 };
-    nst as u64 * geo.stb as u64 + 4 * floats as u64 + 8 + (2 * nst + cw) as u64 * 8 + zeros
+    nst as u64 * geo.stb as u64 + 4 * floats as u64 + 8 + (2 * nst + geo.cw) as u64 * 8 + zeros
 }
 
 fn kernel_for(
@@ -398,7 +429,8 @@ pub(crate) fn plan(
     let hd = p.qd / p.nh;
     let att_s = (grid / p.nh).clamp(1, ATT_S_MAX);
     let max_pos = MAX_POS.min(p.capacity);
-    let part = part_floats(p.d, p.qd, p.kvd, p.ff, p.vocab, grid, geo.cw);
+    let att = att_floats(hd, geo.cw, max_pos, att_s);
+    let lay = layout(p.d, p.qd, p.kvd, p.ff, p.vocab, grid, geo.cw, att);
     let budget = be.smem_optin().saturating_sub(STATIC_SMEM) as u64;
     // The sampler's areas follow the rest (stream.cu `pd_samp_areas`).
     let samp = if sampled {
@@ -406,17 +438,18 @@ pub(crate) fn plan(
     } else {
         0
     };
-    let need = |n: u32| smem_bytes(p.ff, hd, part, n, att_s, max_pos, geo) + samp;
-    // As many stages as fit, up to 8 (three already run as fast as five on
-    // the 1B shape: bench/RESULTS.md, session 25).
-    let Some(nst) = (2..=8u32).rev().find(|&n| need(n) <= budget) else {
+    let need = |n: u32| smem_bytes(lay, n, geo) + samp;
+    // As many stages as fit, up to MAX_NST; `AKUNU_CUDA_STREAM_NST` sets a
+    // lower bound for A/B runs.
+    let most = NST.number::<u32>().unwrap_or(MAX_NST).clamp(2, MAX_NST);
+    let Some(nst) = (2..=most).rev().find(|&n| need(n) <= budget) else {
         return Ok(Err(format!(
             "{} bytes of shared memory a block needed, {budget} available",
             need(2)
         )));
     };
     let smem = need(nst);
-    let mut defs = defines(p.d, p.qd, p.kvd, p.ff, p.nh, p.nkv, part, nst, att_s, geo);
+    let mut defs = defines(p.d, p.qd, p.kvd, p.ff, p.nh, p.nkv, lay, nst, att_s, geo);
     if sampled {
         defs.push("-DSD_SAMPLED=1".into());
     }
@@ -558,28 +591,50 @@ mod tests {
     }
 
     #[test]
+    fn the_scratch_lies_over_itself_where_lifetimes_allow() {
+        // llama-8b on 132 SMs, 8 warps: the logits' partials (373 rows) are
+        // the most; down's input (14,336) and its 32 rows' partials the
+        // longest run.
+        let att = att_floats(128, 8, 4096, 4);
+        assert_eq!(att, 384 + 1024 + 16 + 1025);
+        let lay = layout(4096, 4096, 1024, 14336, 49152, 132, 8, att);
+        assert_eq!(lay.att_off, 4096 + 48 * 8);
+        assert_eq!(
+            lay.region,
+            (4096 + 373 * 8)
+                .max(4096 + 48 * 8 + att)
+                .max(14336 + 32 * 8)
+        );
+        assert_eq!(lay.region, 14336 + 256);
+        // A vocabulary large enough that the logits' partials pass down's
+        // input sets the region instead.
+        let lay = layout(4096, 4096, 1024, 14336, 256 * 1024, 132, 16, att);
+        assert_eq!(lay.region, 4096 + (256 * 1024u32).div_ceil(132) * 16);
+    }
+
+    #[test]
     fn the_ring_gets_what_shared_memory_leaves() {
-        // llama-8b, H100/H200 (227 KiB opt-in less the static room): the
-        // probe's four stages fit, five do not.
-        let part = part_floats(4096, 4096, 1024, 14336, 49152, 132, CW_F16);
-        assert_eq!(part, 49152u32.div_ceil(132) * 8);
         let budget = (232448 - STATIC_SMEM) as u64;
-        assert!(smem_bytes(14336, 128, part, 4, 4, 4096, F16) <= budget);
-        assert!(smem_bytes(14336, 128, part, 5, 4, 4096, F16) > budget);
-        // A sampled table's module adds the sampler's areas (14 KB: its
-        // token history is in global memory, where at 4,096 positions it
-        // took 16 KB more and a stage): the four stages still fit.
         let samp = sample_smem(49152, 132, 0);
         assert_eq!(sample_smem(49152, 132, 4096) - samp, 4 * 4096);
-        assert!(smem_bytes(14336, 128, part, 4, 4, 4096, F16) + samp <= budget);
-        assert!(smem_bytes(14336, 128, part, 5, 4, 4096, F16) + samp > budget);
-        // Q4_0 with 16 consumer warps (twice the row partials): seven
-        // stages of 18,432 bytes fit greedy, six sampled.
+        let stages = |geo: Geometry, extra: u64| {
+            let att = att_floats(128, geo.cw, 4096, 4);
+            let lay = layout(4096, 4096, 1024, 14336, 49152, 132, geo.cw, att);
+            (2..=MAX_NST)
+                .rev()
+                .find(|&n| smem_bytes(lay, n, geo) + extra <= budget)
+        };
+        // llama-8b, H100/H200 (227 KiB opt-in less the static room), F16:
+        // five stages of 32 KiB greedy, four with the sampler's areas (its
+        // token history is in global memory: at 4,096 positions it took
+        // 16 KB more and a stage).
+        assert_eq!(stages(F16, 0), Some(5));
+        assert_eq!(stages(F16, samp), Some(4));
+        // Q4_0 with 16 consumer warps: nine stages of 18,432 bytes greedy,
+        // eight sampled (seven and six while x, the partials and the
+        // attention scratch each had their own room).
         let q4 = shape_fits(4096, 4096, 1024, 14336, 32, 49152, 132, true).unwrap();
-        let part = part_floats(4096, 4096, 1024, 14336, 49152, 132, q4.cw);
-        assert!(smem_bytes(14336, 128, part, 7, 4, 4096, q4) <= budget);
-        assert!(smem_bytes(14336, 128, part, 8, 4, 4096, q4) > budget);
-        assert!(smem_bytes(14336, 128, part, 6, 4, 4096, q4) + samp <= budget);
-        assert!(smem_bytes(14336, 128, part, 7, 4, 4096, q4) + samp > budget);
+        assert_eq!(stages(q4, 0), Some(9));
+        assert_eq!(stages(q4, samp), Some(8));
     }
 }
