@@ -347,6 +347,24 @@ print(f"launches {len(ns)}  ns/token median {st.median(ns):.0f} (min {min(ns):.0
     done
 }
 
+# Runs CMD ARGS... (a function or a command) once for each set of
+# environment variables in SETS: sets by spaces, a set's VAR=VALUE pairs by
+# commas, `_` for none; "-- NAME SET" before each.
+each_env_set() { # SETS NAME CMD ARGS...
+    local sets=$1 name=$2 set
+    shift 2
+    local -a vars
+    for set in $sets; do
+        vars=()
+        if [ "$set" != _ ]; then IFS=, read -ra vars <<<"$set"; fi
+        echo "-- $name $set"
+        (
+            if [ ${#vars[@]} -gt 0 ]; then export "${vars[@]}"; fi
+            "$@"
+        )
+    done
+}
+
 # Where the streaming kernel's time goes (-DSD_DIAG=4, stream.cu): over
 # every block and launch of a decode bench, the share of its cycles the
 # producer waited for a free stage (the consumers behind) and the first
@@ -355,16 +373,14 @@ print(f"launches {len(ns)}  ns/token median {st.median(ns):.0f} (min {min(ns):.0
 # STREAM_CLOCK_SETS: environment sets as ENV_SETS (AKUNU_CUDA_DEFINES=
 # -DSD_DIAG=5 adds SD_DIAG's bit 1).
 stream_clock_one() { # NAME FILE
-    local set
-    local -a vars
-    for set in ${STREAM_CLOCK_SETS:-_}; do
-        vars=()
-        if [ "$set" != _ ]; then IFS=, read -ra vars <<<"$set"; fi
-        echo "-- $1 $set"
-        env AKUNU_CUDA_DEFINES="-DSD_DIAG=4" "${vars[@]}" timeout 300 "$BIN/akunu" bench -m "$2" --device cuda \
-            -p 512 -n 128 -r 1 --no-bandwidth >"$OUTDIR/stream-clock.log" 2>&1 || echo "run failed"
-        grep -E "tg[0-9]" "$OUTDIR/stream-clock.log" || true
-        python3 - "$OUTDIR/stream-clock.log" <<'PY'
+    each_env_set "${STREAM_CLOCK_SETS:-_}" "$1" stream_clock_run "$2"
+}
+
+stream_clock_run() { # FILE
+    AKUNU_CUDA_DEFINES=${AKUNU_CUDA_DEFINES:--DSD_DIAG=4} timeout 300 "$BIN/akunu" bench -m "$1" --device cuda \
+        -p 512 -n 128 -r 1 --no-bandwidth >"$OUTDIR/stream-clock.log" 2>&1 || echo "run failed"
+    grep -E "tg[0-9]" "$OUTDIR/stream-clock.log" || true
+    python3 - "$OUTDIR/stream-clock.log" <<'PY'
 import sys
 p, c, n, toks = [0, 0], [0, 0, 0], 0, 0
 for l in open(sys.argv[1]):
@@ -384,7 +400,7 @@ print(f"producer waited for a free stage {100 * p[0] / p[1]:.1f}% of its cycles;
 # cycles: blocks that attend (the first 128 on the issue's shapes) and the rest.
 names = ["norm>qkv", "qkv", "rope+kv", "attend", "merge>o", "o", "o sums", "norm>gu", "gu", "gu sums",
          "act>down", "down", "down sums", "logits", "token"]
-att = int(sys.argv[2]) if len(sys.argv) > 2 else 128
+att = 128
 for label, pick in (("attending blocks", lambda b: b < att), ("other blocks", lambda b: b >= att)):
     tot = [0] * 15
     for l in open(sys.argv[1]):
@@ -394,7 +410,6 @@ for label, pick in (("attending blocks", lambda b: b < att), ("other blocks", la
     if sum(tot):
         print(f"  {label}: " + ", ".join(f"{n} {100 * v / sum(tot):.1f}%" for n, v in zip(names, tot)))
 PY
-    done
 }
 
 stream_clock() {
@@ -753,16 +768,13 @@ stream_ab_one() { # NAME FILE
 # for none); ENV_BENCH the bench arguments (default -p 512 -n 128 -r 3);
 # BENCH_SHAPES the shapes (default the 8B Q4_0 one).
 env_ab_one() { # NAME FILE
-    local set
-    local -a vars
-    for set in ${ENV_SETS:-_}; do
-        vars=()
-        if [ "$set" != _ ]; then IFS=, read -ra vars <<<"$set"; fi
-        echo "-- $1 $set"
-        # shellcheck disable=SC2086 # ENV_BENCH is a list of arguments
-        env "${vars[@]}" timeout 300 "$BIN/akunu" bench -m "$2" --device cuda ${ENV_BENCH:--p 512 -n 128 -r 3} \
-            --no-bandwidth 2>&1 | grep -E "tg[0-9]|error|akunu:" || echo "run failed"
-    done
+    each_env_set "${ENV_SETS:-_}" "$1" env_ab_run "$2"
+}
+
+env_ab_run() { # FILE
+    # shellcheck disable=SC2086 # ENV_BENCH is a list of arguments
+    timeout 300 "$BIN/akunu" bench -m "$1" --device cuda ${ENV_BENCH:--p 512 -n 128 -r 3} \
+        --no-bandwidth 2>&1 | grep -E "tg[0-9]|error|akunu:" || echo "run failed"
 }
 
 env_ab() {

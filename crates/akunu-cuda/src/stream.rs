@@ -57,9 +57,10 @@ const STB: u32 = 32768;
 const KC_Q4_MAX: u32 = 2048;
 static Q4_KC: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_STREAM_Q4_KC");
 static Q4_L2: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_STREAM_Q4_L2");
-/// Ring stages at most. A stage the consumers have not yet taken holds
-/// the stream while they wait for another block (bench/RESULTS.md,
-/// session 29).
+/// Ring stages at most. On 8B Q4_0, five to nine ran the same
+/// (bench/RESULTS.md, session 29): the consumers take stages only about as
+/// fast as they land, so a deeper ring has nothing to absorb.
+/// `AKUNU_CUDA_STREAM_NST` sets a lower cap for A/B runs.
 const MAX_NST: u32 = 12;
 static NST: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_STREAM_NST");
 /// Splits of a head's attention at most (stream.cu `SD_ATT_S`).
@@ -216,7 +217,7 @@ pub(crate) fn shape_fits(
 /// floats from x's start: a product's input, its row partials after it
 /// (SD_CW a row of the block's rows), and the attention scratch, laid over
 /// each other where their lifetimes allow (docs/ARCHITECTURE.md, "the
-/// streaming persistent kernel"). Each byte given back is ring.
+/// streaming persistent kernel"); what that saves goes to the ring.
 #[derive(Copy, Clone, Debug, PartialEq)]
 pub(crate) struct Layout {
     /// Floats of x, the partials and the attention scratch together.
@@ -439,8 +440,7 @@ pub(crate) fn plan(
         0
     };
     let need = |n: u32| smem_bytes(lay, n, geo) + samp;
-    // As many stages as fit, up to MAX_NST; `AKUNU_CUDA_STREAM_NST` sets a
-    // lower bound for A/B runs.
+    // As many stages as fit, up to MAX_NST (or the switch's cap).
     let most = NST.number::<u32>().unwrap_or(MAX_NST).clamp(2, MAX_NST);
     let Some(nst) = (2..=most).rev().find(|&n| need(n) <= budget) else {
         return Ok(Err(format!(
