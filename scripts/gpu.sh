@@ -369,7 +369,8 @@ each_env_set() { # SETS NAME CMD ARGS...
 # every block and launch of a decode bench, the share of its cycles the
 # producer waited for a free stage (the consumers behind) and the first
 # consumer thread waited for a full stage (the stream behind) or for other
-# blocks' tagged words, and the shares of its sections of a token.
+# blocks' tagged words, its cycles from a full stage to its arrival (its
+# work on a stage), and the shares of its sections of a token.
 # STREAM_CLOCK_SETS: environment sets as ENV_SETS (AKUNU_CUDA_DEFINES=
 # -DSD_DIAG=5 adds SD_DIAG's bit 1).
 stream_clock_one() { # NAME FILE
@@ -382,7 +383,7 @@ stream_clock_run() { # FILE
     grep -E "tg[0-9]" "$OUTDIR/stream-clock.log" || true
     python3 - "$OUTDIR/stream-clock.log" <<'PY'
 import sys
-p, c, n, toks = [0, 0], [0, 0, 0], 0, 0
+p, c, n, toks, work, stages = [0, 0], [0, 0, 0], 0, 0, 0, 0
 for l in open(sys.argv[1]):
     w = l.split()
     if len(w) < 5 or w[0] != "sd_clk":
@@ -391,11 +392,16 @@ for l in open(sys.argv[1]):
         p[0] += int(w[3]); p[1] += int(w[4])
     elif len(w) >= 7:
         c[0] += int(w[3]); c[1] += int(w[4]); c[2] += int(w[5]); toks += int(w[6]); n += 1
+        if len(w) >= 9:
+            work += int(w[7]); stages += int(w[8])
 if not p[1] or not c[2]:
     sys.exit("no sd_clk lines")
 print(f"producer waited for a free stage {100 * p[0] / p[1]:.1f}% of its cycles; consumer 0 waited for a full "
       f"stage {100 * c[0] / c[2]:.1f}%, for tagged words {100 * c[1] / c[2]:.1f}% ({n} block launches, "
       f"{c[2] / toks:.0f} cycles a token)")
+if stages:
+    print(f"consumer 0 worked on its stages (full to arrival) {100 * work / c[2]:.1f}% of its cycles, "
+          f"{work / stages:.0f} cycles a stage, {c[2] / stages:.0f} cycles of the launch a stage")
 # Consumer 0's sections of a token (stream.cu SD_MARK), as shares of its
 # cycles: blocks that attend (the first 128 on the issue's shapes) and the rest.
 names = ["norm>qkv", "qkv", "rope+kv", "attend", "merge>o", "o", "o sums", "norm>gu", "gu", "gu sums",

@@ -57,13 +57,14 @@
 // 4, clock counts (right tokens): each block prints, at the end of a
 // launch, the cycles its producer waited for a free stage, those its first
 // consumer thread waited for a full stage, for tagged words (the other
-// blocks) and in all, and that thread's cycles in each section of a token
+// blocks) and in all, those from a full stage to its arrival (the warp's
+// work on it) and that thread's cycles in each section of a token
 // (SD_MARK; scripts/gpu.sh stream-clock sums them).
 #ifndef SD_DIAG
 #define SD_DIAG 0
 #endif
 #if SD_DIAG & 4
-__shared__ unsigned long long sd_clk[2];  // consumer: full stages, tagged words
+__shared__ unsigned long long sd_clk[3];  // consumer: full stages, tagged words, stage work
 __shared__ unsigned long long sd_pclk;    // producer: free stages
 __shared__ unsigned long long sd_sec[15];  // consumer: each section of a token (SD_MARK)
 #define SD_MARK(i)                                         \
@@ -370,6 +371,7 @@ __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer& L, co
         SD_CLK_BEGIN(0);
         mbar_wait(&r.full[s], n & 1u);
         SD_CLK_END(0);
+        SD_CLK_BEGIN(2);
         const uint4* wq = (const uint4*)(r.buf + (u64)s * SD_STB) + warp * (T::SEG / 8) + lane;
         float acc[N];
 #pragma unroll
@@ -381,6 +383,7 @@ __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer& L, co
         }
         __syncwarp();
         if (lane == 0) sd_mbar_arrive(&r.empty[s]);  // the stage is in registers
+        SD_CLK_END(2);
         const float sum = sd_reduce_rows<N>(acc, lane);
         const u32 row = (lane >> SH) % N;
         if ((lane & ((1u << SH) - 1u)) == 0 && row < rows) part[(row0 + row) * SD_CW + warp] = sum;
@@ -515,6 +518,7 @@ __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer&, cons
                 SD_CLK_BEGIN(0);
                 mbar_wait(&r.full[s], n & 1u);
                 SD_CLK_END(0);
+                SD_CLK_BEGIN(2);
                 const u8* st = r.buf + (u64)s * SD_STB;
                 // All of the warp's loads first, then its products in NGW x 2
                 // independent chains (measured the same as one group after
@@ -557,6 +561,7 @@ __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer&, cons
                 }
                 __syncwarp();
                 if (lane == 0) sd_mbar_arrive(&r.empty[s]);  // the stage is read
+                SD_CLK_END(2);
                 ++c;
             }
             acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
@@ -854,7 +859,7 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
 #endif
 #if SD_DIAG & 4
     if (threadIdx.x == 0) {
-        sd_clk[0] = sd_clk[1] = sd_pclk = 0;
+        sd_clk[0] = sd_clk[1] = sd_clk[2] = sd_pclk = 0;
         for (int i = 0; i < 15; ++i) sd_sec[i] = 0;
     }
     const long long clk0 = clock64();
@@ -1158,8 +1163,8 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
 #if SD_DIAG & 4
             if (threadIdx.x == 0)
             {
-                printf("sd_clk C %u %llu %llu %llu %u\n", blockIdx.x, sd_clk[0], sd_clk[1],
-                       (unsigned long long)(clock64() - clk0), t + 1);
+                printf("sd_clk C %u %llu %llu %llu %u %llu %u\n", blockIdx.x, sd_clk[0], sd_clk[1],
+                       (unsigned long long)(clock64() - clk0), t + 1, sd_clk[2], c);
                 printf("sd_sec %u %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu\n",
                        blockIdx.x, sd_sec[0], sd_sec[1], sd_sec[2], sd_sec[3], sd_sec[4], sd_sec[5], sd_sec[6],
                        sd_sec[7], sd_sec[8], sd_sec[9], sd_sec[10], sd_sec[11], sd_sec[12], sd_sec[13], sd_sec[14]);
