@@ -390,17 +390,15 @@ for l in open(sys.argv[1]):
         continue
     if w[1] == "P":
         p[0] += int(w[3]); p[1] += int(w[4])
-    elif len(w) >= 7:
+    elif len(w) >= 9:
         c[0] += int(w[3]); c[1] += int(w[4]); c[2] += int(w[5]); toks += int(w[6]); n += 1
-        if len(w) >= 9:
-            work += int(w[7]); stages += int(w[8])
+        work += int(w[7]); stages += int(w[8])
 if not p[1] or not c[2]:
     sys.exit("no sd_clk lines")
 print(f"producer waited for a free stage {100 * p[0] / p[1]:.1f}% of its cycles; consumer 0 waited for a full "
       f"stage {100 * c[0] / c[2]:.1f}%, for tagged words {100 * c[1] / c[2]:.1f}% ({n} block launches, "
       f"{c[2] / toks:.0f} cycles a token)")
-if stages:
-    print(f"consumer 0 worked on its stages (full to arrival) {100 * work / c[2]:.1f}% of its cycles, "
+print(f"consumer 0 worked on its stages (full to arrival) {100 * work / c[2]:.1f}% of its cycles, "
           f"{work / stages:.0f} cycles a stage, {c[2] / stages:.0f} cycles of the launch a stage")
 # Consumer 0's sections of a token (stream.cu SD_MARK), as shares of its
 # cycles: blocks that attend (the first 128 on the issue's shapes) and the rest.

@@ -73,9 +73,9 @@ __shared__ unsigned long long sd_sec[15];  // consumer: each section of a token 
         sd_sec[i] += (unsigned long long)(now_ - sd_last); \
         sd_last = now_;                                    \
     }
-#define SD_CLK_BEGIN(slot) const long long sd_t0_##slot = (SD_DIAG & 4) && threadIdx.x == 0 ? clock64() : 0
+#define SD_CLK_BEGIN(slot) const long long sd_t0_##slot = threadIdx.x == 0 ? clock64() : 0
 #define SD_CLK_END(slot) \
-    if ((SD_DIAG & 4) && threadIdx.x == 0) sd_clk[slot] += (unsigned long long)(clock64() - sd_t0_##slot)
+    if (threadIdx.x == 0) sd_clk[slot] += (unsigned long long)(clock64() - sd_t0_##slot)
 #else
 #define SD_CLK_BEGIN(slot)
 #define SD_CLK_END(slot)
@@ -1161,8 +1161,7 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
         if (stop) {
             if (threadIdx.x == 0) s_last = t;
 #if SD_DIAG & 4
-            if (threadIdx.x == 0)
-            {
+            if (threadIdx.x == 0) {
                 printf("sd_clk C %u %llu %llu %llu %u %llu %u\n", blockIdx.x, sd_clk[0], sd_clk[1],
                        (unsigned long long)(clock64() - clk0), t + 1, sd_clk[2], c);
                 printf("sd_sec %u %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu\n",
