@@ -38,7 +38,7 @@
 #                                 stream-ab (akunu's streaming kernel
 #                                 against its graph; STREAM_AB_SHAPES),
 #                                 env-ab (bench over sets of environment
-#                                 variables; ENV_SETS), stream-clock (the
+#                                 variables; ENV_SETS, ENV_MODES "greedy sampled"), stream-clock (the
 #                                 streaming kernel's waits, SD_DIAG=4;
 #                                 STREAM_CLOCK_SETS).
 #                                 Logs go to $OUT (or ./gpu-out),
@@ -402,17 +402,22 @@ print(f"consumer 0 worked on its stages (full to arrival) {100 * work / c[2]:.1f
           f"{work / stages:.0f} cycles a stage, {c[2] / stages:.0f} cycles of the launch a stage")
 # Consumer 0's sections of a token (stream.cu SD_MARK), as shares of its
 # cycles: blocks that attend (the first 128 on the issue's shapes) and the rest.
+# In the Q4_0 form a product's section is only its final barrier's wait;
+# its loop is in the sd_loop line (qkv, o, gu, down, logits loops).
 names = ["norm>qkv", "qkv", "rope+kv", "attend", "merge>o", "o", "o sums", "norm>gu", "gu", "gu sums",
-         "act>down", "down", "down sums", "logits", "token"]
+         "act>down", "down", "down sums", "logits", "token", "qkv loop", "o loop", "gu loop", "down loop",
+         "logits loop"]
 att = 128
 for label, pick in (("attending blocks", lambda b: b < att), ("other blocks", lambda b: b >= att)):
-    tot = [0] * 15
+    tot = [0] * 20
     for l in open(sys.argv[1]):
         w = l.split()
         if len(w) == 17 and w[0] == "sd_sec" and pick(int(w[1])):
-            tot = [a + int(b) for a, b in zip(tot, w[2:])]
+            tot[:15] = [a + int(b) for a, b in zip(tot[:15], w[2:])]
+        if len(w) == 7 and w[0] == "sd_loop" and pick(int(w[1])):
+            tot[15:] = [a + int(b) for a, b in zip(tot[15:], w[2:])]
     if sum(tot):
-        print(f"  {label}: " + ", ".join(f"{n} {100 * v / sum(tot):.1f}%" for n, v in zip(names, tot)))
+        print(f"  {label}: " + ", ".join(f"{n} {100 * v / sum(tot):.1f}%" for n, v in zip(names, tot) if v))
 PY
 }
 
@@ -776,9 +781,15 @@ env_ab_one() { # NAME FILE
 }
 
 env_ab_run() { # FILE
-    # shellcheck disable=SC2086 # ENV_BENCH is a list of arguments
-    timeout 300 "$BIN/akunu" bench -m "$1" --device cuda ${ENV_BENCH:--p 512 -n 128 -r 3} \
-        --no-bandwidth 2>&1 | grep -E "tg[0-9]|error|akunu:" || echo "run failed"
+    local mode extra
+    for mode in ${ENV_MODES:-greedy}; do
+        extra=""
+        [ "$mode" = sampled ] && extra="--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1"
+        # shellcheck disable=SC2086 # ENV_BENCH is a list of arguments
+        timeout 300 "$BIN/akunu" bench -m "$1" --device cuda ${ENV_BENCH:--p 512 -n 128 -r 3} $extra \
+            --no-bandwidth 2>&1 | grep -E "tg[0-9]|error|akunu:" | grep -v compiling | sed "s/^/$mode /" ||
+            echo "run failed"
+    done
 }
 
 env_ab() {

@@ -59,14 +59,23 @@
 // consumer thread waited for a full stage, for tagged words (the other
 // blocks) and in all, those from a full stage to its arrival (the warp's
 // work on it) and that thread's cycles in each section of a token
-// (SD_MARK; scripts/gpu.sh stream-clock sums them).
+// (SD_MARK; scripts/gpu.sh stream-clock sums them); 8, the Q4_0 form's
+// consumers load each stage but do not multiply; 16, the Q4_0 form's
+// producer copies every tile from its matrix's first (L2, not HBM).
 #ifndef SD_DIAG
 #define SD_DIAG 0
+#endif
+#ifndef SD_OPAQUE_TAIL
+#define SD_OPAQUE_TAIL (!(SD_SAMPLED && SD_Q4))  // k_stream_decode: what follows the barriers
 #endif
 #if SD_DIAG & 4
 __shared__ unsigned long long sd_clk[3];  // consumer: full stages, tagged words, stage work
 __shared__ unsigned long long sd_pclk;    // producer: free stages
-__shared__ unsigned long long sd_sec[15];  // consumer: each section of a token (SD_MARK)
+// Consumer: each section of a token (SD_MARK): 0-14 in the token's order,
+// 15 + M the loop of product M (its section then holds only the final
+// barrier's wait for the other warps).
+__shared__ unsigned long long sd_sec[20];
+__shared__ long long sd_last;
 #define SD_MARK(i)                                         \
     if (threadIdx.x == 0) {                                \
         const long long now_ = clock64();                  \
@@ -475,9 +484,11 @@ __device__ __forceinline__ void sd_produce(const SdArgs& a, u32 l, const SdRing&
                 }
                 unsigned char* dst = r.buf + (u64)st * SD_STB;
                 mbar_expect_tx(&r.full[st], 16 * (T::KC / 2 + T::KC / 16));
-                sd_tile_copy(dst, map, k * (T::KC / 8), sg[j].r0 + i, &r.full[st], policy);
-                sd_tile_copy(dst + 16 * (T::KC / 2), map + SD_MAP_BYTES, k * (T::KC / 64), sg[j].r0 + i, &r.full[st],
-                             policy);
+                // SD_DIAG bit 16: every copy takes the matrix's first tile
+                // (from L2 after the first), so that HBM does not pace it.
+                const u32 kx = (SD_DIAG & 16) ? 0u : k, ry = (SD_DIAG & 16) ? 0u : sg[j].r0 + i;
+                sd_tile_copy(dst, map, kx * (T::KC / 8), ry, &r.full[st], policy);
+                sd_tile_copy(dst + 16 * (T::KC / 2), map + SD_MAP_BYTES, kx * (T::KC / 64), ry, &r.full[st], policy);
                 ++c;
             }
         }
@@ -537,6 +548,18 @@ __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer&, cons
 #pragma unroll
                     for (int w = 0; w < 4; ++w) bv[gi][w] = bp[w * 8];
                 }
+#if SD_DIAG & 8
+                // Bit 8: the loads, folded into the sums, and no products.
+                u32 fold = 0;
+#pragma unroll
+                for (int gi = 0; gi < NGW; ++gi) {
+                    fold ^= qa[gi].x ^ qa[gi].y ^ qa[gi].z ^ qa[gi].w ^ qb[gi].x ^ qb[gi].y ^ qb[gi].z ^ qb[gi].w;
+#pragma unroll
+                    for (int w = 0; w < 4; ++w) fold ^= bv[gi][w].x ^ bv[gi][w].y ^ bv[gi][w].z ^ bv[gi][w].w;
+                    acc0 += d0[gi] + (float)(fold & 1u);
+                    acc1 += d1[gi];
+                }
+#else
                 if ((SD_DIAG & 1) == 0) {
                     float cc[NGW][2][4] = {};
 #pragma unroll
@@ -559,6 +582,7 @@ __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer&, cons
                         acc1 = fmaf(d1[gi], (cc[gi][0][2] + cc[gi][1][2]) + (cc[gi][0][3] + cc[gi][1][3]), acc1);
                     }
                 }
+#endif
                 __syncwarp();
                 if (lane == 0) sd_mbar_arrive(&r.empty[s]);  // the stage is read
                 SD_CLK_END(2);
@@ -575,6 +599,7 @@ __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer&, cons
             if (t == 0 && g + 8 < valid) part[(p + g + 8) * SD_CW + warp] = acc1;
         }
     }
+    SD_MARK(15 + M);
     sd_csync();
 }
 #endif
@@ -666,6 +691,9 @@ __device__ void sd_stage_attn(float* xs, const u64* part, u32 tag) {
 
 // x = the tagged words at src (the FFN activation), permuted.
 __device__ void sd_stage_plain(float* xs, const u64* src, u32 tag) {
+    // 16 words a thread at a time: all of an 8B ffn input at once (28,
+    // one round trip instead of two) spilled and ran 13% slower
+    // (bench/RESULTS.md, session 30).
     constexpr int PER = 16;
     for (u32 b = 0; b < (u32)FF; b += PER * SD_CT) {
         auto addr = [&](int j) { return src + b + threadIdx.x + j * SD_CT; };
@@ -814,14 +842,34 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
     asm("mov.b64 %0, %1;" : "=l"(bars) : "l"(((u64)(red + 64) + 7) & ~(u64)7));
     r.full = bars;
     r.empty = bars + SD_NST;
+    // What follows the barriers: the warps' keys, the zeros that B reads of
+    // lanes that feed no B land on (sd_consume), the sampler's areas.
+    // Derived from the barriers' opaque address, the compiler loses their
+    // shared space and reaches them by generic loads; addressed from smem,
+    // ptxas spills more. Measured (bench/RESULTS.md, session 30): greedy
+    // the same either way, the Q4_0 sampled module 0.6-2.3% faster
+    // addressed from smem, the F16 one 0.8% slower; so only the Q4_0
+    // sampled module takes that. -DSD_OPAQUE_TAIL=0/1 picks one for A/B
+    // runs.
+#if SD_OPAQUE_TAIL
     u64* keys = bars + 2 * SD_NST;  // SD_CW
 #if SD_Q4
-    // What the B reads of lanes that feed no B land on (sd_consume).
     uint4* zeros = (uint4*)(((u64)(keys + SD_CW) + 15) & ~(u64)15);
     u8* after = (u8*)(zeros + 32);
 #else
     const uint4* zeros = nullptr;
     u8* after = (u8*)(keys + SD_CW);
+#endif
+#else
+    constexpr u64 keys_off = (((u64)SD_NST * SD_STB + 4ull * (SD_REGION + 128) + 7) & ~7ull) + 8ull * 2 * SD_NST;
+    u64* keys = (u64*)(smem + keys_off);  // SD_CW
+#if SD_Q4
+    uint4* zeros = (uint4*)(smem + ((keys_off + 8ull * SD_CW + 15) & ~15ull));
+    u8* after = (u8*)(zeros + 32);
+#else
+    const uint4* zeros = nullptr;
+    u8* after = smem + keys_off + 8ull * SD_CW;
+#endif
 #endif
     // The last token of the chain, once the consumers know it (a stop token
     // or the host's cancel): the producer issues nothing past it.
@@ -860,10 +908,10 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
 #if SD_DIAG & 4
     if (threadIdx.x == 0) {
         sd_clk[0] = sd_clk[1] = sd_clk[2] = sd_pclk = 0;
-        for (int i = 0; i < 15; ++i) sd_sec[i] = 0;
+        for (int i = 0; i < 20; ++i) sd_sec[i] = 0;
     }
     const long long clk0 = clock64();
-    long long sd_last = clk0;
+    if (threadIdx.x == 0) sd_last = clk0;
 #endif
     __syncthreads();
 
@@ -1167,6 +1215,8 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
                 printf("sd_sec %u %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu\n",
                        blockIdx.x, sd_sec[0], sd_sec[1], sd_sec[2], sd_sec[3], sd_sec[4], sd_sec[5], sd_sec[6],
                        sd_sec[7], sd_sec[8], sd_sec[9], sd_sec[10], sd_sec[11], sd_sec[12], sd_sec[13], sd_sec[14]);
+                printf("sd_loop %u %llu %llu %llu %llu %llu\n", blockIdx.x, sd_sec[15], sd_sec[16], sd_sec[17],
+                       sd_sec[18], sd_sec[19]);
             }
 #endif
             break;
