@@ -372,14 +372,16 @@ each_env_set() { # SETS NAME CMD ARGS...
 # blocks' tagged words, its cycles from a full stage to its arrival (its
 # work on a stage), and the shares of its sections of a token.
 # STREAM_CLOCK_SETS: environment sets as ENV_SETS (AKUNU_CUDA_DEFINES=
-# -DSD_DIAG=5 adds SD_DIAG's bit 1).
+# -DSD_DIAG=5 adds SD_DIAG's bit 1); STREAM_CLOCK_ARGS: more bench
+# arguments (the sampler's, for instance).
 stream_clock_one() { # NAME FILE
     each_env_set "${STREAM_CLOCK_SETS:-_}" "$1" stream_clock_run "$2"
 }
 
 stream_clock_run() { # FILE
+    # shellcheck disable=SC2086 # STREAM_CLOCK_ARGS is a list of arguments
     AKUNU_CUDA_DEFINES=${AKUNU_CUDA_DEFINES:--DSD_DIAG=4} timeout 300 "$BIN/akunu" bench -m "$1" --device cuda \
-        -p 512 -n 128 -r 1 --no-bandwidth >"$OUTDIR/stream-clock.log" 2>&1 || echo "run failed"
+        -p 512 -n 128 -r 1 --no-bandwidth ${STREAM_CLOCK_ARGS:-} >"$OUTDIR/stream-clock.log" 2>&1 || echo "run failed"
     grep -E "tg[0-9]" "$OUTDIR/stream-clock.log" || true
     python3 - "$OUTDIR/stream-clock.log" <<'PY'
 import sys
