@@ -871,6 +871,9 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
     u8* after = (u8*)(keys + SD_CW);
 #endif
 #else
+    // The offset of bars (red + 64, 8-aligned) as a constant, past the
+    // barriers. bars keeps its own expression: taken from this constant it
+    // changed both modules' code, which was measured as it is.
     constexpr u64 keys_off = (((u64)SD_NST * SD_STB + 4ull * (SD_REGION + 128) + 7) & ~7ull) + 8ull * 2 * SD_NST;
     u64* keys = (u64*)(smem + keys_off);  // SD_CW
 #if SD_Q4
