@@ -146,9 +146,9 @@ for p in nvidia.__path__:
 }
 
 # Writes the synthetic model FILE of SHAPE and TYPE (SmolLM2's tokenizer)
-# unless it is already there.
-synth_file() { # SHAPE TYPE FILE
-    [ -f "$3" ] || "$BIN/akunu" synth --shape "$1" --type "$2" \
+# unless it is already there; extra arguments go to `akunu synth`.
+synth_file() { # SHAPE TYPE FILE [synth args]
+    [ -f "$3" ] || "$BIN/akunu" synth --shape "$1" --type "$2" "${@:4}" \
         --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$3" 2>&1 | tail -1
 }
 
@@ -187,11 +187,12 @@ tests() {
 # developer switches (a short check between full `tests` runs).
 # ENGINE_FILTER (a test-name substring) runs a subset of the engine tests,
 # e.g. "sampl" for those of the sampler; the sampling-kernel tests always run.
+# ENGINE_NOCAPTURE=1 shows what passing tests print (their figures).
 engine_tests() {
     echo "== GPU tests (engine${ENGINE_FILTER:+ matching $ENGINE_FILTER} and sampling kernels, once)"
-    { "$BIN/gpu-tests" --ignored --test-threads=1 ${ENGINE_FILTER:+"$ENGINE_FILTER"} 2>&1
+    { "$BIN/gpu-tests" --ignored --test-threads=1 ${ENGINE_NOCAPTURE:+--nocapture} ${ENGINE_FILTER:+"$ENGINE_FILTER"} 2>&1
       "$BIN/gpu-sampling-kernels-tests" --ignored --test-threads=1 2>&1; } | tee "$OUTDIR/engine-tests.log" |
-        grep -E "^test |test result|panicked|KV.*rel-L2|tokens equal" || true
+        grep -E "^test |test result|panicked|rel-L2|tokens equal" || true
 }
 
 # Greedy against sampled decode (the default model's sampling settings) on
@@ -713,14 +714,23 @@ bench_one() { # NAME FILE [extra args]
 
 # For each SHAPE:TYPE of LIST, synthesises the model file (unless it is
 # there) and runs FUNC NAME FILE; 8B files are deleted after use (disk).
+# SHAPE:TYPE:rope-freqs writes the file with Llama 3.1-style RoPE divisors
+# (`akunu synth --rope-freqs`, as Llama 3.1/3.2 files carry them).
 each_shape() { # LIST FUNC
-    local spec shape type f
+    local spec shape type extra name f
     for spec in $1; do
         shape=${spec%%:*}
-        type=${spec##*:}
-        f=$STORE/$shape-$type.gguf
-        synth_file "$shape" "$type" "$f"
-        "$2" "$shape-$type" "$f"
+        type=${spec#*:}
+        extra=()
+        name=$shape-${type%%:*}
+        if [ "${type#*:}" = rope-freqs ]; then
+            extra=(--rope-freqs)
+            name=$name-rope-freqs
+        fi
+        type=${type%%:*}
+        f=$STORE/$name.gguf
+        synth_file "$shape" "$type" "$f" "${extra[@]}"
+        "$2" "$name" "$f"
         if [ "$shape" = llama-8b ]; then rm -f "$f"; fi
     done
 }

@@ -78,6 +78,7 @@ struct PdArgs {
     u64* x;                // 2 sets of tagged words (persist.rs x_words)
     u64* best;             // 2 sets (token parity) of blocks + 1: each block's best key, then cancel
     u32* flags;            // blocks: the last phase each block finished
+    const float* freq;     // Llama 3.1-style RoPE divisors (PD_HD / 2), or null
     u32 nl, d, qd, kvd, nh, nkv, ff, vocab, capacity;
     u32 emb_q8, out_q8;    // 1: Q8_0, 0: Q4_1
     u32 max_pos;           // scores a block holds (shared memory)
@@ -771,7 +772,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
         if (threadIdx.x < PD_HD / 2) {
             // model.cu's rope_cs; published by the qkv staging's barriers.
             float c, s;
-            rope_cs(pos, threadIdx.x, PD_HD, a.theta, a.freq_scale, nullptr, c, s);
+            rope_cs(pos, threadIdx.x, PD_HD, a.theta, a.freq_scale, a.freq, c, s);
             rope[threadIdx.x] = make_float2(c, s);
         }
         for (u32 l = 0; l < a.nl; ++l) {

@@ -136,6 +136,7 @@ struct SdArgs {
     u64* best;   // 2 x (blocks + 1): each block's best key, then the cancel word
     u32* flags;  // blocks
     const u8* maps;  // SD_Q4: two CUtensorMaps (quants, scales) a matrix, layer by layer, then the output's
+    const float* freq;  // Llama 3.1-style RoPE divisors (HD / 2), or null
     u32 nl, vocab, capacity, max_pos;
     float eps, theta, freq_scale, scale;
     SampArgs s;  // the in-kernel sampler (SD_SAMPLED)
@@ -1015,7 +1016,7 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
         for (u32 i = h0 + threadIdx.x; i < h1; i += SD_CT) hloc[i - h0] = sd_emb(a.emb, a.vocab, token, i);
         if (threadIdx.x < HD / 2) {
             float cs, sn;
-            rope_cs(pos, threadIdx.x, HD, a.theta, a.freq_scale, nullptr, cs, sn);
+            rope_cs(pos, threadIdx.x, HD, a.theta, a.freq_scale, a.freq, cs, sn);
             s_rope[threadIdx.x] = make_float2(cs, sn);
         }
         SD_MARK(14);

@@ -86,6 +86,8 @@ pub(crate) struct PdArgs {
     pub x: u64,
     pub best: u64,
     pub flags: u64,
+    /// Llama 3.1-style RoPE divisors (`rope_freqs.weight`), or 0.
+    pub freq: u64,
     pub nl: u32,
     pub d: u32,
     pub qd: u32,
@@ -107,8 +109,8 @@ pub(crate) struct PdArgs {
     pub res_off: u32,
 }
 
-// The kernel's parameter block: persist.cu's PdArgs, 208 bytes.
-const _: () = assert!(std::mem::size_of::<PdArgs>() == 208);
+// The kernel's parameter block: persist.cu's PdArgs, 216 bytes.
+const _: () = assert!(std::mem::size_of::<PdArgs>() == 216);
 
 /// Mirror of `SampArgs` in chain_sampler.cuh: the in-kernel sampler's
 /// settings (from the sampled table's `GumbelSample` params, per chain)
@@ -701,7 +703,6 @@ pub(crate) fn read_shape(
         if !head_ok
             || rope.rope_dim != rope.head_dim
             || rope.style != ROPE_NORM
-            || rope.freq_factors != 0
             || rope.qk_norm != 0
             || rope.n_heads * rope.head_dim != qd
             || rope.n_kv_heads * rope.head_dim != kvd
@@ -719,6 +720,13 @@ pub(crate) fn read_shape(
         if att.softcap != 0.0 || att.window != 0 {
             return Err(format!("layer {l}: soft-capped or windowed attention"));
         }
+        // Llama 3.1-style divisors (`rope_freqs.weight`, one table of
+        // head_dim / 2 for every layer): the kernels' rope_cs takes them.
+        let freq = if rope.freq_factors != 0 {
+            ptr(b + 1, 3)?
+        } else {
+            0
+        };
         let ffn_norm: NormParams = c[b + 4].params();
         let next_norm: NormParams = c[b + 7].params();
         if ffn_norm.post_norm != 0 || next_norm.post_norm != 0 {
@@ -737,6 +745,7 @@ pub(crate) fn read_shape(
             a.capacity = rope.capacity;
             a.theta = rope.theta;
             a.freq_scale = rope.freq_scale;
+            a.freq = freq;
             a.scale = att.scale;
         } else if (
             a.qd,
@@ -745,6 +754,7 @@ pub(crate) fn read_shape(
             a.capacity,
             a.theta,
             a.freq_scale,
+            a.freq,
             a.scale,
         ) != (
             qd,
@@ -753,6 +763,7 @@ pub(crate) fn read_shape(
             rope.capacity,
             rope.theta,
             rope.freq_scale,
+            freq,
             att.scale,
         ) {
             return Err(format!("layer {l} differs from layer 0"));

@@ -86,6 +86,7 @@ pub(crate) struct SdArgs {
     best: u64,
     flags: u64,
     maps: u64,
+    freq: u64,
     nl: u32,
     vocab: u32,
     capacity: u32,
@@ -96,7 +97,7 @@ pub(crate) struct SdArgs {
     scale: f32,
     pub s: SampArgs,
 }
-const _: () = assert!(std::mem::size_of::<SdArgs>() == 176);
+const _: () = assert!(std::mem::size_of::<SdArgs>() == 184);
 
 /// Units of each product (stream.cu `sd_units`) and rows a unit.
 fn products(d: u32, qd: u32, kvd: u32, ff: u32, vocab: u32) -> [(u32, u32); 5] {
@@ -514,6 +515,7 @@ pub(crate) fn plan(
         best: scratch + x_bytes,
         flags: scratch + x_bytes + best_bytes,
         maps,
+        freq: p.freq,
         nl: p.nl,
         vocab: p.vocab,
         capacity: p.capacity,

@@ -92,6 +92,20 @@ fn synth_vocab(
     big_vocab: bool,
     rope_freqs: bool,
 ) -> Arc<Model> {
+    synth_loads(arch, shape, dtype, big_vocab, rope_freqs, 1).remove(0)
+}
+
+/// `loads` loads of one synthetic model's file: the first as written, the
+/// others with `config.rope_freqs` off (the same weights, RoPE without the
+/// file's divisors: a control that shows whether a test sees them).
+fn synth_loads(
+    arch: SynthArch,
+    shape: Shape,
+    dtype: DType,
+    big_vocab: bool,
+    rope_freqs: bool,
+    loads: usize,
+) -> Vec<Arc<Model>> {
     let path = std::env::temp_dir().join(format!(
         "akunu-gpu-test-{}-{arch}-{shape}-{}-{}{}.gguf",
         std::process::id(),
@@ -109,9 +123,17 @@ fn synth_vocab(
         rope_freqs,
     };
     write_synthetic(&path, &spec, &mut |_, _| {}).expect("writing a synthetic model");
-    let m = Arc::new(Model::load(&path).expect("loading it"));
+    let models = (0..loads)
+        .map(|i| {
+            let mut m = Model::load(&path).expect("loading it");
+            if i > 0 {
+                m.config.rope_freqs = false;
+            }
+            Arc::new(m)
+        })
+        .collect();
     let _ = std::fs::remove_file(&path);
-    m
+    models
 }
 
 /// `base` with the tensors whose names end with one of `take` copied from
@@ -322,27 +344,74 @@ fn logits_match_cpu_for_every_architecture() {
         compare_with_cpu(&m, &format!("{arch} smollm2-135m q8_0"), 1e-4);
     }
     // Llama with Llama 3.1-style RoPE divisors (`rope_freqs.weight`; the
-    // CPU's against the NumPy reference: tools/arch_parity.py), on the graph
-    // and with the persistent switch on (whose kernels leave such models to
-    // the graph).
+    // CPU's against the NumPy reference: tools/arch_parity.py) on the graph;
+    // the persistent kernels' (which take them too) in
+    // `persistent_chain_matches_cpu` and `streaming_chain_matches_cpu`.
     for (shape, dt) in [
         (Shape::Tiny, DType::F32),
         (Shape::SmolLm2_135M, DType::Q4_1),
     ] {
         let m = synth_vocab(SynthArch::Llama, shape, dt, shape.needs_tokenizer(), true);
         assert!(m.config.rope_freqs);
-        let what = format!("llama {shape} {} with rope_freqs", dt.name());
-        compare_with_cpu(&m, &what, 1e-4);
-        let (be, _) = cuda_persistent();
-        compare_with_cpu_on(
+        compare_with_cpu(
             &m,
-            &format!("{what}, persistent switch on"),
+            &format!("llama {shape} {} with rope_freqs", dt.name()),
             1e-4,
-            40,
-            16,
-            be,
         );
     }
+}
+
+/// A persistent kernel's greedy tokens of a model with Llama 3.1-style RoPE
+/// divisors after a prompt of `n_prompt` tokens against the CPU's (as
+/// `persistent_against_cpu`); then, so that the check sees the divisors,
+/// the logits of one more token, which attends to the keys the kernel
+/// rotated: within 1e-3 of the CPU's over the same sequence, and at least
+/// ten times closer to them than the CPU's without the divisors are.
+/// (Tokens alone cannot show it on every shape: on the SmolLM2 one the
+/// divisors change none of 64 greedy tokens, after 20 prompt tokens or 300.)
+fn persistent_rope_freqs_against_cpu(
+    shape: Shape,
+    dt: DType,
+    n_prompt: u32,
+    opts: &GenerateOptions,
+) {
+    let ms = synth_loads(SynthArch::Llama, shape, dt, true, true, 2);
+    assert!(ms[0].config.rope_freqs && !ms[1].config.rope_freqs);
+    let what = format!("llama {shape} {} with rope_freqs, persistent", dt.name());
+    let p = prompt(n_prompt, ms[0].config.n_vocab);
+    let (tg, _) = persistent_against_cpu(&ms[0], &p, opts, &what);
+    let (be, chains) = cuda_persistent();
+    let mut g = engine(&ms[0], be, 64, 64);
+    let mut again = Vec::new();
+    g.generate(&p, opts, &mut |id, _| {
+        again.push(id);
+        true
+    })
+    .unwrap();
+    assert!(chains.load(std::sync::atomic::Ordering::Relaxed) > 0);
+    assert_eq!(again, tg, "{what}: a second run's tokens");
+    let next = p[3];
+    let lg = g.eval_logits(&[next]).unwrap();
+    let seq: Vec<u32> = p.iter().chain(&tg).chain([&next]).copied().collect();
+    let cpu_logits = |m: &Arc<Model>| {
+        engine(m, cpu_kv(KvType::F16), 16, 64)
+            .eval_logits(&seq)
+            .unwrap()
+    };
+    let with = cpu_logits(&ms[0]);
+    let err = rel_l2(&lg, &with);
+    let effect = rel_l2(&cpu_logits(&ms[1]), &with);
+    eprintln!(
+        "{what}: logits after the chain rel-L2 {err:.2e}; the divisors move the CPU's by {effect:.2e}"
+    );
+    assert!(
+        err < 1e-3,
+        "{what}: logits after the chain differ by {err:.2e}"
+    );
+    assert!(
+        err * 10.0 < effect,
+        "{what}: logits after the chain {err:.2e} from the CPU's, the divisors' effect {effect:.2e}"
+    );
 }
 
 #[test]
@@ -736,7 +805,8 @@ fn stop_and_cancel_inside_a_chain(
 /// models too large for persist.cu) on the llama-1b F16 shape: greedy tokens
 /// against the CPU's (equal but after a near-tie); a stop token inside the
 /// chain (its producer warp must stop streaming and let its last copies
-/// land); a cancellation by the sink; the engine going on after it.
+/// land); a cancellation by the sink; the engine going on after it; a
+/// model with Llama 3.1-style RoPE divisors.
 #[test]
 #[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
 fn streaming_chain_matches_cpu() {
@@ -750,6 +820,9 @@ fn streaming_chain_matches_cpu() {
     let p = prompt(20, m.config.n_vocab);
     let (tg, same) = persistent_against_cpu(&m, &p, &opts, what);
     stop_and_cancel_inside_a_chain(&m, &p, &opts, &tg, same.min(12) - 1, 5, 20, what);
+    drop(m);
+    // Llama 3.2-1B's files carry RoPE divisors (`rope_freqs.weight`).
+    persistent_rope_freqs_against_cpu(Shape::Llama1B, DType::F16, 20, &opts);
 }
 
 /// The streaming kernel's in-kernel sampler (a sampled table's module) on
@@ -768,7 +841,8 @@ fn streaming_sampled_chain_matches_cpu() {
 /// shape (one slice of 2,048 columns, four of the down product) and the
 /// llama-8b one (two slices, down in four of 28 groups each, which the
 /// warps share unevenly; heads of 128), with the stop and cancellation
-/// checks on the first; then each sampler mode on llama-1b.
+/// checks on the first; then each sampler mode on llama-1b; llama-8b with
+/// RoPE divisors.
 #[test]
 #[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
 fn streaming_q4_0_chain_matches_cpu() {
@@ -787,6 +861,9 @@ fn streaming_q4_0_chain_matches_cpu() {
     let m = synth(Shape::Llama8B, DType::Q4_0);
     let p = prompt(20, m.config.n_vocab);
     persistent_against_cpu(&m, &p, &opts, "llama-8b q4_0 streaming");
+    drop(m);
+    // Llama 3.1-8B's divisors: a table of 64 for heads of 128.
+    persistent_rope_freqs_against_cpu(Shape::Llama8B, DType::Q4_0, 20, &opts);
 }
 
 /// The persistent kernel's greedy tokens against the CPU's (equal but after
@@ -794,7 +871,7 @@ fn streaming_q4_0_chain_matches_cpu() {
 /// (the default file's types); then a stop token and a cancellation by the
 /// sink, both inside one persistent chain; a chain that runs past the
 /// kernel's last position (persistent, then the graph); speculative
-/// decoding, which keeps the graph.
+/// decoding, which keeps the graph; a Q4_1 model with RoPE divisors.
 #[test]
 #[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
 fn persistent_chain_matches_cpu() {
@@ -818,6 +895,7 @@ fn persistent_chain_matches_cpu() {
         let (tg, same) = persistent_against_cpu(m, &p, &opts, what);
         stop_and_cancel_inside_a_chain(m, &p, &opts, &tg, 20.min(same - 1), 10, 40, what);
     }
+    persistent_rope_freqs_against_cpu(Shape::SmolLm2_135M, DType::Q4_1, 100, &opts);
     // A chain past the kernel's last position (persist::MAX_POS, 384, in a
     // context of 512): its first 24 steps run persistent, the next 24 on
     // the graph; the tokens still follow the CPU's. Which path computes a
