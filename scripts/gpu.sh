@@ -147,9 +147,10 @@ for p in nvidia.__path__:
 
 # Writes the synthetic model FILE of SHAPE and TYPE (SmolLM2's tokenizer)
 # unless it is already there; extra arguments go to `akunu synth`.
+# SYNTH_TOKENIZER names another tokenizer file.
 synth_file() { # SHAPE TYPE FILE [synth args]
-    [ -f "$3" ] || "$BIN/akunu" synth --shape "$1" --type "$2" "${@:4}" \
-        --tokenizer-from crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf "$3" 2>&1 | tail -1
+    [ -f "$3" ] || "$BIN/akunu" synth --shape "$1" --type "$2" "${@:4}" --tokenizer-from \
+        "${SYNTH_TOKENIZER:-crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf}" "$3" 2>&1 | tail -1
 }
 
 # The synthetic SmolLM2 file the persistent decode steps bench, created on
@@ -714,22 +715,29 @@ bench_one() { # NAME FILE [extra args]
 
 # For each SHAPE:TYPE of LIST, synthesises the model file (unless it is
 # there) and runs FUNC NAME FILE; 8B files are deleted after use (disk).
-# SHAPE:TYPE:rope-freqs writes the file with Llama 3.1-style RoPE divisors
-# (`akunu synth --rope-freqs`, as Llama 3.1/3.2 files carry them).
+# Flags after the type, each after a colon: `rope-freqs` writes Llama
+# 3.1-style RoPE divisors (`akunu synth --rope-freqs`, as Llama 3.1/3.2
+# files carry them); `llama3-vocab` takes Llama 3's tokenizer (128,256
+# tokens, the real files' embedding and logits size) instead of SmolLM2's.
+# E.g. llama-1b:f16:rope-freqs:llama3-vocab, a Llama-3.2-1B twin.
 each_shape() { # LIST FUNC
-    local spec shape type extra name f
+    local spec shape type flag name f tok
+    local -a extra
     for spec in $1; do
-        shape=${spec%%:*}
-        type=${spec#*:}
+        IFS=: read -r shape type flags <<<"$spec"
+        name=$shape-$type
         extra=()
-        name=$shape-${type%%:*}
-        if [ "${type#*:}" = rope-freqs ]; then
-            extra=(--rope-freqs)
-            name=$name-rope-freqs
-        fi
-        type=${type%%:*}
+        tok=crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf
+        for flag in ${flags//:/ }; do
+            case $flag in
+                rope-freqs) extra+=(--rope-freqs) ;;
+                llama3-vocab) tok=crates/akunu-core/tests/data/tokenizer/ggml-vocab-llama-bpe.gguf ;;
+                *) echo "each_shape: unknown flag $flag in $spec" >&2; return 1 ;;
+            esac
+            name=$name-$flag
+        done
         f=$STORE/$name.gguf
-        synth_file "$shape" "$type" "$f" "${extra[@]}"
+        SYNTH_TOKENIZER=$tok synth_file "$shape" "$type" "$f" "${extra[@]}"
         "$2" "$name" "$f"
         if [ "$shape" = llama-8b ]; then rm -f "$f"; fi
     done
