@@ -53,20 +53,26 @@ fn cuda_kv(kv: KvType) -> Box<dyn Backend> {
 /// The default model's vocabulary (a vocab-only GGUF kept in the repo), for
 /// synthetic models of real shapes.
 fn vocab() -> PathBuf {
-    let rel = "crates/akunu-core/tests/data/tokenizer/ggml-vocab-smollm2.gguf";
+    vocab_file("smollm2")
+}
+
+/// The vocab-only GGUF `ggml-vocab-{name}.gguf` kept in the repo (llama.cpp's
+/// tokenizer test files).
+fn vocab_file(name: &str) -> PathBuf {
+    let rel = format!("crates/akunu-core/tests/data/tokenizer/ggml-vocab-{name}.gguf");
     let candidates = [
         std::env::var("AKUNU_REPO")
-            .map(|r| PathBuf::from(r).join(rel))
+            .map(|r| PathBuf::from(r).join(&rel))
             .unwrap_or_default(),
         PathBuf::from(env!("CARGO_MANIFEST_DIR"))
             .join("../..")
-            .join(rel),
-        PathBuf::from(rel),
+            .join(&rel),
+        PathBuf::from(&rel),
     ];
     candidates
         .into_iter()
         .find(|p| p.exists())
-        .expect("the smollm2 vocab GGUF (set AKUNU_REPO to the repository root)")
+        .unwrap_or_else(|| panic!("{rel} not found (set AKUNU_REPO to the repository root)"))
 }
 
 fn synth(shape: Shape, dtype: DType) -> Arc<Model> {
@@ -92,17 +98,18 @@ fn synth_vocab(
     big_vocab: bool,
     rope_freqs: bool,
 ) -> Arc<Model> {
-    synth_loads(arch, shape, dtype, big_vocab, rope_freqs, 1).remove(0)
+    synth_loads(arch, shape, dtype, big_vocab.then(vocab), rope_freqs, 1).remove(0)
 }
 
-/// `loads` loads of one synthetic model's file: the first as written, the
-/// others with `config.rope_freqs` off (the same weights, RoPE without the
-/// file's divisors: a control that shows whether a test sees them).
+/// `loads` loads of one synthetic model's file (the tokenizer copied from
+/// `tokenizer`, else the built-in one): the first as written, the others
+/// with `config.rope_freqs` off (the same weights, RoPE without the file's
+/// divisors: a control that shows whether a test sees them).
 fn synth_loads(
     arch: SynthArch,
     shape: Shape,
     dtype: DType,
-    big_vocab: bool,
+    tokenizer: Option<PathBuf>,
     rope_freqs: bool,
     loads: usize,
 ) -> Vec<Arc<Model>> {
@@ -110,7 +117,10 @@ fn synth_loads(
         "akunu-gpu-test-{}-{arch}-{shape}-{}-{}{}.gguf",
         std::process::id(),
         dtype.name(),
-        if big_vocab { "v49152" } else { "builtin" },
+        tokenizer
+            .as_deref()
+            .and_then(|t| t.file_stem())
+            .map_or("builtin".into(), |s| s.to_string_lossy()),
         if rope_freqs { "-rope-freqs" } else { "" }
     ));
     let spec = SynthSpec {
@@ -118,7 +128,7 @@ fn synth_loads(
         arch,
         dtype,
         seed: 11,
-        tokenizer_from: big_vocab.then(vocab),
+        tokenizer_from: tokenizer,
         embedding: None,
         rope_freqs,
     };
@@ -375,7 +385,7 @@ fn persistent_rope_freqs_against_cpu(
     n_prompt: u32,
     opts: &GenerateOptions,
 ) {
-    let ms = synth_loads(SynthArch::Llama, shape, dt, true, true, 2);
+    let ms = synth_loads(SynthArch::Llama, shape, dt, Some(vocab()), true, 2);
     assert!(ms[0].config.rope_freqs && !ms[1].config.rope_freqs);
     let what = format!("llama {shape} {} with rope_freqs, persistent", dt.name());
     let p = prompt(n_prompt, ms[0].config.n_vocab);
@@ -834,6 +844,34 @@ fn streaming_sampled_chain_matches_cpu() {
     let m = synth(Shape::Llama1B, DType::F16);
     let p = prompt(20, m.config.n_vocab);
     sampled_chains_against_cpu(&m, &p, 24, "llama-1b f16 streaming, ");
+}
+
+/// A twin of Llama-3.2-1B on the streaming kernel: its shape, RoPE divisors
+/// and Llama 3's 128,256-token vocabulary (the shapes take
+/// SmolLM2's 49,152, so this logits product and the in-kernel sampler's
+/// slices are 2.6 times theirs), random F16 weights. Greedy tokens and each
+/// sampler mode against the CPU's.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
+fn streaming_llama_3_2_twin_matches_cpu() {
+    let m = synth_loads(
+        SynthArch::Llama,
+        Shape::Llama1B,
+        DType::F16,
+        Some(vocab_file("llama-bpe")),
+        true,
+        1,
+    )
+    .remove(0);
+    assert_eq!(m.config.n_vocab, 128_256);
+    let opts = GenerateOptions {
+        max_tokens: 32,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let p = prompt(20, m.config.n_vocab);
+    persistent_against_cpu(&m, &p, &opts, "llama-3.2-1b twin f16 streaming");
+    sampled_chains_against_cpu(&m, &p, 24, "llama-3.2-1b twin f16 streaming, ");
 }
 
 /// The streaming kernel's Q4_0 form (16-row tiles over column slices,
