@@ -42,7 +42,10 @@
 #                                 streaming kernel's waits, SD_DIAG=4;
 #                                 STREAM_CLOCK_SETS).
 #                                 Logs go to $OUT (or ./gpu-out),
-#                                 a summary to stdout.
+#                                 a summary to stdout. BENCH_SHAPES lists
+#                                 SHAPE:TYPE[:rope-freqs][:llama3-vocab]
+#                                 (each_shape); ENGINE_FILTER and
+#                                 ENGINE_NOCAPTURE=1 narrow engine-tests.
 #
 # The binaries need no CUDA at build time (cudarc loads the driver, NVRTC
 # and cuBLAS at run time); on the GPU machine the toolkit's lib64 is put on
