@@ -724,7 +724,7 @@ bench_one() { # NAME FILE [extra args]
 # tokens, the real files' embedding and logits size) instead of SmolLM2's.
 # E.g. llama-1b:f16:rope-freqs:llama3-vocab, a Llama-3.2-1B twin.
 each_shape() { # LIST FUNC
-    local spec shape type flag name f tok
+    local spec shape type flags flag name f tok
     local -a extra
     for spec in $1; do
         IFS=: read -r shape type flags <<<"$spec"

@@ -390,6 +390,8 @@ fn persistent_rope_freqs_against_cpu(
     let what = format!("llama {shape} {} with rope_freqs, persistent", dt.name());
     let p = prompt(n_prompt, ms[0].config.n_vocab);
     let (tg, _) = persistent_against_cpu(&ms[0], &p, opts, &what);
+    // A second persistent run, kept for the logits step (and as a check
+    // that the kernel's tokens do not vary between launches).
     let (be, chains) = cuda_persistent();
     let mut g = engine(&ms[0], be, 64, 64);
     let mut again = Vec::new();
