@@ -43,7 +43,7 @@
 #                                 STREAM_CLOCK_SETS).
 #                                 Logs go to $OUT (or ./gpu-out),
 #                                 a summary to stdout. BENCH_SHAPES lists
-#                                 SHAPE:TYPE[:rope-freqs][:llama3-vocab]
+#                                 SHAPE:TYPE[:rope-freqs][:llama3-vocab][:q6k-logits]
 #                                 (each_shape); ENGINE_FILTER and
 #                                 ENGINE_NOCAPTURE=1 narrow engine-tests.
 #
@@ -721,8 +721,11 @@ bench_one() { # NAME FILE [extra args]
 # Flags after the type, each after a colon: `rope-freqs` writes Llama
 # 3.1-style RoPE divisors (`akunu synth --rope-freqs`, as Llama 3.1/3.2
 # files carry them); `llama3-vocab` takes Llama 3's tokenizer (128,256
-# tokens, the real files' embedding and logits size) instead of SmolLM2's.
-# E.g. llama-1b:f16:rope-freqs:llama3-vocab, a Llama-3.2-1B twin.
+# tokens, the real files' embedding and logits size) instead of SmolLM2's;
+# `q6k-logits` writes the logits matrix as Q6_K, as llama.cpp's quantizer
+# does for a Q4_0 model (the embedding too when tied).
+# E.g. llama-1b:f16:rope-freqs:llama3-vocab, a Llama-3.2-1B twin;
+# llama-8b:q4_0:rope-freqs:llama3-vocab:q6k-logits, a Llama-3.1-8B Q4_0's.
 each_shape() { # LIST FUNC
     local spec shape type flags flag name f tok
     local -a extra
@@ -735,6 +738,9 @@ each_shape() { # LIST FUNC
             case $flag in
                 rope-freqs) extra+=(--rope-freqs) ;;
                 llama3-vocab) tok=crates/akunu-core/tests/data/tokenizer/ggml-vocab-llama-bpe.gguf ;;
+                q6k-logits)
+                    # The output matrix (the embedding of a tied shape).
+                    if [ "$shape" = llama-8b ]; then extra+=(--output-type q6_k); else extra+=(--embedding-type q6_k); fi ;;
                 *) echo "each_shape: unknown flag $flag in $spec" >&2; return 1 ;;
             esac
             name=$name-$flag

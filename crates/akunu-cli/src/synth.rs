@@ -26,6 +26,11 @@ pub struct SynthArgs {
     /// default model's mix is `--type q4_1 --embedding-type q8_0`.
     #[arg(long, value_name = "TYPE", value_parser = parse_dtype)]
     pub embedding_type: Option<DType>,
+    /// Type of the output matrix (`output.weight`) instead of --type;
+    /// `--type q4_0 --output-type q6_k` is llama.cpp's default Q4_0 mix.
+    /// A tied shape has no output matrix (use --embedding-type).
+    #[arg(long, value_name = "TYPE", value_parser = parse_dtype)]
+    pub output_type: Option<DType>,
     /// Seed of the random weights (the same seed gives the same file).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -61,6 +66,7 @@ pub fn run(a: SynthArgs) -> Result<()> {
         arch: a.arch,
         dtype: a.dtype,
         embedding: a.embedding_type,
+        output: a.output_type,
         seed: a.seed,
         tokenizer_from,
         rope_freqs: a.rope_freqs,

@@ -288,6 +288,10 @@ pub struct SynthSpec {
     /// Type of the token embedding instead of `dtype` (the default model
     /// has Q4_1 matrices and a Q8_0 embedding); `None`: `dtype`.
     pub embedding: Option<DType>,
+    /// Type of `output.weight` instead of `dtype` (llama.cpp's quantizer
+    /// writes Q6_K there unless told `--pure`); `None`: `dtype`. A tied
+    /// model has no output matrix: its embedding type applies.
+    pub output: Option<DType>,
     pub seed: u64,
     /// Copy every `tokenizer.*` metadata key from this GGUF; the vocabulary
     /// size follows its token list. Required for the 49152-token shapes;
@@ -437,6 +441,17 @@ fn plan(p: &ShapeParams, arch: SynthArch, n_vocab: u64, rope_freqs: bool) -> Vec
     v
 }
 
+/// The type a planned tensor is written in.
+fn tensor_type(spec: &SynthSpec, t: &TensorPlan) -> DType {
+    let want = match t.init {
+        Init::Norm | Init::Bias | Init::RopeFreqs => return DType::F32,
+        Init::Matrix if t.name == "token_embd.weight" => spec.embedding,
+        Init::Matrix if t.name == "output.weight" => spec.output,
+        Init::Matrix => None,
+    };
+    matrix_type(want.unwrap_or(spec.dtype), t.dims[0])
+}
+
 /// [`write_synthetic`] with an explicit thread count (the output does not
 /// depend on it).
 pub(crate) fn write_synthetic_threads(
@@ -510,13 +525,7 @@ pub(crate) fn write_synthetic_threads(
         .into_iter()
         .enumerate()
     {
-        let dtype = match t.init {
-            Init::Matrix if t.name == "token_embd.weight" => {
-                matrix_type(spec.embedding.unwrap_or(spec.dtype), t.dims[0])
-            }
-            Init::Matrix => matrix_type(spec.dtype, t.dims[0]),
-            Init::Norm | Init::Bias | Init::RopeFreqs => DType::F32,
-        };
+        let dtype = tensor_type(spec, &t);
         let dims = t.dims.clone();
         w.tensor_stream(t.name, &t.dims, dtype, move |out: &mut dyn Write| {
             generate_tensor(out, &dims, dtype, t.init, seed, index as u64, threads)
@@ -729,6 +738,7 @@ mod tests {
             seed,
             tokenizer_from: None,
             embedding: None,
+            output: None,
             rope_freqs: false,
         }
     }
@@ -1007,6 +1017,31 @@ mod tests {
     }
 
     #[test]
+    fn output_type_applies_to_the_output_alone() {
+        // llama.cpp's default Q4_0 mix: Q6_K logits. The untied shape's
+        // plan (llama-8b: writing it would take gigabytes).
+        let s = SynthSpec {
+            shape: Shape::Llama8B,
+            output: Some(DType::Q6_K),
+            ..spec(DType::Q4_0, 5)
+        };
+        let tensors = plan(&s.shape.params(), s.arch, 128, false);
+        let ty = |n: &str| tensor_type(&s, tensors.iter().find(|t| t.name == n).unwrap());
+        assert_eq!(ty("output.weight"), DType::Q6_K);
+        assert_eq!(ty("token_embd.weight"), DType::Q4_0);
+        assert_eq!(ty("blk.0.attn_q.weight"), DType::Q4_0);
+        assert_eq!(ty("blk.31.ffn_down.weight"), DType::Q4_0);
+        assert_eq!(ty("output_norm.weight"), DType::F32);
+        // Rows not whole super-blocks fall back as llama.cpp's do.
+        let t = TensorPlan {
+            name: "output.weight".into(),
+            dims: vec![576, 128],
+            init: Init::Matrix,
+        };
+        assert_eq!(tensor_type(&s, &t), DType::Q8_0);
+    }
+
+    #[test]
     fn parsing_and_errors() {
         for s in Shape::ALL {
             assert_eq!(s.name().parse::<Shape>().unwrap(), s);
@@ -1045,6 +1080,7 @@ mod tests {
                     seed: 0,
                     tokenizer_from: None,
                     embedding: None,
+                    output: None,
                     rope_freqs: false,
                 },
                 &mut |_, _| {},
@@ -1063,6 +1099,7 @@ mod tests {
             &SynthSpec {
                 tokenizer_from: Some("/nonexistent/x.gguf".into()),
                 embedding: None,
+                output: None,
                 ..spec(DType::F32, 0)
             },
             &mut |_, _| {},
@@ -1088,6 +1125,7 @@ mod tests {
             seed: 3,
             tokenizer_from: Some(src.clone()),
             embedding: None,
+            output: None,
             rope_freqs: false,
         };
         write_synthetic(&path, &s, &mut |_, _| {}).unwrap();

@@ -42,6 +42,7 @@ fn tiny_arch_model(arch: SynthArch, dtype: DType) -> Arc<Model> {
         seed: 7,
         tokenizer_from: None,
         embedding: None,
+        output: None,
         rope_freqs: false,
     };
     write_synthetic(&path, &spec, &mut |_, _| {}).expect("writing the synthetic model");

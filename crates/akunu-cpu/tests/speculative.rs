@@ -34,6 +34,7 @@ fn tiny_model(dtype: DType) -> Arc<Model> {
         seed: 11,
         tokenizer_from: None,
         embedding: None,
+        output: None,
         rope_freqs: false,
     };
     write_synthetic(&path, &spec, &mut |_, _| {}).expect("writing the synthetic model");

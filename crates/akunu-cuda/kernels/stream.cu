@@ -50,6 +50,21 @@
 #ifndef SD_Q4
 #define SD_Q4 0
 #endif
+// The Q4_0 form's output matrix (SD_OUT_Q6) or embedding (SD_EMB_Q6) in
+// the Q6 form (repack.rs q6k_stream_form: a Q6_K matrix, which llama.cpp's
+// quantizer writes for a Q4_0 model's logits, as the nibbles in Q4_0's
+// order, then the top two bits, then each 16 elements' f32 scale). A
+// logits tile's slice takes two stages: the nibbles (copied as Q4_0's
+// quants), then the top bits and the scales; the consumers OR the top
+// bits onto the nibbles and take the two 16-element halves of a block,
+// which the tensor-core products keep apart, each with its scale.
+#ifndef SD_OUT_Q6
+#define SD_OUT_Q6 0
+#endif
+#ifndef SD_EMB_Q6
+#define SD_EMB_Q6 0
+#endif
+static_assert(SD_Q4 || !(SD_OUT_Q6 || SD_EMB_Q6), "the Q6 form is the Q4_0 form's");
 // Measurement switches (wrong tokens; bench/RESULTS.md), bits of SD_DIAG:
 // 1, the Q4_0 form's consumers take each stage without computing; 2, no
 // wait for a tagged word (sd_poll takes what one load finds), so that the
@@ -61,7 +76,9 @@
 // work on it) and that thread's cycles in each section of a token
 // (SD_MARK; scripts/gpu.sh stream-clock sums them); 8, the Q4_0 form's
 // consumers load each stage but do not multiply; 16, the Q4_0 form's
-// producer copies every tile from its matrix's first (L2, not HBM).
+// producer copies every tile from its matrix's first (L2, not HBM); 32,
+// the Q6 form's consumers drop the top bits (a negative control for the
+// GPU tests).
 #ifndef SD_DIAG
 #define SD_DIAG 0
 #endif
@@ -271,7 +288,18 @@ __device__ __forceinline__ void sd_put(float* xs, u32 e, float v) {
 }
 // Element i of token's embedding row.
 __device__ __forceinline__ float sd_emb(const sd_w_t* emb, u32 vocab, u32 token, u32 i) {
-#if SD_Q4
+#if SD_EMB_Q6
+    // The Q6 form: the nibble, its top bits (word j of the block: byte
+    // 4 (j / 2) + i % 4, bits 4 (j % 2) + 2 (which half)), the scale.
+    const u64 e = (u64)token * D + i, blk = e >> 5;
+    const u32 w = i & 31u, j = (w & 15u) >> 2;
+    const u8 b = emb[blk * 16 + (w & 15u)];
+    const u32 nib = (w & 16u) ? b >> 4 : b & 15u;
+    const u8 hb = emb[(u64)vocab * (D / 2) + blk * 8 + (j >> 1) * 4 + (w & 3u)];
+    const u32 top = (hb >> ((j & 1u) * 4 + (w >> 4) * 2)) & 3u;
+    const float sc = ((const float*)(emb + (u64)vocab * (D / 2 + D / 4)))[e >> 4];
+    return sc * (float)((int)(nib | top << 4) - 32);
+#elif SD_Q4
     const u8 b = emb[(u64)token * (D / 2) + (i >> 5) * 16 + (i & 15u)];
     const int q = (int)((i & 16u) ? b >> 4 : b & 15u) - 8;
     return f16_to_f32(ld_u16(emb + (u64)vocab * (D / 2) + ((u64)token * (D / 32) + (i >> 5)) * 2)) * (float)q;
@@ -453,54 +481,96 @@ __device__ __forceinline__ void sd_tile_copy(void* dst, const u8* map, u32 x, u3
         : "memory");
 }
 
+// The producer's next stage (c's): waits until the consumers freed it, or
+// returns null once the chain ended before token t.
+__device__ __forceinline__ unsigned char* sd_take_stage(const SdRing& r, u32 c, u32 t, bool& ended,
+                                                        const volatile u32* last) {
+    const u32 st = c % SD_NST, n = c / SD_NST;
+    // try_wait may suspend the thread rather than spin (measured the same
+    // as test_wait's spin: bench/RESULTS.md, session 27).
+#if SD_DIAG & 4
+    const long long p0 = clock64();
+#endif
+    if (n > 0)
+        while (!sd_mbar_done<true>(&r.empty[st], (n - 1) & 1u)) {
+            if (t > *last) {
+                ended = true;
+                return nullptr;
+            }
+        }
+#if SD_DIAG & 4
+    sd_pclk += (unsigned long long)(clock64() - p0);
+#endif
+    if (t > *last) {
+        ended = true;
+        return nullptr;
+    }
+    return r.buf + (u64)st * SD_STB;
+}
+
 // The producer's side of product M of layer l (nl: the logits): for each
 // 16-row tile and slice, wait for a free stage (or learn that the chain
 // ended before token t), then copy the quants and scales with two
 // tensor-map copies (stream.rs: the maps of every matrix; rows past a
 // matrix's end land as zeros, and the copies count whole boxes). One copy
 // a row piece instead, 32 a stage, ran at 1.4 us a stage whatever its
-// bytes (bench/RESULTS.md, session 27).
+// bytes (bench/RESULTS.md, session 27). The Q6 form's logits tiles take
+// two stages (SD_OUT_Q6).
 template <int M>
 __device__ __forceinline__ void sd_produce(const SdArgs& a, u32 l, const SdRing& r, u32 t, u32& c, bool& ended,
                                            u64 policy, const volatile u32* last) {
     using T = Mat<M>;
+    constexpr bool Q6 = SD_OUT_Q6 && M == M_LOG;
     SdSeg sg[3];
     const int ns = sd_segs<M>(a, sg);
     for (int j = 0; j < ns; ++j) {
         const u8* map = a.maps + (u64)(sg[j].m == 7 ? a.nl * 7 : l * 7 + sg[j].m) * 2 * SD_MAP_BYTES;
         for (u32 i = 0; i < sg[j].n; i += 16) {
             for (u32 k = 0; k < (u32)T::KS; ++k) {
-                const u32 st = c % SD_NST, n = c / SD_NST;
-                // try_wait may suspend the thread rather than spin (measured
-                // the same as test_wait's spin: bench/RESULTS.md, session 27).
-#if SD_DIAG & 4
-                const long long p0 = clock64();
-#endif
-                if (n > 0)
-                    while (!sd_mbar_done<true>(&r.empty[st], (n - 1) & 1u)) {
-                        if (t > *last) {
-                            ended = true;
-                            return;
-                        }
-                    }
-#if SD_DIAG & 4
-                sd_pclk += (unsigned long long)(clock64() - p0);
-#endif
-                if (t > *last) {
-                    ended = true;
-                    return;
-                }
-                unsigned char* dst = r.buf + (u64)st * SD_STB;
-                mbar_expect_tx(&r.full[st], 16 * (T::KC / 2 + T::KC / 16));
+                unsigned char* dst = sd_take_stage(r, c, t, ended, last);
+                if (!dst) return;
+                u64* full = &r.full[c % SD_NST];
                 // SD_DIAG bit 16: every copy takes the matrix's first tile
                 // (from L2 after the first), so that HBM does not pace it.
                 const u32 kx = (SD_DIAG & 16) ? 0u : k, ry = (SD_DIAG & 16) ? 0u : sg[j].r0 + i;
-                sd_tile_copy(dst, map, kx * (T::KC / 8), ry, &r.full[st], policy);
-                sd_tile_copy(dst + 16 * (T::KC / 2), map + SD_MAP_BYTES, kx * (T::KC / 64), ry, &r.full[st], policy);
+                if constexpr (Q6) {
+                    // The nibbles in this stage; the top bits and the
+                    // scales (maps 1 and 2) in the next.
+                    mbar_expect_tx(full, 16 * (T::KC / 2));
+                    sd_tile_copy(dst, map, kx * (T::KC / 8), ry, full, policy);
+                    ++c;
+                    dst = sd_take_stage(r, c, t, ended, last);
+                    if (!dst) return;
+                    full = &r.full[c % SD_NST];
+                    mbar_expect_tx(full, 16 * (T::KC / 2));
+                    sd_tile_copy(dst, map + SD_MAP_BYTES, kx * (T::KC / 16), ry, full, policy);
+                    sd_tile_copy(dst + 16 * (T::KC / 4), map + 2 * SD_MAP_BYTES, kx * (T::KC / 16), ry, full,
+                                 policy);
+                } else {
+                    mbar_expect_tx(full, 16 * (T::KC / 2 + T::KC / 16));
+                    sd_tile_copy(dst, map, kx * (T::KC / 8), ry, full, policy);
+                    sd_tile_copy(dst + 16 * (T::KC / 2), map + SD_MAP_BYTES, kx * (T::KC / 64), ry, full, policy);
+                }
                 ++c;
             }
         }
     }
+}
+
+// Word w of a Q6 block's nibbles, w's top bits in bits 0-3 of each byte
+// (bits 0-1 for the low nibble's element, 2-3 for the high one's), as
+// tcg_q4_pairs gives a Q4_0 word: f16 pairs of q - 32, q = nibble | top
+// << 4 (1024 + q under 0x64, less 1056).
+// SD_DIAG bit 32 drops the top bits.
+#define SD_Q6_TOP ((SD_DIAG & 32) ? 0u : 0x0F0F0F0Fu)
+__device__ __forceinline__ void sd_q6_pairs(u32 w, u32 top, u32& l0, u32& l1, u32& h0, u32& h1) {
+    const u32 lo = (w & 0x0F0F0F0Fu) | ((top << 4) & 0x30303030u);
+    const u32 hi = ((w >> 4) & 0x0F0F0F0Fu) | ((top << 2) & 0x30303030u);
+    const u32 sub = 0x64206420u;  // 1056
+    l0 = hsub2_u(__byte_perm(lo, 0x64646464u, 0x4240), sub);
+    l1 = hsub2_u(__byte_perm(lo, 0x64646464u, 0x4341), sub);
+    h0 = hsub2_u(__byte_perm(hi, 0x64646464u, 0x4240), sub);
+    h1 = hsub2_u(__byte_perm(hi, 0x64646464u, 0x4341), sub);
 }
 
 // Tried and not kept (bench/RESULTS.md, session 29): the scales' tensor
@@ -523,6 +593,7 @@ template <int M>
 __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer&, const SdRing& r, const float* xs,
                                            float* part, u32& c, const uint4* zeros) {
     using T = Mat<M>;
+    constexpr bool Q6 = SD_OUT_Q6 && M == M_LOG;
     constexpr int NGW = T::GPS / SD_CW;  // groups a warp takes of each chunk
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31u, g = lane >> 2, t = lane & 3u;
     const u32* img = (const u32*)xs;
@@ -537,24 +608,39 @@ __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer&, cons
 #endif
             for (u32 k = 0; k < (u32)T::KS; ++k) {
                 const u32 s = c % SD_NST, n = c / SD_NST;
+                // The Q6 form's second stage: the top bits, then the scales.
+                const u32 s2 = (c + 1) % SD_NST, n2 = (c + 1) / SD_NST;
                 SD_CLK_BEGIN(0);
                 mbar_wait(&r.full[s], n & 1u);
+                if constexpr (Q6) mbar_wait(&r.full[s2], n2 & 1u);
                 SD_CLK_END(0);
                 SD_CLK_BEGIN(2);
                 const u8* st = r.buf + (u64)s * SD_STB;
+                const u8* st2 = r.buf + (u64)s2 * SD_STB;
                 // All of the warp's loads first, then its products in NGW x 2
                 // independent chains (measured the same as one group after
                 // another: bench/RESULTS.md, session 27).
                 uint4 qa[NGW], qb[NGW], bv[NGW][4];
                 float d0[NGW], d1[NGW];
+                // Q6: rows g's and g + 8's top bits and half-block scales.
+                uint2 ha[NGW], hb[NGW];
+                float2 sa[NGW], sb[NGW];
 #pragma unroll
                 for (int gi = 0; gi < NGW; ++gi) {
                     const u32 j = warp + gi * SD_CW, off = (j * 4 + t) * 16;
                     qa[gi] = *(const uint4*)(st + g * (T::KC / 2) + off);
                     qb[gi] = *(const uint4*)(st + (g + 8) * (T::KC / 2) + off);
-                    const u8* sc = st + 16 * (T::KC / 2) + (j * 4 + t) * 2;
-                    d0[gi] = f16_to_f32(*(const u16*)(sc + g * (T::KC / 16)));
-                    d1[gi] = f16_to_f32(*(const u16*)(sc + (g + 8) * (T::KC / 16)));
+                    if constexpr (Q6) {
+                        const u8* hs = st2 + (j * 4 + t) * 8;
+                        ha[gi] = *(const uint2*)(hs + g * (T::KC / 4));
+                        hb[gi] = *(const uint2*)(hs + (g + 8) * (T::KC / 4));
+                        sa[gi] = *(const float2*)(hs + 16 * (T::KC / 4) + g * (T::KC / 4));
+                        sb[gi] = *(const float2*)(hs + 16 * (T::KC / 4) + (g + 8) * (T::KC / 4));
+                    } else {
+                        const u8* sc = st + 16 * (T::KC / 2) + (j * 4 + t) * 2;
+                        d0[gi] = f16_to_f32(*(const u16*)(sc + g * (T::KC / 16)));
+                        d1[gi] = f16_to_f32(*(const u16*)(sc + (g + 8) * (T::KC / 16)));
+                    }
                     const uint4* bp = feeds ? (const uint4*)(img + (k * T::GPS + j) * 128 + g * 4) : zeros;
 #pragma unroll
                     for (int w = 0; w < 4; ++w) bv[gi][w] = bp[w * 8];
@@ -581,23 +667,45 @@ __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer&, cons
                             const u32 wa = w == 0 ? qa[gi].x : w == 1 ? qa[gi].y : w == 2 ? qa[gi].z : qa[gi].w;
                             const u32 wb = w == 0 ? qb[gi].x : w == 1 ? qb[gi].y : w == 2 ? qb[gi].z : qb[gi].w;
                             u32 lo[4], hi[4];
-                            tcg_q4_pairs<false>(wa, lo[0], lo[2], hi[0], hi[2]);
-                            tcg_q4_pairs<false>(wb, lo[1], lo[3], hi[1], hi[3]);
+                            if constexpr (Q6) {
+                                // Word w's top bits: nibble w % 2 of each
+                                // byte of word w / 2.
+                                const u32 sh = (w & 1) * 4;
+                                const u32 ta = ((w < 2 ? ha[gi].x : ha[gi].y) >> sh) & SD_Q6_TOP;
+                                const u32 tb = ((w < 2 ? hb[gi].x : hb[gi].y) >> sh) & SD_Q6_TOP;
+                                sd_q6_pairs(wa, ta, lo[0], lo[2], hi[0], hi[2]);
+                                sd_q6_pairs(wb, tb, lo[1], lo[3], hi[1], hi[3]);
+                            } else {
+                                tcg_q4_pairs<false>(wa, lo[0], lo[2], hi[0], hi[2]);
+                                tcg_q4_pairs<false>(wb, lo[1], lo[3], hi[1], hi[3]);
+                            }
                             mma_f16(cc[gi][0], lo, bv[gi][w].x, bv[gi][w].y);
                             mma_f16(cc[gi][1], hi, bv[gi][w].z, bv[gi][w].w);
                         }
                     }
 #pragma unroll
                     for (int gi = 0; gi < NGW; ++gi) {
-                        acc0 = fmaf(d0[gi], (cc[gi][0][0] + cc[gi][1][0]) + (cc[gi][0][1] + cc[gi][1][1]), acc0);
-                        acc1 = fmaf(d1[gi], (cc[gi][0][2] + cc[gi][1][2]) + (cc[gi][0][3] + cc[gi][1][3]), acc1);
+                        if constexpr (Q6) {
+                            // Products 2w took a block's first 16 elements
+                            // (cc[gi][0]), 2w + 1 its last (cc[gi][1]).
+                            acc0 = fmaf(sa[gi].x, cc[gi][0][0] + cc[gi][0][1], acc0);
+                            acc0 = fmaf(sa[gi].y, cc[gi][1][0] + cc[gi][1][1], acc0);
+                            acc1 = fmaf(sb[gi].x, cc[gi][0][2] + cc[gi][0][3], acc1);
+                            acc1 = fmaf(sb[gi].y, cc[gi][1][2] + cc[gi][1][3], acc1);
+                        } else {
+                            acc0 = fmaf(d0[gi], (cc[gi][0][0] + cc[gi][1][0]) + (cc[gi][0][1] + cc[gi][1][1]), acc0);
+                            acc1 = fmaf(d1[gi], (cc[gi][0][2] + cc[gi][1][2]) + (cc[gi][0][3] + cc[gi][1][3]), acc1);
+                        }
                     }
                 }
 #endif
                 __syncwarp();
-                if (lane == 0) sd_mbar_arrive(&r.empty[s]);  // the stage is read
+                if (lane == 0) {
+                    sd_mbar_arrive(&r.empty[s]);  // the stage is read
+                    if constexpr (Q6) sd_mbar_arrive(&r.empty[s2]);
+                }
                 SD_CLK_END(2);
-                ++c;
+                c += Q6 ? 2 : 1;
             }
             acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
             acc0 += __shfl_xor_sync(0xffffffffu, acc0, 2);

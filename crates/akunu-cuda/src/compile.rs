@@ -336,19 +336,29 @@ mod tests {
         // The streaming decode module at the 1B and 8B shapes, F16
         // and Q4_0 (the stages and splits a 132-SM device gets): greedy with
         // each KV cache type, and a sampled table's module (the in-kernel
-        // sampler).
-        for (d, kvd, ff, nst, q4) in [
-            (2048, 512, 8192, 5, false),
-            (4096, 1024, 14336, 4, false),
-            (2048, 512, 8192, 5, true),
-            (4096, 1024, 14336, 4, true),
+        // sampler); Q4_0 with llama.cpp's Q6_K logits (8B: the output
+        // matrix; 1B: tied, the embedding too), greedy and sampled.
+        let q6_out: &[&str] = &["-DSD_OUT_Q6=1"];
+        let q6_tied: &[&str] = &["-DSD_OUT_Q6=1", "-DSD_EMB_Q6=1"];
+        for (d, kvd, ff, nst, q4, q6) in [
+            (2048, 512, 8192, 5, false, &[][..]),
+            (4096, 1024, 14336, 4, false, &[]),
+            (2048, 512, 8192, 5, true, &[]),
+            (4096, 1024, 14336, 4, true, &[]),
+            (2048, 512, 8192, 5, true, q6_tied),
+            (4096, 1024, 14336, 4, true, q6_out),
         ] {
             let geo = crate::stream::shape_fits(d, d, kvd, ff, 32, 49152, 132, q4).unwrap();
-            for (kv, sampled) in [
-                (super::KvType::F16, false),
-                (super::KvType::F32, false),
-                (super::KvType::F16, true),
-            ] {
+            let kinds: &[_] = if q6.is_empty() {
+                &[
+                    (super::KvType::F16, false),
+                    (super::KvType::F32, false),
+                    (super::KvType::F16, true),
+                ]
+            } else {
+                &[(super::KvType::F16, false), (super::KvType::F16, true)]
+            };
+            for &(kv, sampled) in kinds {
                 let mut o = super::options("sm_90", super::Module::Persistent);
                 let att = crate::stream::att_floats(128, geo.cw, 4096, 4);
                 let lay = crate::stream::layout(d, d, kvd, ff, 49152, 132, geo.cw, att);
@@ -359,6 +369,7 @@ mod tests {
                 if sampled {
                     o.push("-DSD_SAMPLED=1".into());
                 }
+                o.extend(q6.iter().map(|s| s.to_string()));
                 let bin =
                     super::compile(&super::stream_source(), &o).unwrap_or_else(|e| panic!("{e}"));
                 assert!(bin.len() > 1000);

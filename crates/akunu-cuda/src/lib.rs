@@ -188,6 +188,10 @@ pub struct CudaBackend {
     persist_plans: HashMap<u64, Result<persist::Plan, String>>,
     persist_owned: persist::Owned,
     persist_chains: Arc<AtomicU64>,
+    /// The streaming kernel's forms of Q6_K matrices (`stream::q6_form`),
+    /// by the matrix's device pointer: made once, shared by a model's
+    /// greedy and sampled plans, held in `persist_owned`.
+    pub(crate) q6_forms: std::sync::Mutex<HashMap<Dptr, Dptr>>,
 }
 
 // SAFETY: the raw handles (streams, module, functions, device pointers,
@@ -297,6 +301,7 @@ impl CudaBackend {
             persist_plans: HashMap::new(),
             persist_owned: persist::Owned::default(),
             persist_chains: Arc::new(AtomicU64::new(0)),
+            q6_forms: std::sync::Mutex::new(HashMap::new()),
         })
     }
 

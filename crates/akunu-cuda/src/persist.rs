@@ -577,9 +577,10 @@ pub(crate) struct Shape {
 /// The model read off a greedy (or sampled) llama table, or why the kernel
 /// cannot run it.
 /// `mats`: the matrices' type. F16 or Q4_0 (the streaming kernel,
-/// `stream.rs`): the embedding and output of that type too, heads of 64 or
-/// 128. Q4_1 (this kernel): a Q4_1 or Q8_0 embedding and output, heads of
-/// 64.
+/// `stream.rs`): the embedding and output of that type too, or for Q4_0
+/// of Q6_K (llama.cpp's default mix; `emb_q8`/`out_q8` 2), heads of 64 or
+/// 128. Q4_1 (this kernel): a Q4_1 or Q8_0 embedding and output
+/// (`emb_q8`/`out_q8` 0 or 1), heads of 64.
 pub(crate) fn read_shape(
     be: &CudaBackend,
     table: &DispatchTable,
@@ -626,8 +627,12 @@ pub(crate) fn read_shape(
             DType::from_ggml(dt).map_or_else(|| format!("type {dt}"), |t| t.name().to_string());
         match dt {
             x if streaming && x == mats as u32 => Ok(0),
+            x if mats == DType::Q4_0 && x == DType::Q6_K as u32 => Ok(2),
             x if !streaming && x == DType::Q8_0 as u32 => Ok(1),
             x if !streaming && x == DType::Q4_1 as u32 => Ok(0),
+            _ if mats == DType::Q4_0 => Err(format!(
+                "an embedding or output of {name} (Q4_0 or Q6_K only)"
+            )),
             _ if streaming => Err(format!(
                 "an embedding or output of {name} ({} only)",
                 mats.name()

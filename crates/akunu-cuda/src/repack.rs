@@ -82,6 +82,91 @@ pub fn repack_blocks(dt: DType, data: &[u8]) -> Result<Option<Vec<u8>>, String> 
     Ok(Some(out))
 }
 
+/// Bytes of a Q6_K super-block (256 elements: low nibbles, top bits,
+/// sixteen int8 scales, the f16 scale).
+const Q6K_BLOCK: usize = 210;
+
+/// The streaming kernel's form of a Q6_K matrix (stream.cu `SD_OUT_Q6`:
+/// llama.cpp's quantizer writes the output matrix of a Q4_0 model as
+/// Q6_K). `rows` rows of `k` elements become three row-major arrays, each
+/// 32 elements a block as the Q4_0 form's tiles are:
+///
+/// - the low nibbles, 16 bytes a block in Q4_0's order (byte `i` holds
+///   element `i` in its low half and `i + 16` in its high half);
+/// - the top two bits, 8 bytes a block: element `e` (`j = (e % 16) / 4`,
+///   `b = e % 4`, `s = e / 16`) at bit `4 (j % 2) + 2 s` of byte
+///   `4 (j / 2) + b`, so that a kernel ORs them onto the nibbles of quant
+///   word `j` with two shifts and masks;
+/// - each 16 elements' scale as f32, the f16 scale times the int8 one
+///   (exact: 11 and 8 significant bits).
+///
+/// So element `e` of a row is `scale * (nibble | top << 4) - 32 scale`,
+/// what GGML's Q6_K decoding gives, in `rows * k` bytes (Q6_K's 6.56 bits
+/// an element become 8). Converted on `threads` threads.
+pub fn q6k_stream_form(
+    data: &[u8],
+    rows: usize,
+    k: usize,
+    threads: usize,
+) -> Result<Vec<u8>, String> {
+    if k == 0 || !k.is_multiple_of(256) {
+        return Err(format!(
+            "Q6_K rows of {k} elements are not whole 256-element blocks"
+        ));
+    }
+    let blocks = rows * (k / 256);
+    if data.len() != blocks * Q6K_BLOCK {
+        return Err(format!(
+            "{} bytes is not {rows} rows of {k} Q6_K elements ({} bytes)",
+            data.len(),
+            blocks * Q6K_BLOCK
+        ));
+    }
+    let mut out = vec![0u8; rows * k];
+    let (quants, rest) = out.split_at_mut(rows * k / 2);
+    let (highs, scales) = rest.split_at_mut(rows * k / 4);
+    // Super-block b (elements 256 b..) owns 128 quant, 64 top-bit and 64
+    // scale bytes: split all four by whole super-blocks over the threads.
+    let per = blocks.div_ceil(threads.max(1)).max(1);
+    std::thread::scope(|sc| {
+        let parts = data
+            .chunks(per * Q6K_BLOCK)
+            .zip(quants.chunks_mut(per * 128))
+            .zip(highs.chunks_mut(per * 64))
+            .zip(scales.chunks_mut(per * 64));
+        for (((src, q), h), s) in parts {
+            sc.spawn(move || q6k_blocks(src, q, h, s));
+        }
+    });
+    Ok(out)
+}
+
+/// [`q6k_stream_form`] of whole super-blocks.
+fn q6k_blocks(src: &[u8], quants: &mut [u8], highs: &mut [u8], scales: &mut [u8]) {
+    for (b, blk) in src.chunks_exact(Q6K_BLOCK).enumerate() {
+        let (ql, rest) = blk.split_at(128);
+        let (qh, rest) = rest.split_at(64);
+        let (sc, d) = rest.split_at(16);
+        let d = half::f16::from_bits(u16::from_le_bytes([d[0], d[1]])).to_f32();
+        let (q, h) = (&mut quants[128 * b..][..128], &mut highs[64 * b..][..64]);
+        // GGML's order: element 128 g + 32 t + l (g < 2, t < 4, l < 32)
+        // has its nibble in ql[64 g + 32 (t % 2) + l] (the high half for
+        // t >= 2) and its top bits at bit 2 t of qh[32 g + l].
+        for i in 0..256 {
+            let (g, t, l) = (i / 128, (i / 32) % 4, i % 32);
+            let nib = (ql[64 * g + 32 * (t % 2) + l] >> (4 * (t / 2))) & 15;
+            let top = (qh[32 * g + l] >> (2 * t)) & 3;
+            let (blk32, e) = (i / 32, i % 32);
+            q[16 * blk32 + e % 16] |= nib << (4 * (e / 16));
+            let j = (e % 16) / 4;
+            h[8 * blk32 + 4 * (j / 2) + e % 4] |= top << (4 * (j % 2) + 2 * (e / 16));
+        }
+        for (i, &s) in sc.iter().enumerate() {
+            scales[64 * b + 4 * i..][..4].copy_from_slice(&(d * s as i8 as f32).to_le_bytes());
+        }
+    }
+}
+
 /// Checks that every repacked buffer `cmd` binds is read by a kernel that
 /// understands the layout, bound whole, with the row count the kernel will
 /// assume; and that no kernel reads GGML-layout blocks of a repacked type.
@@ -190,6 +275,55 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Element `e` of row `r` of a [`q6k_stream_form`], decoded as
+    /// stream.cu's `sd_emb` reads it.
+    fn q6_form_elem(form: &[u8], rows: usize, k: usize, r: usize, e: usize) -> f32 {
+        let (x, w) = ((r * k + e) / 32, e % 32);
+        let nib = (form[16 * x + w % 16] >> (4 * (w / 16))) & 15;
+        let j = (w % 16) / 4;
+        let hb = form[rows * k / 2 + 8 * x + 4 * (j / 2) + w % 4];
+        let top = (hb >> (4 * (j % 2) + 2 * (w / 16))) & 3;
+        let at = rows * k * 3 / 4 + 4 * ((r * k + e) / 16);
+        let scale = f32::from_le_bytes(form[at..at + 4].try_into().unwrap());
+        scale * ((nib | top << 4) as i32 - 32) as f32
+    }
+
+    #[test]
+    fn q6k_stream_form_decodes_to_the_cpu_values() {
+        // Random Q6_K blocks (every bit pattern of quants and scales), but
+        // a finite f16 scale: rows of 512, over 1 and 3 threads.
+        let (rows, k) = (5, 512);
+        let mut seed = 0x2545f4914f6cdd1du64;
+        let mut data: Vec<u8> = (0..rows * (k / 256) * Q6K_BLOCK)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                (seed >> 32) as u8
+            })
+            .collect();
+        for blk in data.chunks_exact_mut(Q6K_BLOCK) {
+            blk[208..].copy_from_slice(&half::f16::from_f32(0.0123).to_bits().to_le_bytes());
+        }
+        for threads in [1, 3] {
+            let form = q6k_stream_form(&data, rows, k, threads).unwrap();
+            assert_eq!(form.len(), rows * k);
+            for r in 0..rows {
+                let mut want = vec![0f32; k];
+                let row = &data[r * (k / 256) * Q6K_BLOCK..][..(k / 256) * Q6K_BLOCK];
+                akunu_cpu::quant::dequant_row(DType::Q6_K, row, k, &mut want);
+                for (e, &w) in want.iter().enumerate() {
+                    let got = q6_form_elem(&form, rows, k, r, e);
+                    assert_eq!(got.to_bits(), w.to_bits(), "row {r} elem {e}: {got} vs {w}");
+                }
+            }
+        }
+        let e = q6k_stream_form(&data[..400], rows, k, 1).unwrap_err();
+        assert!(e.contains("5 rows of 512 Q6_K elements"), "{e}");
+        let e = q6k_stream_form(&data, rows, 576, 1).unwrap_err();
+        assert!(e.contains("whole 256-element blocks"), "{e}");
     }
 
     #[test]

@@ -16,12 +16,15 @@
 //! Q4_0 models get the module's `SD_Q4` form: stages of 16-row tiles over
 //! a slice of their columns ([`q4_slices`]), each copied by two tensor-map
 //! copies (quants and scales: [`q4_maps`]), multiplied on the tensor cores.
+//! A Q6_K output matrix or embedding (llama.cpp's default Q4_0 mix) is
+//! converted once into the kernel's Q6 form ([`q6_form`]), whose logits
+//! tiles take two stages each (`SD_OUT_Q6`, `SD_EMB_Q6`).
 //!
 //! On by default on sm_90 (as the persistent kernel is); `AKUNU_CUDA_STREAM=0`
 //! keeps such models on the graph.
 
 use crate::CudaBackend;
-use crate::device::alloc;
+use crate::device::{alloc, check};
 use crate::persist::{
     Args, CANDS, Owned, PARTS, PdArgs, PdLayer, Plan, SampArgs, VPT, load_kernel, read_shape,
     sample_smem, upload,
@@ -281,34 +284,7 @@ fn q4_maps(layers: &[PdLayer], p: &PdArgs, ks: [u32; 3]) -> Result<Vec<u64>, Str
             (base, k / 8, kc / 8),
             (base + rows * k / 2, k / 64, kc / 64),
         ] {
-            let mut map = sys::CUtensorMap { opaque: [0; 16] };
-            let dims = [words, rows];
-            let strides = [words * 4];
-            let boxes = [box_words as u32, 16];
-            let elem = [1u32, 1];
-            // SAFETY: every pointer refers to a live local array of the rank
-            // the call is given (2 dims and box sizes, 1 stride); the map is
-            // a local the call writes.
-            let r = unsafe {
-                sys::cuTensorMapEncodeTiled(
-                    &mut map,
-                    sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT32,
-                    2,
-                    addr as *mut std::ffi::c_void,
-                    dims.as_ptr(),
-                    strides.as_ptr(),
-                    boxes.as_ptr(),
-                    elem.as_ptr(),
-                    sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-                    sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
-                    promotion,
-                    sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-                )
-            };
-            if r != sys::CUresult::CUDA_SUCCESS {
-                return Err(format!("encoding a tensor map of a Q4_0 matrix: {r:?}"));
-            }
-            out.extend_from_slice(&map.opaque);
+            out.extend_from_slice(&tensor_map(addr, rows, words, box_words, promotion)?);
         }
         Ok(())
     };
@@ -322,8 +298,104 @@ fn q4_maps(layers: &[PdLayer], p: &PdArgs, ks: [u32; 3]) -> Result<Vec<u64>, Str
         add(up, ff, d, ks[0])?;
         add(down, d, ff, ks[2])?;
     }
-    add(p.out, p.vocab as u64, d, ks[0])?;
+    if p.out_q8 == Q6 {
+        // The Q6 form (repack.rs `q6k_stream_form`): the nibbles as Q4_0's
+        // quants, then the top bits and the f32 scales, k / 16 words a row
+        // each, taken in the same slices.
+        let (rows, kc) = (p.vocab as u64, d / ks[0] as u64);
+        for (addr, words, box_words) in [
+            (p.out, d / 8, kc / 8),
+            (p.out + rows * d / 2, d / 16, kc / 16),
+            (p.out + rows * d * 3 / 4, d / 16, kc / 16),
+        ] {
+            out.extend_from_slice(&tensor_map(addr, rows, words, box_words, promotion)?);
+        }
+    } else {
+        add(p.out, p.vocab as u64, d, ks[0])?;
+    }
     Ok(out)
+}
+
+/// A tensor map of `rows` rows of `words` u32 words at `addr`, whose
+/// copies take boxes of 16 rows by `box_words`.
+fn tensor_map(
+    addr: u64,
+    rows: u64,
+    words: u64,
+    box_words: u64,
+    promotion: sys::CUtensorMapL2promotion,
+) -> Result<[u64; 16], String> {
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
+    let dims = [words, rows];
+    let strides = [words * 4];
+    let boxes = [box_words as u32, 16];
+    let elem = [1u32, 1];
+    // SAFETY: every pointer refers to a live local array of the rank the
+    // call is given (2 dims and box sizes, 1 stride); the map is a local
+    // the call writes.
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT32,
+            2,
+            addr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+            promotion,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(format!(
+            "encoding a tensor map of a quantized matrix: {r:?}"
+        ));
+    }
+    Ok(map.opaque)
+}
+
+/// `emb_q8` / `out_q8` of a Q6_K embedding or output (`persist::read_shape`).
+const Q6: u32 = 2;
+
+/// The kernel's form (repack.rs `q6k_stream_form`) of the Q6_K matrix at
+/// `src`, `rows` rows of `k`: made once a matrix (a model's greedy and
+/// sampled plans share it) by copying it to the host, converting it there
+/// and uploading the result, which `owned` then holds.
+fn q6_form(
+    be: &CudaBackend,
+    src: u64,
+    rows: u32,
+    k: u32,
+    owned: &mut Owned,
+) -> Result<Result<u64, String>, BackendError> {
+    let mut forms = be.q6_forms.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(&p) = forms.get(&src) {
+        return Ok(Ok(p));
+    }
+    let Some(bytes) = DType::Q6_K.bytes_for(rows as u64 * k as u64) else {
+        return Ok(Err(format!("Q6_K rows of {k} elements")));
+    };
+    let mut host = vec![0u8; bytes as usize];
+    // SAFETY: `src` is where the logits (or embedding) command reads
+    // `rows` Q6_K rows of `k` (read_shape), live weight memory; `host`
+    // holds that many bytes. Weights are written only at upload, which
+    // completed.
+    check(
+        unsafe { sys::cuMemcpyDtoH_v2(host.as_mut_ptr() as *mut _, src, host.len()) },
+        "reading a Q6_K matrix for the streaming kernel",
+    )?;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let form = match crate::repack::q6k_stream_form(&host, rows as usize, k as usize, threads) {
+        Ok(f) => f,
+        Err(why) => return Ok(Err(why)),
+    };
+    drop(host);
+    let p = upload(owned, &form, "streaming kernel's Q6_K form")?;
+    forms.insert(src, p);
+    Ok(Ok(p))
 }
 
 /// The macro definitions that specialise stream.cu.
@@ -414,7 +486,7 @@ pub(crate) fn plan(
         Ok(s) => s,
         Err(why) => return Ok(Err(why)),
     };
-    let p = shape.args;
+    let mut p = shape.args;
     let sampled = shape.sampler.is_some();
     let grid = be.sm_count();
     let geo = match shape_fits(p.d, p.qd, p.kvd, p.ff, p.nh, p.vocab, grid, q4) {
@@ -453,6 +525,20 @@ pub(crate) fn plan(
     let mut defs = defines(p.d, p.qd, p.kvd, p.ff, p.nh, p.nkv, lay, nst, att_s, geo);
     if sampled {
         defs.push("-DSD_SAMPLED=1".into());
+    }
+    // A Q6_K output or embedding (the same matrix when tied) in the
+    // kernel's Q6 form.
+    for (q6, ptr, def) in [
+        (p.out_q8 == Q6, &mut p.out, "-DSD_OUT_Q6=1"),
+        (p.emb_q8 == Q6, &mut p.emb, "-DSD_EMB_Q6=1"),
+    ] {
+        if q6 {
+            *ptr = match q6_form(be, *ptr, p.vocab, p.d, owned)? {
+                Ok(f) => f,
+                Err(why) => return Ok(Err(why)),
+            };
+            defs.push(def.into());
+        }
     }
     let f = match kernel_for(be, &defs, owned) {
         Ok(f) => f,

@@ -130,6 +130,7 @@ fn synth_loads(
         seed: 11,
         tokenizer_from: tokenizer,
         embedding: None,
+        output: None,
         rope_freqs,
     };
     write_synthetic(&path, &spec, &mut |_, _| {}).expect("writing a synthetic model");
@@ -904,6 +905,56 @@ fn streaming_q4_0_chain_matches_cpu() {
     drop(m);
     // Llama 3.1-8B's divisors: a table of 64 for heads of 128.
     persistent_rope_freqs_against_cpu(Shape::Llama8B, DType::Q4_0, 20, &opts);
+}
+
+/// llama.cpp's default Q4_0 mix on the streaming kernel: Q4_0 layers and
+/// Q6_K logits (the output matrix; a tied shape's embedding), which the
+/// kernel reads in its own Q6 form (repack.rs `q6k_stream_form`). Greedy
+/// tokens and each sampler mode against the CPU's on the llama-1b shape
+/// (tied: the embedding rows come from the Q6 form too), greedy on
+/// llama-8b (untied: the output matrix alone, two slices a tile). Before
+/// the form these models kept the graph, where `persistent_against_cpu`
+/// fails (no chain ran persistent).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
+fn streaming_q4_0_with_q6_k_logits_matches_cpu() {
+    let opts = GenerateOptions {
+        max_tokens: 32,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    for shape in [Shape::Llama1B, Shape::Llama8B] {
+        let tied = shape.params().tied;
+        let spec = SynthSpec {
+            shape,
+            arch: SynthArch::Llama,
+            dtype: DType::Q4_0,
+            seed: 11,
+            tokenizer_from: Some(vocab()),
+            embedding: tied.then_some(DType::Q6_K),
+            output: (!tied).then_some(DType::Q6_K),
+            rope_freqs: false,
+        };
+        let path = std::env::temp_dir().join(format!(
+            "akunu-gpu-test-{}-{shape}-q4_0-q6_k.gguf",
+            std::process::id()
+        ));
+        write_synthetic(&path, &spec, &mut |_, _| {}).expect("writing a synthetic model");
+        let m = Arc::new(Model::load(&path).expect("loading it"));
+        let _ = std::fs::remove_file(&path);
+        let logits = if tied { "token_embd.weight" } else { "output.weight" };
+        assert_eq!(m.file.tensor(logits).unwrap().dtype, DType::Q6_K);
+        assert_eq!(
+            m.file.tensor("blk.0.ffn_down.weight").unwrap().dtype,
+            DType::Q4_0
+        );
+        let what = format!("{shape} q4_0, q6_k logits, streaming");
+        let p = prompt(20, m.config.n_vocab);
+        persistent_against_cpu(&m, &p, &opts, &what);
+        if tied {
+            sampled_chains_against_cpu(&m, &p, 24, &format!("{what}, "));
+        }
+    }
 }
 
 /// The persistent kernel's greedy tokens against the CPU's (equal but after
