@@ -53,11 +53,11 @@
 // The Q4_0 form's output matrix (SD_OUT_Q6) or embedding (SD_EMB_Q6) in
 // the Q6 form (repack.rs q6k_stream_form: a Q6_K matrix, which llama.cpp's
 // quantizer writes for a Q4_0 model's logits, as the nibbles in Q4_0's
-// order, then the top two bits, then each 16 elements' f32 scale). A
-// logits tile's slice takes two stages: the nibbles (copied as Q4_0's
-// quants), then the top bits and the scales; the consumers OR the top
-// bits onto the nibbles and take the two 16-element halves of a block,
-// which the tensor-core products keep apart, each with its scale.
+// order, then the top two bits, each 16 elements' int8 scale and each 256
+// elements' f32 one). A logits tile's slice takes two stages: the nibbles
+// (copied as Q4_0's quants), then the rest; the consumers OR the top bits
+// onto the nibbles and take the two 16-element halves of a block, which
+// the tensor-core products keep apart, each with its scale.
 #ifndef SD_OUT_Q6
 #define SD_OUT_Q6 0
 #endif
@@ -290,15 +290,17 @@ __device__ __forceinline__ void sd_put(float* xs, u32 e, float v) {
 __device__ __forceinline__ float sd_emb(const sd_w_t* emb, u32 vocab, u32 token, u32 i) {
 #if SD_EMB_Q6
     // The Q6 form: the nibble, its top bits (word j of the block: byte
-    // 4 (j / 2) + i % 4, bits 4 (j % 2) + 2 (which half)), the scale.
+    // 4 (j / 2) + i % 4, bits 4 (j % 2) + 2 (which half)), the scales.
     const u64 e = (u64)token * D + i, blk = e >> 5;
     const u32 w = i & 31u, j = (w & 15u) >> 2;
     const u8 b = emb[blk * 16 + (w & 15u)];
     const u32 nib = (w & 16u) ? b >> 4 : b & 15u;
-    const u8 hb = emb[(u64)vocab * (D / 2) + blk * 8 + (j >> 1) * 4 + (w & 3u)];
+    const u64 n = (u64)vocab * D;
+    const u8 hb = emb[n / 2 + blk * 8 + (j >> 1) * 4 + (w & 3u)];
     const u32 top = (hb >> ((j & 1u) * 4 + (w >> 4) * 2)) & 3u;
-    const float sc = ((const float*)(emb + (u64)vocab * (D / 2 + D / 4)))[e >> 4];
-    return sc * (float)((int)(nib | top << 4) - 32);
+    const float sc = (float)(signed char)emb[n * 3 / 4 + (e >> 4)];
+    const float d = ((const float*)(emb + n * 13 / 16))[e >> 8];
+    return d * sc * (float)((int)(nib | top << 4) - 32);
 #elif SD_Q4
     const u8 b = emb[(u64)token * (D / 2) + (i >> 5) * 16 + (i & 15u)];
     const int q = (int)((i & 16u) ? b >> 4 : b & 15u) - 8;
@@ -534,18 +536,18 @@ __device__ __forceinline__ void sd_produce(const SdArgs& a, u32 l, const SdRing&
                 // (from L2 after the first), so that HBM does not pace it.
                 const u32 kx = (SD_DIAG & 16) ? 0u : k, ry = (SD_DIAG & 16) ? 0u : sg[j].r0 + i;
                 if constexpr (Q6) {
-                    // The nibbles in this stage; the top bits and the
-                    // scales (maps 1 and 2) in the next.
+                    // The nibbles in this stage; the top bits, the scales
+                    // and the super-block scales (maps 1-3) in the next.
                     mbar_expect_tx(full, 16 * (T::KC / 2));
                     sd_tile_copy(dst, map, kx * (T::KC / 8), ry, full, policy);
                     ++c;
                     dst = sd_take_stage(r, c, t, ended, last);
                     if (!dst) return;
                     full = &r.full[c % SD_NST];
-                    mbar_expect_tx(full, 16 * (T::KC / 2));
+                    mbar_expect_tx(full, 16 * (T::KC / 4 + T::KC / 16 + T::KC / 64));
                     sd_tile_copy(dst, map + SD_MAP_BYTES, kx * (T::KC / 16), ry, full, policy);
-                    sd_tile_copy(dst + 16 * (T::KC / 4), map + 2 * SD_MAP_BYTES, kx * (T::KC / 16), ry, full,
-                                 policy);
+                    sd_tile_copy(dst + 16 * (T::KC / 4), map + 2 * SD_MAP_BYTES, kx * (T::KC / 64), ry, full, policy);
+                    sd_tile_copy(dst + 16 * (T::KC / 4 + T::KC / 16), map + 3 * SD_MAP_BYTES, kx * (T::KC / 256), ry, full, policy);
                 } else {
                     mbar_expect_tx(full, 16 * (T::KC / 2 + T::KC / 16));
                     sd_tile_copy(dst, map, kx * (T::KC / 8), ry, full, policy);
@@ -631,11 +633,20 @@ __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer&, cons
                     qa[gi] = *(const uint4*)(st + g * (T::KC / 2) + off);
                     qb[gi] = *(const uint4*)(st + (g + 8) * (T::KC / 2) + off);
                     if constexpr (Q6) {
-                        const u8* hs = st2 + (j * 4 + t) * 8;
+                        // Block 4j + t's top bits and two int8 scales, its
+                        // super-block's scale (super-block j / 2 of the
+                        // slice), for rows g and g + 8.
+                        const u32 b = j * 4 + t;
+                        const u8* hs = st2 + b * 8;
                         ha[gi] = *(const uint2*)(hs + g * (T::KC / 4));
                         hb[gi] = *(const uint2*)(hs + (g + 8) * (T::KC / 4));
-                        sa[gi] = *(const float2*)(hs + 16 * (T::KC / 4) + g * (T::KC / 4));
-                        sb[gi] = *(const float2*)(hs + 16 * (T::KC / 4) + (g + 8) * (T::KC / 4));
+                        const u8* sc = st2 + 16 * (T::KC / 4) + b * 2;
+                        const u32 ca = *(const u16*)(sc + g * (T::KC / 16));
+                        const u32 cb = *(const u16*)(sc + (g + 8) * (T::KC / 16));
+                        const float* sup = (const float*)(st2 + 16 * (T::KC / 4 + T::KC / 16)) + j / 2;
+                        const float da = sup[g * (T::KC / 256)], db = sup[(g + 8) * (T::KC / 256)];
+                        sa[gi] = make_float2(da * (float)(signed char)ca, da * (float)(signed char)(ca >> 8));
+                        sb[gi] = make_float2(db * (float)(signed char)cb, db * (float)(signed char)(cb >> 8));
                     } else {
                         const u8* sc = st + 16 * (T::KC / 2) + (j * 4 + t) * 2;
                         d0[gi] = f16_to_f32(*(const u16*)(sc + g * (T::KC / 16)));

@@ -88,21 +88,24 @@ const Q6K_BLOCK: usize = 210;
 
 /// The streaming kernel's form of a Q6_K matrix (stream.cu `SD_OUT_Q6`:
 /// llama.cpp's quantizer writes the output matrix of a Q4_0 model as
-/// Q6_K). `rows` rows of `k` elements become three row-major arrays, each
-/// 32 elements a block as the Q4_0 form's tiles are:
+/// Q6_K). `rows` rows of `k` elements become four row-major arrays, so
+/// that a tile of rows over a slice of columns is four rectangular copies:
 ///
-/// - the low nibbles, 16 bytes a block in Q4_0's order (byte `i` holds
-///   element `i` in its low half and `i + 16` in its high half);
+/// - the low nibbles, 16 bytes a 32-element block in Q4_0's order (byte
+///   `i` holds element `i` in its low half and `i + 16` in its high half);
 /// - the top two bits, 8 bytes a block: element `e` (`j = (e % 16) / 4`,
 ///   `b = e % 4`, `s = e / 16`) at bit `4 (j % 2) + 2 s` of byte
 ///   `4 (j / 2) + b`, so that a kernel ORs them onto the nibbles of quant
 ///   word `j` with two shifts and masks;
-/// - each 16 elements' scale as f32, the f16 scale times the int8 one
-///   (exact: 11 and 8 significant bits).
+/// - the int8 scale of each 16 elements, as Q6_K has them;
+/// - the scale of each 256 elements, f32 (Q6_K's f16, which a 4-byte word
+///   keeps the rows' pitch a multiple of 16 bytes wherever `k` is a
+///   multiple of 1024).
 ///
-/// So element `e` of a row is `scale * (nibble | top << 4) - 32 scale`,
-/// what GGML's Q6_K decoding gives, in `rows * k` bytes (Q6_K's 6.56 bits
-/// an element become 8). Converted on `threads` threads.
+/// Element `e` of a row is then `d * sc * ((nibble | top << 4) - 32)`, as
+/// GGML's Q6_K decoding has it (and exactly: d * sc has 19 significant
+/// bits), in `rows * k * 53 / 64` bytes (6.625 bits an element; Q6_K's
+/// 210-byte blocks take 6.5625). Converted on `threads` threads.
 pub fn q6k_stream_form(
     data: &[u8],
     rows: usize,
@@ -122,27 +125,39 @@ pub fn q6k_stream_form(
             blocks * Q6K_BLOCK
         ));
     }
-    let mut out = vec![0u8; rows * k];
-    let (quants, rest) = out.split_at_mut(rows * k / 2);
-    let (highs, scales) = rest.split_at_mut(rows * k / 4);
-    // Super-block b (elements 256 b..) owns 128 quant, 64 top-bit and 64
-    // scale bytes: split all four by whole super-blocks over the threads.
+    let mut out = vec![0u8; blocks * Q6_FORM_BLOCK];
+    let (quants, rest) = out.split_at_mut(blocks * 128);
+    let (highs, rest) = rest.split_at_mut(blocks * 64);
+    let (scales, supers) = rest.split_at_mut(blocks * 16);
+    // Super-block b (elements 256 b..) owns 128 nibble, 64 top-bit, 16
+    // scale and 4 super-scale bytes: split all four by whole super-blocks
+    // over the threads.
     let per = blocks.div_ceil(threads.max(1)).max(1);
     std::thread::scope(|sc| {
         let parts = data
             .chunks(per * Q6K_BLOCK)
             .zip(quants.chunks_mut(per * 128))
             .zip(highs.chunks_mut(per * 64))
-            .zip(scales.chunks_mut(per * 64));
-        for (((src, q), h), s) in parts {
-            sc.spawn(move || q6k_blocks(src, q, h, s));
+            .zip(scales.chunks_mut(per * 16))
+            .zip(supers.chunks_mut(per * 4));
+        for ((((src, q), h), s), d) in parts {
+            sc.spawn(move || q6k_blocks(src, q, h, s, d));
         }
     });
     Ok(out)
 }
 
+/// Bytes of [`q6k_stream_form`] a super-block.
+const Q6_FORM_BLOCK: usize = 128 + 64 + 16 + 4;
+
 /// [`q6k_stream_form`] of whole super-blocks.
-fn q6k_blocks(src: &[u8], quants: &mut [u8], highs: &mut [u8], scales: &mut [u8]) {
+fn q6k_blocks(
+    src: &[u8],
+    quants: &mut [u8],
+    highs: &mut [u8],
+    scales: &mut [u8],
+    supers: &mut [u8],
+) {
     for (b, blk) in src.chunks_exact(Q6K_BLOCK).enumerate() {
         let (ql, rest) = blk.split_at(128);
         let (qh, rest) = rest.split_at(64);
@@ -161,9 +176,8 @@ fn q6k_blocks(src: &[u8], quants: &mut [u8], highs: &mut [u8], scales: &mut [u8]
             let j = (e % 16) / 4;
             h[8 * blk32 + 4 * (j / 2) + e % 4] |= top << (4 * (j % 2) + 2 * (e / 16));
         }
-        for (i, &s) in sc.iter().enumerate() {
-            scales[64 * b + 4 * i..][..4].copy_from_slice(&(d * s as i8 as f32).to_le_bytes());
-        }
+        scales[16 * b..][..16].copy_from_slice(sc);
+        supers[4 * b..][..4].copy_from_slice(&d.to_le_bytes());
     }
 }
 
@@ -280,14 +294,16 @@ mod tests {
     /// Element `e` of row `r` of a [`q6k_stream_form`], decoded as
     /// stream.cu's `sd_emb` reads it.
     fn q6_form_elem(form: &[u8], rows: usize, k: usize, r: usize, e: usize) -> f32 {
-        let (x, w) = ((r * k + e) / 32, e % 32);
+        let (at, n) = (r * k + e, rows * k);
+        let (x, w) = (at / 32, e % 32);
         let nib = (form[16 * x + w % 16] >> (4 * (w / 16))) & 15;
         let j = (w % 16) / 4;
-        let hb = form[rows * k / 2 + 8 * x + 4 * (j / 2) + w % 4];
+        let hb = form[n / 2 + 8 * x + 4 * (j / 2) + w % 4];
         let top = (hb >> (4 * (j % 2) + 2 * (w / 16))) & 3;
-        let at = rows * k * 3 / 4 + 4 * ((r * k + e) / 16);
-        let scale = f32::from_le_bytes(form[at..at + 4].try_into().unwrap());
-        scale * ((nib | top << 4) as i32 - 32) as f32
+        let sc = form[n * 3 / 4 + at / 16] as i8;
+        let d0 = n * 13 / 16 + 4 * (at / 256);
+        let d = f32::from_le_bytes(form[d0..d0 + 4].try_into().unwrap());
+        d * sc as f32 * ((nib | top << 4) as i32 - 32) as f32
     }
 
     #[test]
@@ -309,7 +325,7 @@ mod tests {
         }
         for threads in [1, 3] {
             let form = q6k_stream_form(&data, rows, k, threads).unwrap();
-            assert_eq!(form.len(), rows * k);
+            assert_eq!(form.len(), rows * k * 53 / 64);
             for r in 0..rows {
                 let mut want = vec![0f32; k];
                 let row = &data[r * (k / 256) * Q6K_BLOCK..][..(k / 256) * Q6K_BLOCK];

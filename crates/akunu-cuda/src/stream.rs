@@ -300,13 +300,16 @@ fn q4_maps(layers: &[PdLayer], p: &PdArgs, ks: [u32; 3]) -> Result<Vec<u64>, Str
     }
     if p.out_q8 == Q6 {
         // The Q6 form (repack.rs `q6k_stream_form`): the nibbles as Q4_0's
-        // quants, then the top bits and the f32 scales, k / 16 words a row
-        // each, taken in the same slices.
+        // quants, then the top bits (k / 16 words a row), the int8 scales
+        // (k / 64) and the super-block scales (k / 256), taken in the same
+        // slices.
         let (rows, kc) = (p.vocab as u64, d / ks[0] as u64);
+        let n = rows * d;
         for (addr, words, box_words) in [
             (p.out, d / 8, kc / 8),
-            (p.out + rows * d / 2, d / 16, kc / 16),
-            (p.out + rows * d * 3 / 4, d / 16, kc / 16),
+            (p.out + n / 2, d / 16, kc / 16),
+            (p.out + n * 3 / 4, d / 64, kc / 64),
+            (p.out + n * 13 / 16, d / 256, kc / 256),
         ] {
             out.extend_from_slice(&tensor_map(addr, rows, words, box_words, promotion)?);
         }

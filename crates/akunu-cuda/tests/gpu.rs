@@ -942,7 +942,11 @@ fn streaming_q4_0_with_q6_k_logits_matches_cpu() {
         write_synthetic(&path, &spec, &mut |_, _| {}).expect("writing a synthetic model");
         let m = Arc::new(Model::load(&path).expect("loading it"));
         let _ = std::fs::remove_file(&path);
-        let logits = if tied { "token_embd.weight" } else { "output.weight" };
+        let logits = if tied {
+            "token_embd.weight"
+        } else {
+            "output.weight"
+        };
         assert_eq!(m.file.tensor(logits).unwrap().dtype, DType::Q6_K);
         assert_eq!(
             m.file.tensor("blk.0.ffn_down.weight").unwrap().dtype,
