@@ -287,8 +287,10 @@ __device__ __forceinline__ void sd_put(float* xs, u32 e, float v) {
 #endif
 }
 // Element i of token's embedding row.
-__device__ __forceinline__ float sd_emb(const sd_w_t* emb, u32 vocab, u32 token, u32 i) {
 #if SD_EMB_Q6
+// Element i of token's row of the Q6 form; not inlined: inlined into the
+// embedding's loops it made the sampled module spill 96 bytes, not 12.
+__device__ __noinline__ float sd_emb_q6(const u8* emb, u32 vocab, u32 token, u32 i) {
     // The Q6 form: the nibble, its top bits (word j of the block: byte
     // 4 (j / 2) + i % 4, bits 4 (j % 2) + 2 (which half)), the scales.
     const u64 e = (u64)token * D + i, blk = e >> 5;
@@ -301,6 +303,11 @@ __device__ __forceinline__ float sd_emb(const sd_w_t* emb, u32 vocab, u32 token,
     const float sc = (float)(signed char)emb[n * 3 / 4 + (e >> 4)];
     const float d = ((const float*)(emb + n * 13 / 16))[e >> 8];
     return d * sc * (float)((int)(nib | top << 4) - 32);
+}
+#endif
+__device__ __forceinline__ float sd_emb(const sd_w_t* emb, u32 vocab, u32 token, u32 i) {
+#if SD_EMB_Q6
+    return sd_emb_q6(emb, vocab, token, i);
 #elif SD_Q4
     const u8 b = emb[(u64)token * (D / 2) + (i >> 5) * 16 + (i & 15u)];
     const int q = (int)((i & 16u) ? b >> 4 : b & 15u) - 8;
@@ -624,29 +631,19 @@ __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer&, cons
                 // another: bench/RESULTS.md, session 27).
                 uint4 qa[NGW], qb[NGW], bv[NGW][4];
                 float d0[NGW], d1[NGW];
-                // Q6: rows g's and g + 8's top bits and half-block scales.
+                // Q6: rows g's and g + 8's top bits.
                 uint2 ha[NGW], hb[NGW];
-                float2 sa[NGW], sb[NGW];
 #pragma unroll
                 for (int gi = 0; gi < NGW; ++gi) {
                     const u32 j = warp + gi * SD_CW, off = (j * 4 + t) * 16;
                     qa[gi] = *(const uint4*)(st + g * (T::KC / 2) + off);
                     qb[gi] = *(const uint4*)(st + (g + 8) * (T::KC / 2) + off);
                     if constexpr (Q6) {
-                        // Block 4j + t's top bits and two int8 scales, its
-                        // super-block's scale (super-block j / 2 of the
-                        // slice), for rows g and g + 8.
-                        const u32 b = j * 4 + t;
-                        const u8* hs = st2 + b * 8;
+                        // Block 4j + t's top bits for rows g and g + 8 (its
+                        // scales are read after the products).
+                        const u8* hs = st2 + (j * 4 + t) * 8;
                         ha[gi] = *(const uint2*)(hs + g * (T::KC / 4));
                         hb[gi] = *(const uint2*)(hs + (g + 8) * (T::KC / 4));
-                        const u8* sc = st2 + 16 * (T::KC / 4) + b * 2;
-                        const u32 ca = *(const u16*)(sc + g * (T::KC / 16));
-                        const u32 cb = *(const u16*)(sc + (g + 8) * (T::KC / 16));
-                        const float* sup = (const float*)(st2 + 16 * (T::KC / 4 + T::KC / 16)) + j / 2;
-                        const float da = sup[g * (T::KC / 256)], db = sup[(g + 8) * (T::KC / 256)];
-                        sa[gi] = make_float2(da * (float)(signed char)ca, da * (float)(signed char)(ca >> 8));
-                        sb[gi] = make_float2(db * (float)(signed char)cb, db * (float)(signed char)(cb >> 8));
                     } else {
                         const u8* sc = st + 16 * (T::KC / 2) + (j * 4 + t) * 2;
                         d0[gi] = f16_to_f32(*(const u16*)(sc + g * (T::KC / 16)));
@@ -697,12 +694,23 @@ __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer&, cons
 #pragma unroll
                     for (int gi = 0; gi < NGW; ++gi) {
                         if constexpr (Q6) {
+                            // Block 4j + t's two int8 scales and its
+                            // super-block's (j / 2 of the slice), rows g and
+                            // g + 8, read once the products are issued.
+                            const u32 j = warp + gi * SD_CW;
+                            const u8* sc = st2 + 16 * (T::KC / 4) + (j * 4 + t) * 2;
+                            const u32 ca = *(const u16*)(sc + g * (T::KC / 16));
+                            const u32 cb = *(const u16*)(sc + (g + 8) * (T::KC / 16));
+                            const float* sup = (const float*)(st2 + 16 * (T::KC / 4 + T::KC / 16)) + j / 2;
+                            const float da = sup[g * (T::KC / 256)], db = sup[(g + 8) * (T::KC / 256)];
+                            const float2 sa = make_float2(da * (float)(signed char)ca, da * (float)(signed char)(ca >> 8));
+                            const float2 sb = make_float2(db * (float)(signed char)cb, db * (float)(signed char)(cb >> 8));
                             // Products 2w took a block's first 16 elements
                             // (cc[gi][0]), 2w + 1 its last (cc[gi][1]).
-                            acc0 = fmaf(sa[gi].x, cc[gi][0][0] + cc[gi][0][1], acc0);
-                            acc0 = fmaf(sa[gi].y, cc[gi][1][0] + cc[gi][1][1], acc0);
-                            acc1 = fmaf(sb[gi].x, cc[gi][0][2] + cc[gi][0][3], acc1);
-                            acc1 = fmaf(sb[gi].y, cc[gi][1][2] + cc[gi][1][3], acc1);
+                            acc0 = fmaf(sa.x, cc[gi][0][0] + cc[gi][0][1], acc0);
+                            acc0 = fmaf(sa.y, cc[gi][1][0] + cc[gi][1][1], acc0);
+                            acc1 = fmaf(sb.x, cc[gi][0][2] + cc[gi][0][3], acc1);
+                            acc1 = fmaf(sb.y, cc[gi][1][2] + cc[gi][1][3], acc1);
                         } else {
                             acc0 = fmaf(d0[gi], (cc[gi][0][0] + cc[gi][1][0]) + (cc[gi][0][1] + cc[gi][1][1]), acc0);
                             acc1 = fmaf(d1[gi], (cc[gi][0][2] + cc[gi][1][2]) + (cc[gi][0][3] + cc[gi][1][3]), acc1);
