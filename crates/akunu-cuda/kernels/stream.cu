@@ -612,10 +612,9 @@ __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer&, cons
     for (int sj = 0; sj < ns; ++sj) {
         for (u32 i = 0; i < sg[sj].n; i += 16) {
             float acc0 = 0.0f, acc1 = 0.0f;
-            // SD_K_ROLLED keeps the Q4_0 tiles' loop rolled; the Q6
-            // form's (two slices on llama-8b) is unrolled either way.
-            constexpr int KU = (SD_K_ROLLED && !Q6) ? 1 : T::KS;
-#pragma unroll KU
+#if SD_K_ROLLED
+#pragma unroll 1
+#endif
             for (u32 k = 0; k < (u32)T::KS; ++k) {
                 const u32 s = c % SD_NST, n = c / SD_NST;
                 // The Q6 form's second stage: the top bits, then the scales.
