@@ -366,7 +366,8 @@ const Q6: u32 = 2;
 /// The kernel's form (repack.rs `q6k_stream_form`) of the Q6_K matrix at
 /// `src`, `rows` rows of `k`: made once a matrix (a model's greedy and
 /// sampled plans share it) by copying it to the host, converting it there
-/// and uploading the result, which `owned` then holds.
+/// and uploading the result, which `owned` then holds. Where the device has
+/// no room for it, the reason (the model then keeps the graph).
 fn q6_form(
     be: &CudaBackend,
     src: u64,
@@ -396,7 +397,16 @@ fn q6_form(
         Err(why) => return Ok(Err(why)),
     };
     drop(host);
-    let p = upload(owned, &form, "streaming kernel's Q6_K form")?;
+    // Without room for the form the model decodes on the graph, as before.
+    let p = match upload(owned, &form, "streaming kernel's Q6_K form") {
+        Ok(p) => p,
+        Err(e) => {
+            return Ok(Err(format!(
+                "the Q6_K matrix's form ({} MiB): {e}",
+                form.len() >> 20
+            )));
+        }
+    };
     forms.insert(src, p);
     Ok(Ok(p))
 }
