@@ -570,8 +570,9 @@ __device__ __forceinline__ void sd_produce(const SdArgs& a, u32 l, const SdRing&
 // (bits 0-1 for the low nibble's element, 2-3 for the high one's), as
 // tcg_q4_pairs gives a Q4_0 word: f16 pairs of q - 32, q = nibble | top
 // << 4 (1024 + q under 0x64, less 1056).
+// Bits 4-7 of each byte of top are not read (the masks drop them).
 // SD_DIAG bit 32 drops the top bits.
-#define SD_Q6_TOP ((SD_DIAG & 32) ? 0u : 0x0F0F0F0Fu)
+#define SD_Q6_TOP(x) ((SD_DIAG & 32) ? 0u : (x))
 __device__ __forceinline__ void sd_q6_pairs(u32 w, u32 top, u32& l0, u32& l1, u32& h0, u32& h1) {
     const u32 lo = (w & 0x0F0F0F0Fu) | ((top << 4) & 0x30303030u);
     const u32 hi = ((w >> 4) & 0x0F0F0F0Fu) | ((top << 2) & 0x30303030u);
@@ -679,8 +680,8 @@ __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer&, cons
                                 // Word w's top bits: nibble w % 2 of each
                                 // byte of word w / 2.
                                 const u32 sh = (w & 1) * 4;
-                                const u32 ta = ((w < 2 ? ha[gi].x : ha[gi].y) >> sh) & SD_Q6_TOP;
-                                const u32 tb = ((w < 2 ? hb[gi].x : hb[gi].y) >> sh) & SD_Q6_TOP;
+                                const u32 ta = SD_Q6_TOP((w < 2 ? ha[gi].x : ha[gi].y) >> sh);
+                                const u32 tb = SD_Q6_TOP((w < 2 ? hb[gi].x : hb[gi].y) >> sh);
                                 sd_q6_pairs(wa, ta, lo[0], lo[2], hi[0], hi[2]);
                                 sd_q6_pairs(wb, tb, lo[1], lo[3], hi[1], hi[3]);
                             } else {

@@ -97,6 +97,8 @@ pub(crate) struct PdArgs {
     pub ff: u32,
     pub vocab: u32,
     pub capacity: u32,
+    /// The embedding's and the output's types: 0 the kernel's own (Q4_1,
+    /// or F16 / Q4_0 on the streaming kernel), 1 Q8_0, [`Q6K_FORM`] Q6_K.
     pub emb_q8: u32,
     pub out_q8: u32,
     pub max_pos: u32,
@@ -574,11 +576,15 @@ pub(crate) struct Shape {
     pub sampler: Option<usize>,
 }
 
+/// `emb_q8` / `out_q8` of a Q6_K embedding or output: the streaming
+/// kernel reads it in its Q6 form (`stream::q6_form`).
+pub(crate) const Q6K_FORM: u32 = 2;
+
 /// The model read off a greedy (or sampled) llama table, or why the kernel
 /// cannot run it.
 /// `mats`: the matrices' type. F16 or Q4_0 (the streaming kernel,
 /// `stream.rs`): the embedding and output of that type too, or for Q4_0
-/// of Q6_K (llama.cpp's default mix; `emb_q8`/`out_q8` 2), heads of 64 or
+/// of Q6_K (llama.cpp's default mix; `emb_q8`/`out_q8` [`Q6K_FORM`]), heads of 64 or
 /// 128. Q4_1 (this kernel): a Q4_1 or Q8_0 embedding and output
 /// (`emb_q8`/`out_q8` 0 or 1), heads of 64.
 pub(crate) fn read_shape(
@@ -627,7 +633,7 @@ pub(crate) fn read_shape(
             DType::from_ggml(dt).map_or_else(|| format!("type {dt}"), |t| t.name().to_string());
         match dt {
             x if streaming && x == mats as u32 => Ok(0),
-            x if mats == DType::Q4_0 && x == DType::Q6_K as u32 => Ok(2),
+            x if mats == DType::Q4_0 && x == DType::Q6_K as u32 => Ok(Q6K_FORM),
             x if !streaming && x == DType::Q8_0 as u32 => Ok(1),
             x if !streaming && x == DType::Q4_1 as u32 => Ok(0),
             _ if mats == DType::Q4_0 => Err(format!(

@@ -126,9 +126,11 @@ pub fn q6k_stream_form(
         ));
     }
     let mut out = vec![0u8; blocks * Q6_FORM_BLOCK];
-    let (quants, rest) = out.split_at_mut(blocks * 128);
-    let (highs, rest) = rest.split_at_mut(blocks * 64);
-    let (scales, supers) = rest.split_at_mut(blocks * 16);
+    let [_, highs_at, scales_at, supers_at] =
+        q6_form_arrays((blocks * 256) as u64).map(|a| a as usize);
+    let (quants, rest) = out.split_at_mut(highs_at);
+    let (highs, rest) = rest.split_at_mut(scales_at - highs_at);
+    let (scales, supers) = rest.split_at_mut(supers_at - scales_at);
     // Super-block b (elements 256 b..) owns 128 nibble, 64 top-bit, 16
     // scale and 4 super-scale bytes: split all four by whole super-blocks
     // over the threads.
@@ -149,6 +151,12 @@ pub fn q6k_stream_form(
 
 /// Bytes of [`q6k_stream_form`] a super-block.
 const Q6_FORM_BLOCK: usize = 128 + 64 + 16 + 4;
+
+/// Where the four arrays of a [`q6k_stream_form`] of `n` elements start
+/// (nibbles, top bits, int8 scales, super-block scales), in bytes.
+pub fn q6_form_arrays(n: u64) -> [u64; 4] {
+    [0, n / 2, n / 2 + n / 4, n / 2 + n / 4 + n / 16]
+}
 
 /// [`q6k_stream_form`] of whole super-blocks.
 fn q6k_blocks(

@@ -26,8 +26,8 @@
 use crate::CudaBackend;
 use crate::device::{alloc, check};
 use crate::persist::{
-    Args, CANDS, Owned, PARTS, PdArgs, PdLayer, Plan, SampArgs, VPT, load_kernel, read_shape,
-    sample_smem, upload,
+    Args, CANDS, Owned, PARTS, PdArgs, PdLayer, Plan, Q6K_FORM, SampArgs, VPT, load_kernel,
+    read_shape, sample_smem, upload,
 };
 use akunu_core::backend::BackendError;
 use akunu_core::dtype::DType;
@@ -298,20 +298,15 @@ fn q4_maps(layers: &[PdLayer], p: &PdArgs, ks: [u32; 3]) -> Result<Vec<u64>, Str
         add(up, ff, d, ks[0])?;
         add(down, d, ff, ks[2])?;
     }
-    if p.out_q8 == Q6 {
+    if p.out_q8 == Q6K_FORM {
         // The Q6 form (repack.rs `q6k_stream_form`): the nibbles as Q4_0's
         // quants, then the top bits (k / 16 words a row), the int8 scales
         // (k / 64) and the super-block scales (k / 256), taken in the same
         // slices.
         let (rows, kc) = (p.vocab as u64, d / ks[0] as u64);
-        let n = rows * d;
-        for (addr, words, box_words) in [
-            (p.out, d / 8, kc / 8),
-            (p.out + n / 2, d / 16, kc / 16),
-            (p.out + n * 3 / 4, d / 64, kc / 64),
-            (p.out + n * 13 / 16, d / 256, kc / 256),
-        ] {
-            out.extend_from_slice(&tensor_map(addr, rows, words, box_words, promotion)?);
+        let at = crate::repack::q6_form_arrays(rows * d);
+        for (a, per) in at.into_iter().zip([8, 16, 64, 256]) {
+            out.extend_from_slice(&tensor_map(p.out + a, rows, d / per, kc / per, promotion)?);
         }
     } else {
         add(p.out, p.vocab as u64, d, ks[0])?;
@@ -359,9 +354,6 @@ fn tensor_map(
     }
     Ok(map.opaque)
 }
-
-/// `emb_q8` / `out_q8` of a Q6_K embedding or output (`persist::read_shape`).
-const Q6: u32 = 2;
 
 /// The kernel's form (repack.rs `q6k_stream_form`) of the Q6_K matrix at
 /// `src`, `rows` rows of `k`: made once a matrix (a model's greedy and
@@ -542,8 +534,8 @@ pub(crate) fn plan(
     // A Q6_K output or embedding (the same matrix when tied) in the
     // kernel's Q6 form.
     for (q6, ptr, def) in [
-        (p.out_q8 == Q6, &mut p.out, "-DSD_OUT_Q6=1"),
-        (p.emb_q8 == Q6, &mut p.emb, "-DSD_EMB_Q6=1"),
+        (p.out_q8 == Q6K_FORM, &mut p.out, "-DSD_OUT_Q6=1"),
+        (p.emb_q8 == Q6K_FORM, &mut p.emb, "-DSD_EMB_Q6=1"),
     ] {
         if q6 {
             *ptr = match q6_form(be, *ptr, p.vocab, p.d, owned)? {
