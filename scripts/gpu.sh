@@ -280,19 +280,27 @@ base_ab() {
 }
 
 # Block 0's cycles per phase kind (-DPD_TIMING) of one chain, greedy and
-# with each sampler mode of the kernel (dense, top-k with top-p).
+# with each sampler mode of the kernel (dense, top-k with top-p), from each
+# prompt length of PD_TIMING_DEPTHS (default "0"); PD_TIMING_MODES picks
+# the modes by label (default all four).
 persist_timing() {
     echo "== persistent decode: block 0's cycles a token, greedy and sampled"
-    local f s label defs args
+    local f s label defs args p
     f=$(smol_file)
-    # label | extra defines | bench arguments
-    for s in "greedy||" "greedy-on-the-sampler-build|-DPD_GREEDY_ONLY=0|" \
-        "dense||--temperature 0.8 --seed 1" "topk||--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1"; do
-        IFS='|' read -r label defs args <<<"$s"
-        # shellcheck disable=SC2086
-        AKUNU_CUDA_DEFINES="-DPD_TIMING $defs ${PERSIST_DEFINES:-}" timeout 120 "$BIN/akunu" bench -m "$f" \
-            --device cuda -p 0 -n 128 -r 1 --no-bandwidth $args 2>&1 | grep -E "persist timing|persist sampler|error" | tail -2 |
-            sed "s/^/$label: /" || true
+    for p in ${PD_TIMING_DEPTHS:-0}; do
+        # label | extra defines | bench arguments
+        for s in "greedy||" "greedy-on-the-sampler-build|-DPD_GREEDY_ONLY=0|" \
+            "dense||--temperature 0.8 --seed 1" "topk||--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1"; do
+            IFS='|' read -r label defs args <<<"$s"
+            case " ${PD_TIMING_MODES:-greedy greedy-on-the-sampler-build dense topk} " in
+            *" $label "*) ;;
+            *) continue ;;
+            esac
+            # shellcheck disable=SC2086
+            AKUNU_CUDA_DEFINES="-DPD_TIMING $defs ${PERSIST_DEFINES:-}" timeout 120 "$BIN/akunu" bench -m "$f" \
+                --device cuda -p "$p" -n 128 -r 1 --no-bandwidth $args 2>&1 |
+                grep -E "persist timing|persist sampler|error" | tail -2 | sed "s/^/$label p=$p: /" || true
+        done
     done
 }
 
@@ -300,7 +308,8 @@ persist_timing() {
 # greedy and sampled (the default model's settings) tg128 from position 0
 # for each define set of PERSIST_AB (as in persist), the sets alternating
 # within each of PD_AB_ROUNDS rounds (default 2); each set's module is
-# compiled by a short warm-up run first.
+# compiled by a short warm-up run first. PD_AB_DEPTHS: prompt lengths to
+# start from (default "0").
 pd_ab() {
     echo "== persistent decode variants: greedy and sampled tg128, sets alternating"
     local f r d s extra
@@ -310,14 +319,16 @@ pd_ab() {
             -r 1 --no-bandwidth >/dev/null 2>&1 || echo "$d: warm-up failed"
     done
     for r in $(seq "${PD_AB_ROUNDS:-2}"); do
-        for s in greedy sampled; do
-            extra=""
-            [ $s = sampled ] && extra="--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1"
-            for d in ${PERSIST_AB:-_}; do
-                # shellcheck disable=SC2086
-                AKUNU_CUDA_DEFINES="$(smb_defines "$d")" timeout 120 "$BIN/akunu" bench -m "$f" --device cuda -p 0 \
-                    -n 128 -r 5 --no-bandwidth $extra 2>&1 | grep -E "tg[0-9]|error" |
-                    sed "s/^/$s $d /" | sed 's/| akunu synthetic.*prefill//' || true
+        for p in ${PD_AB_DEPTHS:-0}; do
+            for s in greedy sampled; do
+                extra=""
+                [ $s = sampled ] && extra="--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1"
+                for d in ${PERSIST_AB:-_}; do
+                    # shellcheck disable=SC2086
+                    AKUNU_CUDA_DEFINES="$(smb_defines "$d")" timeout 120 "$BIN/akunu" bench -m "$f" --device cuda \
+                        -p "$p" -n 128 -r 5 --no-bandwidth $extra 2>&1 | grep -E "tg[0-9]|error" |
+                        sed "s/^/$s p=$p $d /" | sed 's/| akunu synthetic.*prefill//' || true
+                done
             done
         done
     done

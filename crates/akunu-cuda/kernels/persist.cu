@@ -633,7 +633,9 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
 #ifndef PD_BT_LAYER
 #define PD_BT_LAYER 15
 #endif
-    unsigned long long bt[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    // In shared memory, as tm below.
+    __shared__ unsigned long long bt[12];
+    if (threadIdx.x < 12) bt[threadIdx.x] = 0;
     bool bt_on = false;
 #define PD_BT(i)                                                                  \
     do {                                                                          \
@@ -648,8 +650,15 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
     // Phases 0-5 (qkv's dot products and stores, attention, o, gate|up's
     // dot products and stores, down, logits and token); 6-8 split qkv's
     // start: its rows' arrival (bulk copies), its h words' arrival, the
-    // norm; 9-10 gate|up's: its h words' arrival, the norm.
-    long long tm[15] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}, t0 = clock64();
+    // norm; 9-10 gate|up's: its h words' arrival, the norm; 15-16
+    // attention's: its q|k|v words' arrival (with the barrier after it),
+    // the scores with their max (1 then holds the rest).
+    // In shared memory (thread 0 of block 0 alone writes it) rather than a
+    // local array, which takes registers or a stack frame from the kernel
+    // it measures.
+    __shared__ long long tm[17];
+    if (threadIdx.x < 17) tm[threadIdx.x] = 0;
+    long long t0 = clock64();
     if (threadIdx.x < 12) pd_pt[threadIdx.x] = 0;
 // (PD_TMARK: a timing mark only; 14 and 11-13 split logits and token: the
 // h words and the norm, the dot products, the sampler's part, the wait on
@@ -907,6 +916,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                     qs[threadIdx.x] = which == 0 ? x : kv_round(x);
                 }
                 __syncthreads();
+                PD_TMARK(15);
                 float m = __int_as_float(0xff800000);  // -inf
                 for (u32 j = threadIdx.x; j <= pos; j += PD_THREADS) {
                     float s = 0.0f;
@@ -937,6 +947,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
 #pragma unroll
                 for (int i = 1; i < PD_WARPS; ++i) m = fmaxf(m, red[i]);
                 __syncthreads();
+                PD_TMARK(16);
                 float z = 0.0f;
                 for (u32 j = threadIdx.x; j <= pos; j += PD_THREADS) {
                     const float x = __expf(sc[j] - m);
@@ -1207,12 +1218,13 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             if (pd_bid() == 0 && threadIdx.x == 0)
                 printf("persist timing: %u tokens from %u, block 0 cycles a token: qkv %lld attn %lld o %lld gu %lld "
                        "down %lld logits+token %lld; qkv = rows %lld + h %lld + norm %lld + dots %lld; "
+                       "attn = q|k|v words %lld + scores %lld + rest %lld; "
                        "gu = h %lld + norm %lld + dots %lld; logits+token = h+norm %lld + dots %lld + part %lld + "
                        "wait %lld + pick %lld\n",
-                       t + 1, pos0, (tm[6] + tm[7] + tm[8] + tm[0]) / (t + 1), tm[1] / (t + 1), tm[2] / (t + 1),
-                       (tm[9] + tm[10] + tm[3]) / (t + 1), tm[4] / (t + 1),
+                       t + 1, pos0, (tm[6] + tm[7] + tm[8] + tm[0]) / (t + 1), (tm[15] + tm[16] + tm[1]) / (t + 1),
+                       tm[2] / (t + 1), (tm[9] + tm[10] + tm[3]) / (t + 1), tm[4] / (t + 1),
                        (tm[14] + tm[11] + tm[12] + tm[13] + tm[5]) / (t + 1), tm[6] / (t + 1), tm[7] / (t + 1),
-                       tm[8] / (t + 1), tm[0] / (t + 1), tm[9] / (t + 1), tm[10] / (t + 1), tm[3] / (t + 1),
+                       tm[8] / (t + 1), tm[0] / (t + 1), tm[15] / (t + 1), tm[16] / (t + 1), tm[1] / (t + 1), tm[9] / (t + 1), tm[10] / (t + 1), tm[3] / (t + 1),
                        tm[14] / (t + 1), tm[11] / (t + 1), tm[12] / (t + 1), tm[13] / (t + 1), tm[5] / (t + 1));
             if (pd_bid() == 0 && threadIdx.x == 0 && a.s.mode >= PD_SAMPLE_DENSE)
                 printf("persist sampler: part = bound+mass %lld + appends %lld + rank %lld; pick = loads+max+bound "
