@@ -213,194 +213,6 @@ __device__ __forceinline__ float4 pd_v4(const kv_t* V, u64 i) {
 #endif
 }
 
-// The attention phase's form. 1 (the default): pd_attend_warps, each warp
-// a contiguous run of the positions, its cache rows requested before the
-// wait on q, one barrier; 0: the block-wide form (one position a thread
-// for the scores, the softmax's max and sum across the block, then the
-// values by stripes: six barriers and the rows requested after the wait),
-// for A/B runs.
-#ifndef PD_ATT_WARPS
-#define PD_ATT_WARPS 1
-#endif
-// PD_ATT_POLL=1: in pd_attend_warps one warp polls the q, k and v words
-// and stages them (one barrier more) rather than every warp polling its
-// lanes' (A/B runs: 12 warps polling a head block's words each).
-#ifndef PD_ATT_POLL
-#define PD_ATT_POLL 0
-#endif
-// Positions a warp takes at most: MAX_POS (persist.rs) over the warps.
-#define PD_ATT_C 32
-// A lane's two cache elements of a row as loaded (f16 pair or two f32),
-// and as floats.
-#if KV_F16
-typedef u32 pd_kv2_t;
-__device__ __forceinline__ pd_kv2_t pd_kv2_load(const kv_t* p, u64 i) { return __ldg((const u32*)(p + i)); }
-__device__ __forceinline__ float2 pd_kv2_f(pd_kv2_t w) { return f16x2_to_f32(w); }
-#else
-typedef float2 pd_kv2_t;
-__device__ __forceinline__ pd_kv2_t pd_kv2_load(const kv_t* p, u64 i) { return __ldg((const float2*)(p + i)); }
-__device__ __forceinline__ float2 pd_kv2_f(pd_kv2_t w) { return w; }
-#endif
-// Attention of one query head over positions 0..pos (< PD_WARPS x
-// PD_ATT_C), flash-decoding inside the block: warp w takes positions
-// [w c, (w + 1) c), c = ceil((pos + 1) / PD_WARPS), and lane l dims 2l and
-// 2l + 1 of every one. The warp requests its K rows (its lanes' pairs)
-// before it waits for q, so that their round trip runs during the wait,
-// and its V rows once the products are taken; position pos is this token's, its k and v taken from
-// the tagged words as the cache holds them (another block writes the
-// cache row with no fence a reader could rely on). Then each lane's
-// partial products of the warp's positions are summed over the warp by a
-// transposing butterfly (31 shuffles for 32 sums, lane u ending with
-// position j0 + u's), the softmax of the warp's scores is taken against
-// its max, and the lanes add the weighted values. One barrier, and the
-// block's 64 outputs combine the warps' sums rescaled to the largest max.
-// xq, xk, xv: the tagged words of the head's q and of its group's new k
-// and v (phase e); out: the head's 64 output words (tagged e + 1); part:
-// PD_WARPS x 64 + PD_WARPS floats; red: PD_WARPS floats. mark() runs when
-// thread 0's inputs have arrived (PD_TIMING).
-// One round of the transposing butterfly: sums p[0..2M) become p[0..M),
-// each added to the partner lane's (lane ^ M); a lane keeps the upper half
-// where its bit M is set and sends the other half.
-template <int M>
-__device__ __forceinline__ void pd_fold(float (&p)[PD_ATT_C], int lane) {
-    const bool hi = lane & M;
-#pragma unroll
-    for (int i = 0; i < M; ++i) {
-        const float send = hi ? p[i] : p[i + M], keep = hi ? p[i + M] : p[i];
-        p[i] = keep + __shfl_xor_sync(0xffffffffu, send, M);
-    }
-}
-template <typename Mark>
-__device__ __forceinline__ void pd_attend_warps(const u64* xq, const u64* xk, const u64* xv, const kv_t* K,
-                                                const kv_t* V, u32 pos, float scale, u32 e, float* red, float* part,
-                                                float* stage, u64* out, Mark mark) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 c = (pos + PD_WARPS) / PD_WARPS;
-    const u32 j0 = warp * c, j1 = min(j0 + c, pos + 1);
-    const bool mine = j0 <= pos && pos < j1;  // this warp takes the new position
-    pd_kv2_t kr[PD_ATT_C];
-#pragma unroll
-    for (int u = 0; u < PD_ATT_C; ++u)
-        if (j0 + u < j1 && j0 + u < pos) kr[u] = pd_kv2_load(K, (u64)(j0 + u) * PD_HD + 2 * lane);
-#if PD_ATT_POLL
-    // Warp 0 alone polls the 192 words (six a lane) and stages them in
-    // stage[] (the new k and v rounded as the cache holds them); one barrier.
-    if (warp == 0) {
-        u64 w[6];
-        auto src = [&](int r) {
-            const u32 i = lane + 32 * r;
-            return i < PD_HD ? xq + i : (i < 2 * PD_HD ? xk + i - PD_HD : xv + i - 2 * PD_HD);
-        };
-#pragma unroll
-        for (int r = 0; r < 6; ++r) w[r] = tag_load(src(r));
-        for (;;) {
-            bool any = false;
-#pragma unroll
-            for (int r = 0; r < 6; ++r)
-                if ((u32)(w[r] >> 32) != e) {
-                    any = true;
-                    w[r] = tag_load(src(r));
-                }
-            if (!any) break;
-        }
-#pragma unroll
-        for (int r = 0; r < 6; ++r) {
-            const float x = __uint_as_float((u32)w[r]);
-            stage[lane + 32 * r] = r < 2 ? x : kv_round(x);
-        }
-    }
-    __syncthreads();
-    mark();
-    const float q0 = stage[2 * lane], q1 = stage[2 * lane + 1];
-    const float kn0 = stage[PD_HD + 2 * lane], kn1 = stage[PD_HD + 2 * lane + 1];
-    const float vn0 = stage[2 * PD_HD + 2 * lane], vn1 = stage[2 * PD_HD + 2 * lane + 1];
-#else
-    u64 w0 = tag_load(xq + 2 * lane), w1 = tag_load(xq + 2 * lane + 1), w2 = 0, w3 = 0, w4 = 0, w5 = 0;
-    if (mine) {
-        w2 = tag_load(xk + 2 * lane);
-        w3 = tag_load(xk + 2 * lane + 1);
-        w4 = tag_load(xv + 2 * lane);
-        w5 = tag_load(xv + 2 * lane + 1);
-    }
-    // Every stale word is reloaded at once: one round trip a retry, not
-    // one a word.
-    auto stale = [e](u64 w) { return (u32)(w >> 32) != e; };
-    for (;;) {
-        const bool s0 = stale(w0), s1 = stale(w1);
-        const bool s2 = mine && stale(w2), s3 = mine && stale(w3), s4 = mine && stale(w4), s5 = mine && stale(w5);
-        if (!(s0 || s1 || s2 || s3 || s4 || s5)) break;
-        if (s0) w0 = tag_load(xq + 2 * lane);
-        if (s1) w1 = tag_load(xq + 2 * lane + 1);
-        if (s2) w2 = tag_load(xk + 2 * lane);
-        if (s3) w3 = tag_load(xk + 2 * lane + 1);
-        if (s4) w4 = tag_load(xv + 2 * lane);
-        if (s5) w5 = tag_load(xv + 2 * lane + 1);
-    }
-    mark();
-    const float q0 = __uint_as_float((u32)w0), q1 = __uint_as_float((u32)w1);
-    // The new k and v as the cache holds them (the graph's attention reads
-    // them back from it).
-    const float kn0 = kv_round(__uint_as_float((u32)w2)), kn1 = kv_round(__uint_as_float((u32)w3));
-    const float vn0 = kv_round(__uint_as_float((u32)w4)), vn1 = kv_round(__uint_as_float((u32)w5));
-#endif
-    float p[PD_ATT_C];
-#pragma unroll
-    for (int u = 0; u < PD_ATT_C; ++u) {
-        const u32 j = j0 + u;
-        float2 k = make_float2(0.0f, 0.0f);
-        if (j < j1 && j < pos) k = pd_kv2_f(kr[u]);
-        if (j == pos) k = make_float2(kn0, kn1);
-        p[u] = q0 * k.x + q1 * k.y;
-    }
-    // Transposing butterfly: each round a lane keeps half of its sums (the
-    // upper half where its lane bit is set) and sends its partner the
-    // other half; lane u ends with sum u.
-    pd_fold<16>(p, lane);
-    pd_fold<8>(p, lane);
-    pd_fold<4>(p, lane);
-    pd_fold<2>(p, lane);
-    pd_fold<1>(p, lane);
-    const bool valid = j0 + lane < j1;
-    const float s = p[0] * scale;
-    float mx = valid ? s : __int_as_float(0xff800000);  // -inf
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    const float wl = valid ? __expf(s - mx) : 0.0f;
-    float a0 = 0.0f, a1 = 0.0f;
-#pragma unroll
-    for (int u = 0; u < PD_ATT_C; ++u) {
-        const u32 j = j0 + u;
-        const float wgt = __shfl_sync(0xffffffffu, wl, u);
-        if (j < j1) {
-            const float2 v = j < pos ? pd_kv2_f(pd_kv2_load(V, (u64)j * PD_HD + 2 * lane)) : make_float2(vn0, vn1);
-            a0 += wgt * v.x;
-            a1 += wgt * v.y;
-        }
-    }
-    const float z = pd_warp_sum(wl);
-    float* zs = part + PD_WARPS * PD_HD;
-    part[warp * PD_HD + 2 * lane] = a0;
-    part[warp * PD_HD + 2 * lane + 1] = a1;
-    if (lane == 0) {
-        red[warp] = mx;  // -inf for a warp without positions (its z and sums 0)
-        zs[warp] = z;
-    }
-    __syncthreads();
-    if (threadIdx.x < PD_HD) {
-        float m = red[0];
-#pragma unroll
-        for (int i = 1; i < PD_WARPS; ++i) m = fmaxf(m, red[i]);
-        float o = 0.0f, zt = 0.0f;
-#pragma unroll
-        for (int i = 0; i < PD_WARPS; ++i) {
-            const float f = red[i] == __int_as_float(0xff800000) ? 0.0f : __expf(red[i] - m);
-            o += f * part[i * PD_HD + threadIdx.x];
-            zt += f * zs[i];
-        }
-        tag_store(out + threadIdx.x, o / zt, e + 1);
-    }
-}
-
 // Small integers as floats without the conversion unit (I2F runs at a
 // quarter of the ALU rate, and the logits phase converts every weight of a
 // block's 373 rows): byte k of w placed under the exponent of 2^23 by a
@@ -821,8 +633,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
 #ifndef PD_BT_LAYER
 #define PD_BT_LAYER 15
 #endif
-    // In shared memory: as a local array it took registers or a stack
-    // frame from the kernel it measures.
+    // In shared memory, as tm below.
     __shared__ unsigned long long bt[12];
     if (threadIdx.x < 12) bt[threadIdx.x] = 0;
     bool bt_on = false;
@@ -840,10 +651,11 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
     // dot products and stores, down, logits and token); 6-8 split qkv's
     // start: its rows' arrival (bulk copies), its h words' arrival, the
     // norm; 9-10 gate|up's: its h words' arrival, the norm; 15-16
-    // attention's: its q|k|v words' arrival, the scores (PD_ATT_WARPS=1:
-    // with the values; 1 then holds the closing barrier).
-    // In shared memory (thread 0 of block 0 alone writes it): as a local
-    // array it took a stack frame, and made pd_attend_warps spill.
+    // attention's: its q|k|v words' arrival (with the barrier after it),
+    // the scores with their max (1 then holds the rest).
+    // In shared memory (thread 0 of block 0 alone writes it) rather than a
+    // local array, which takes registers or a stack frame from the kernel
+    // it measures.
     __shared__ long long tm[17];
     if (threadIdx.x < 17) tm[threadIdx.x] = 0;
     long long t0 = clock64();
@@ -1093,11 +905,6 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                     asm volatile("prefetch.global.L1 [%0];" ::"l"((const u8*)K + (u64)j * 128));
                     asm volatile("prefetch.global.L1 [%0];" ::"l"((const u8*)V + (u64)j * 128));
                 }
-#if PD_ATT_WARPS
-                pd_attend_warps(X + X_Q + hq * PD_HD, X + X_Q + a.qd + g * PD_HD, X + X_Q + a.qd + a.kvd + g * PD_HD, K,
-                                V, pos, a.scale, e, red, part, sc, X + X_ATT + hq * PD_HD, [&] { PD_TMARK(15); });
-                PD_TMARK(16);
-#else
                 if (threadIdx.x < 3 * PD_HD) {
                     const u32 which = threadIdx.x / PD_HD, d = threadIdx.x % PD_HD;
                     const u32 src = X_Q + (which == 0 ? hq * PD_HD : a.qd + (which - 1) * a.kvd + g * PD_HD) + d;
@@ -1190,7 +997,6 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                     for (int i = 0; i < PD_WARPS; ++i) o += part[i * PD_HD + threadIdx.x];
                     tag_store(X + X_ATT + hq * PD_HD + threadIdx.x, o / z, e + 1);
                 }
-#endif
             }
             if (PD_PREFETCH_LATE && pd_bid() < a.nh) pd_prefetch(wbuf(gl + 1), a, Ln);
             ++e;
