@@ -538,13 +538,33 @@ __device__ __forceinline__ void pd_request_tagged(u64 (&w)[PD_MAXPER], const u64
         w[j] = i < n ? tag_load(src + i) : (u64)tag << 32;
     }
 }
+// Every stale word is reloaded at once, one round trip a retry (the
+// streaming kernel's sd_poll); PD_POLL_SEQ=1 waits for the words one after
+// the other, a round trip for each word still stale when the one before
+// arrived (A/B runs).
+#ifndef PD_POLL_SEQ
+#define PD_POLL_SEQ 0
+#endif
 __device__ __forceinline__ void pd_finish_tagged(float (&v)[PD_MAXPER], u64 (&w)[PD_MAXPER], const u64* src, u32 tag) {
+#if PD_POLL_SEQ
 #pragma unroll
     for (int j = 0; j < PD_MAXPER; ++j) {
         const u32 i = threadIdx.x + j * PD_THREADS;
         while ((u32)(w[j] >> 32) != tag) w[j] = tag_load(src + i);
-        v[j] = __uint_as_float((u32)w[j]);
     }
+#else
+    for (;;) {
+        bool ok = true;
+#pragma unroll
+        for (int j = 0; j < PD_MAXPER; ++j) ok &= (u32)(w[j] >> 32) == tag;
+        if (ok) break;
+#pragma unroll
+        for (int j = 0; j < PD_MAXPER; ++j)
+            if ((u32)(w[j] >> 32) != tag) w[j] = tag_load(src + threadIdx.x + j * PD_THREADS);
+    }
+#endif
+#pragma unroll
+    for (int j = 0; j < PD_MAXPER; ++j) v[j] = __uint_as_float((u32)w[j]);
 }
 __device__ __forceinline__ void pd_load_tagged(float (&v)[PD_MAXPER], const u64* src, u32 n, u32 tag) {
     u64 w[PD_MAXPER];
