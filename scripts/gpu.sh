@@ -256,17 +256,19 @@ persist() {
 # Decode on the default path, this build against .gpu-base's binary
 # (build-base), alternating, three rounds, on the synthetic SmolLM2 file
 # from positions 0 and 256: greedy, the sampler's settings of the default
-# model (top-k 40, top-p 0.95), and temperature alone (dense). Run with carry [".gpu", ".gpu-base"].
+# model (top-k 40, top-p 0.95), and temperature alone (dense); BASE_AB_MODES
+# picks among "greedy sampled dense", BASE_AB_DEPTHS among the positions.
+# Run with carry [".gpu", ".gpu-base"].
 base_ab() {
     echo "== this build against the base binary ($(cat .gpu-base/commit 2>/dev/null || echo missing))"
     [ -x .gpu-base/akunu ] || { echo "no .gpu-base/akunu: run scripts/gpu.sh build-base REV here"; return 0; }
     local f r p b s
     f=$(smol_file)
-    for s in greedy sampled dense; do
+    for s in ${BASE_AB_MODES:-greedy sampled dense}; do
         local extra=""
         [ $s = sampled ] && extra="--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1"
         [ $s = dense ] && extra="--temperature 0.8 --seed 1"
-        for p in 0 256; do
+        for p in ${BASE_AB_DEPTHS:-0 256}; do
             for r in 1 2 3; do
                 for b in .gpu-base/akunu "$BIN/akunu"; do
                     # shellcheck disable=SC2086
