@@ -522,9 +522,18 @@ persist_model() {
 # One define set of SMB_AB as AKUNU_CUDA_DEFINES takes it: `_` is none,
 # commas separate defines.
 smb_defines() {
-    local d=$1
+    local d=$1 w out=()
     [ "$d" = _ ] && d=
-    printf '%s\n' "${d//,/ }"
+    # A define without its -D (PERSIST_AB="PD_X=1") gets one: the backend
+    # ignores words of AKUNU_CUDA_DEFINES that do not start with -D, so the
+    # set would silently run the default build.
+    for w in ${d//,/ }; do
+        case $w in
+        -D*) out+=("$w") ;;
+        *) out+=("-D$w") ;;
+        esac
+    done
+    printf '%s\n' "${out[*]}"
 }
 
 # Sampled decode with the select kernel's compile-time variants against
