@@ -368,6 +368,23 @@ __device__ __forceinline__ u64 tag_load(const u64* a) {
     asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(a) : "memory");
     return w;
 }
+// Reloads, all in flight together, every word of w (word j at addr(j))
+// whose tag is not yet `tag`, until all carry it: one round trip after the
+// last producer, not one for each word that had not arrived at the first
+// load (the SmolLM2 kernel's word-by-word wait cost 23% of its token,
+// bench/RESULTS.md session 33).
+template <int N, class F>
+__device__ __forceinline__ void tag_wait_all(u64 (&w)[N], F addr, u32 tag) {
+    for (;;) {
+        bool ok = true;
+#pragma unroll
+        for (int j = 0; j < N; ++j) ok &= (u32)(w[j] >> 32) == tag;
+        if (ok) return;
+#pragma unroll
+        for (int j = 0; j < N; ++j)
+            if ((u32)(w[j] >> 32) != tag) w[j] = tag_load(addr(j));
+    }
+}
 
 // What an Argmax command does with its token: store it in conveyor slot
 // `slot`, and inside a chain publish it (and its %globaltimer stamp) to the

@@ -538,10 +538,9 @@ __device__ __forceinline__ void pd_request_tagged(u64 (&w)[PD_MAXPER], const u64
         w[j] = i < n ? tag_load(src + i) : (u64)tag << 32;
     }
 }
-// Every stale word is reloaded at once, one round trip a retry (the
-// streaming kernel's sd_poll); PD_POLL_SEQ=1 waits for the words one after
-// the other, a round trip for each word still stale when the one before
-// arrived (A/B runs).
+// Every stale word is reloaded at once (common.cuh tag_wait_all);
+// PD_POLL_SEQ=1 waits for the words one after the other, a round trip for
+// each word still stale when the one before arrived (A/B runs).
 #ifndef PD_POLL_SEQ
 #define PD_POLL_SEQ 0
 #endif
@@ -553,15 +552,7 @@ __device__ __forceinline__ void pd_finish_tagged(float (&v)[PD_MAXPER], u64 (&w)
         while ((u32)(w[j] >> 32) != tag) w[j] = tag_load(src + i);
     }
 #else
-    for (;;) {
-        bool ok = true;
-#pragma unroll
-        for (int j = 0; j < PD_MAXPER; ++j) ok &= (u32)(w[j] >> 32) == tag;
-        if (ok) break;
-#pragma unroll
-        for (int j = 0; j < PD_MAXPER; ++j)
-            if ((u32)(w[j] >> 32) != tag) w[j] = tag_load(src + threadIdx.x + j * PD_THREADS);
-    }
+    tag_wait_all(w, [&](int j) { return src + threadIdx.x + j * PD_THREADS; }, tag);
 #endif
 #pragma unroll
     for (int j = 0; j < PD_MAXPER; ++j) v[j] = __uint_as_float((u32)w[j]);
@@ -1244,7 +1235,8 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                        t + 1, pos0, (tm[6] + tm[7] + tm[8] + tm[0]) / (t + 1), (tm[15] + tm[16] + tm[1]) / (t + 1),
                        tm[2] / (t + 1), (tm[9] + tm[10] + tm[3]) / (t + 1), tm[4] / (t + 1),
                        (tm[14] + tm[11] + tm[12] + tm[13] + tm[5]) / (t + 1), tm[6] / (t + 1), tm[7] / (t + 1),
-                       tm[8] / (t + 1), tm[0] / (t + 1), tm[15] / (t + 1), tm[16] / (t + 1), tm[1] / (t + 1), tm[9] / (t + 1), tm[10] / (t + 1), tm[3] / (t + 1),
+                       tm[8] / (t + 1), tm[0] / (t + 1), tm[15] / (t + 1), tm[16] / (t + 1), tm[1] / (t + 1),
+                       tm[9] / (t + 1), tm[10] / (t + 1), tm[3] / (t + 1),
                        tm[14] / (t + 1), tm[11] / (t + 1), tm[12] / (t + 1), tm[13] / (t + 1), tm[5] / (t + 1));
             if (pd_bid() == 0 && threadIdx.x == 0 && a.s.mode >= PD_SAMPLE_DENSE)
                 printf("persist sampler: part = bound+mass %lld + appends %lld + rank %lld; pick = loads+max+bound "

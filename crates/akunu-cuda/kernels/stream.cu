@@ -202,25 +202,13 @@ __device__ __forceinline__ u32 sd_units(int m, u32 vocab) {
 constexpr int X_HO = 0, X_HD = X_HO + D, X_Q = X_HD + D, X_K = X_Q + QD, X_V = X_K + KVD, X_ACT = X_V + KVD,
               X_PART = X_ACT + FF, SD_XW = X_PART + NH * SD_ATT_S * (HD + 2);
 
-// Reloads, all in flight together, every word of w whose tag is not yet
-// `tag`, until all carry it (one round trip after the last producer, not one
-// for each word that had not arrived at the first load).
+// common.cuh's tag_wait_all, with SD_DIAG's no-wait bit and clock count.
 template <int N, class F>
 __device__ __forceinline__ void sd_poll(u64 (&w)[N], F addr, u32 tag) {
     if (SD_DIAG & 2) return;
     SD_CLK_BEGIN(1);
-    for (;;) {
-        bool ok = true;
-#pragma unroll
-        for (int j = 0; j < N; ++j) ok &= (u32)(w[j] >> 32) == tag;
-        if (ok) {
-            SD_CLK_END(1);
-            return;
-        }
-#pragma unroll
-        for (int j = 0; j < N; ++j)
-            if ((u32)(w[j] >> 32) != tag) w[j] = tag_load(addr(j));
-    }
+    tag_wait_all(w, addr, tag);
+    SD_CLK_END(1);
 }
 __device__ __forceinline__ float sd_val(u64 w) { return __uint_as_float((u32)w); }
 // Phase ph of layer l of chain token t; 0 is never a tag (the words start
