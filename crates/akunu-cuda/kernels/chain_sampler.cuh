@@ -33,6 +33,22 @@
 #define PD_VPT 4
 // The most warps a sampler runs on (the sizes of PdSampShared's arrays).
 #define PD_SAMP_MAXW 16
+// -DPD_SAMP_NOINLINE=1 (persist.rs sets it for the persistent kernel's
+// sampled module): the part and the pick are called, not inlined. Inlined,
+// they changed how the compiler built the layers' code around them, and
+// that kernel's layers ran about 3% slower in the sampled module than in
+// the greedy one (bench/RESULTS.md, session 34); the streaming kernel
+// gains nothing from it and inlines them. Their arguments come by value,
+// so that nothing goes through the stack, and pd_samp_assume_shared keeps
+// their shared-memory accesses shared.
+#ifndef PD_SAMP_NOINLINE
+#define PD_SAMP_NOINLINE 0
+#endif
+#if PD_SAMP_NOINLINE
+#define PD_SAMP_FN __noinline__
+#else
+#define PD_SAMP_FN
+#endif
 
 // The sampler's settings and buffers (persist.rs SampArgs): the sampled
 // table's GumbelSample params, the recent-token buffer (header: chain start,
@@ -116,6 +132,16 @@ __device__ __forceinline__ PdSamp pd_samp_areas(u8* base, u32 per, u32 max_pos, 
         s.rec = s.hist + max_pos;
     }
     return s;
+}
+
+// The areas are shared memory (hist may be global): said to the compiler
+// where a called (not inlined) sampler function cannot see it, so that it
+// emits shared rather than generic loads, stores and atomics.
+__device__ __forceinline__ void pd_samp_assume_shared(const PdSamp& sp) {
+    __builtin_assume(__isShared(sp.cl));
+    __builtin_assume(__isShared(sp.lg));
+    __builtin_assume(__isShared(sp.mask));
+    __builtin_assume(__isShared(sp.rec));
 }
 
 __device__ __forceinline__ float pd_penalised(float l, float pen) {
@@ -359,8 +385,9 @@ __device__ __forceinline__ double pd_red_sum(const double* red) {
 // the pick. Four barriers: the bound's entries and the mass, the bound,
 // the appends, the ranks.
 template <class Cfg>
-__device__ void pd_sample_publish(const PdSamp& sp, PdSampShared& ss, const SampArgs& a, u64* set, u32 lo, u32 n,
+__device__ PD_SAMP_FN void pd_sample_publish(const PdSamp sp, PdSampShared& ss, const SampArgs a, u64* set, u32 lo, u32 n,
                                   u64 bkey, u32 base) {
+    pd_samp_assume_shared(sp);
     const float mxb = rank_logit(bkey);
     const u32 tid = threadIdx.x;
     u64* part = set + (u64)Cfg::bid() * PD_PARTS;
@@ -428,7 +455,8 @@ __device__ void pd_sample_publish(const PdSamp& sp, PdSampShared& ss, const Samp
 // block (the same loads and the same arithmetic in the same order); with
 // TOPK only warp 0 returns it. Every thread calls it.
 template <class Cfg>
-__device__ u32 pd_sample_pick(const PdSamp& sp, PdSampShared& ss, const SampArgs& a, const u64* set, u32 base) {
+__device__ PD_SAMP_FN u32 pd_sample_pick(const PdSamp sp, PdSampShared& ss, const SampArgs a, const u64* set, u32 base) {
+    pd_samp_assume_shared(sp);
     const u32 tid = threadIdx.x, G = gridDim.x;
     PD_PT(-1);
     // One round of loads: the blocks' parts (G <= the sampler's threads) and, for

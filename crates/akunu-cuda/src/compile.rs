@@ -321,13 +321,17 @@ mod tests {
         let bin = super::compile(&super::persist_source(), &opts).unwrap_or_else(|e| panic!("{e}"));
         assert!(bin.len() > 1000);
         // Its bulk-copy form (sm_90's), with each KV cache type, with the
-        // sampler (a sampled table's module) and without (a greedy one's).
+        // sampler (a sampled table's module, its part and pick called as
+        // persist.rs compiles them) and without (a greedy one's).
         opts.push("-DPD_BULK=1".into());
         for kv in [super::KvType::F16, super::KvType::F32] {
-            for greedy_only in ["-DPD_GREEDY_ONLY=0", "-DPD_GREEDY_ONLY=1"] {
+            for module in [
+                &["-DPD_GREEDY_ONLY=0", "-DPD_SAMP_NOINLINE=1"][..],
+                &["-DPD_GREEDY_ONLY=1"],
+            ] {
                 let mut o = opts.clone();
                 o.push(super::kv_define(kv));
-                o.push(greedy_only.into());
+                o.extend(module.iter().map(|d| d.to_string()));
                 let bin =
                     super::compile(&super::persist_source(), &o).unwrap_or_else(|e| panic!("{e}"));
                 assert!(bin.len() > 1000);

@@ -339,6 +339,12 @@ fn kernel_for(
         // (-DPD_GREEDY_ONLY=0 keeps it, to time the layers with it).
         defs.push("-DPD_GREEDY_ONLY=1".into());
     }
+    if sampled && !crate::compile::developer_defines_name("PD_SAMP_NOINLINE") {
+        // The sampler's part and pick as called functions: inlined, they
+        // slowed the layers' code around them (chain_sampler.cuh;
+        // -DPD_SAMP_NOINLINE=0 inlines them, for A/B).
+        defs.push("-DPD_SAMP_NOINLINE=1".into());
+    }
     // Bulk copies (sm_90's copy engine) bring the next layer's rows where
     // the device has them, unless a developer switch names PD_BULK.
     if bulk_copies(be) {
