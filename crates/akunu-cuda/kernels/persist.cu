@@ -494,8 +494,26 @@ __device__ __forceinline__ void pd_prefetch_bulk(u8* buf, const PdArgs& a, const
 }
 
 // The logits weight's quant and scale bytes a row.
-__device__ __forceinline__ u32 pd_out_qb(const PdArgs& a) { return a.out_q8 ? a.d : a.d / 2; }
-__device__ __forceinline__ u32 pd_out_sb(const PdArgs& a) { return a.out_q8 ? a.d / 16 : a.d / 8; }
+// The embedding's and the logits weight's forms (1: Q8_0, 0: Q4_1): the
+// constants PD_EMB_Q8 and PD_OUT_Q8 that persist.rs compiles in (from the
+// plan, so that the module holds one form's code), else the arguments
+// (-DPD_FORMS_RUNTIME=1, for A/B).
+#if defined(PD_FORMS_RUNTIME) && PD_FORMS_RUNTIME
+#undef PD_OUT_Q8
+#undef PD_EMB_Q8
+#endif
+#ifdef PD_OUT_Q8
+#define PD_OUTQ8(a) ((u32)PD_OUT_Q8)
+#else
+#define PD_OUTQ8(a) ((a).out_q8)
+#endif
+#ifdef PD_EMB_Q8
+#define PD_EMBQ8(a) ((u32)PD_EMB_Q8)
+#else
+#define PD_EMBQ8(a) ((a).emb_q8)
+#endif
+__device__ __forceinline__ u32 pd_out_qb(const PdArgs& a) { return PD_OUTQ8(a) ? a.d : a.d / 2; }
+__device__ __forceinline__ u32 pd_out_sb(const PdArgs& a) { return PD_OUTQ8(a) ? a.d / 16 : a.d / 8; }
 // The rows of this block's slice of the logits weight kept in shared
 // memory (its first ones), at smem + a.res_off: their quants, then their
 // scales (pd_bulk_range's image). -DPD_LOGITS_SMEM=0 keeps none (A/B).
@@ -788,7 +806,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
     }
     for (u32 t = 0; t < limit; ++t) {
         const u32 pos = pos0 + t;
-        if (own >= 0) hreg = pd_elem(a.emb, a.emb_q8, a.vocab, a.d, token, own);
+        if (own >= 0) hreg = pd_elem(a.emb, PD_EMBQ8(a), a.vocab, a.d, token, own);
         if (threadIdx.x < PD_HD / 2) {
             // model.cu's rope_cs; published by the qkv staging's barriers.
             float c, s;
@@ -839,7 +857,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
 #pragma unroll
                         for (int j = 0; j < PD_MAXPER; ++j) {
                             const u32 i = threadIdx.x + j * PD_THREADS;
-                            v[j] = i < a.d ? pd_elem(a.emb, a.emb_q8, a.vocab, a.d, token, i) : 0.0f;
+                            v[j] = i < a.d ? pd_elem(a.emb, PD_EMBQ8(a), a.vocab, a.d, token, i) : 0.0f;
                         }
                     } else {
                         u64 w[PD_MAXPER];
@@ -1106,13 +1124,13 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             PD_TMARK(14);
             const PdRange r = pd_items(a.vocab);
             float xr[PD_MAXW][8];
-            pd_x_words(xr, xs, a.out_q8, a.d, lane);
+            pd_x_words(xr, xs, PD_OUTQ8(a), a.d, lane);
             u64 best = 0;
             // Rows j0, j0 + PD_WARPS, ... of the slice (PD_ROWS of them
             // below end) from quants Q and scales Sc of its row j0 = 0.
             auto rows = [&](const u8* Q, const u8* Sc, u32 j0, u32 end) {
                 float s[PD_ROWS];
-                pd_dot_rows(s, Q, Sc, a.out_q8, a.d, j0, PD_WARPS, end, xr, lane);
+                pd_dot_rows(s, Q, Sc, PD_OUTQ8(a), a.d, j0, PD_WARPS, end, xr, lane);
 #pragma unroll
                 for (int u = 0; u < PD_ROWS; ++u) {
                     const u32 j = j0 + u * PD_WARPS;

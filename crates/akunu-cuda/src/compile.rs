@@ -322,12 +322,21 @@ mod tests {
         assert!(bin.len() > 1000);
         // Its bulk-copy form (sm_90's), with each KV cache type, with the
         // sampler (a sampled table's module, its part and pick called as
-        // persist.rs compiles them) and without (a greedy one's).
+        // persist.rs compiles them) and without (a greedy one's), with the
+        // embedding's and logits' forms as persist.rs passes them (Q4_1, or
+        // Q8_0; the modules above read them from the arguments).
         opts.push("-DPD_BULK=1".into());
+        let q4_1 = ["-DPD_EMB_Q8=0", "-DPD_OUT_Q8=0"];
         for kv in [super::KvType::F16, super::KvType::F32] {
             for module in [
-                &["-DPD_GREEDY_ONLY=0", "-DPD_SAMP_NOINLINE=1"][..],
-                &["-DPD_GREEDY_ONLY=1"],
+                &[
+                    "-DPD_GREEDY_ONLY=0",
+                    "-DPD_SAMP_NOINLINE=1",
+                    q4_1[0],
+                    q4_1[1],
+                ][..],
+                &["-DPD_GREEDY_ONLY=1", q4_1[0], q4_1[1]],
+                &["-DPD_GREEDY_ONLY=1", "-DPD_EMB_Q8=1", "-DPD_OUT_Q8=1"],
             ] {
                 let mut o = opts.clone();
                 o.push(super::kv_define(kv));

@@ -339,6 +339,13 @@ fn kernel_for(
         // (-DPD_GREEDY_ONLY=0 keeps it, to time the layers with it).
         defs.push("-DPD_GREEDY_ONLY=1".into());
     }
+    // The embedding's and the logits weight's forms as constants: the
+    // module then holds one form's code (persist.cu PD_EMB_Q8, PD_OUT_Q8).
+    for (name, q8) in [("PD_EMB_Q8", a.emb_q8), ("PD_OUT_Q8", a.out_q8)] {
+        if !crate::compile::developer_defines_name(name) {
+            defs.push(format!("-D{name}={q8}"));
+        }
+    }
     if sampled && !crate::compile::developer_defines_name("PD_SAMP_NOINLINE") {
         // The sampler's part and pick as called functions: inlined, they
         // slowed the layers' code around them (chain_sampler.cuh;
