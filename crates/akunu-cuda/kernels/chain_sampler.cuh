@@ -385,8 +385,8 @@ __device__ __forceinline__ double pd_red_sum(const double* red) {
 // the pick. Four barriers: the bound's entries and the mass, the bound,
 // the appends, the ranks.
 template <class Cfg>
-__device__ PD_SAMP_FN void pd_sample_publish(const PdSamp sp, PdSampShared& ss, const SampArgs a, u64* set, u32 lo, u32 n,
-                                  u64 bkey, u32 base) {
+__device__ PD_SAMP_FN void pd_sample_publish(const PdSamp sp, PdSampShared& ss, const SampArgs a, u64* set, u32 lo,
+                                             u32 n, u64 bkey, u32 base) {
     pd_samp_assume_shared(sp);
     const float mxb = rank_logit(bkey);
     const u32 tid = threadIdx.x;
@@ -455,7 +455,8 @@ __device__ PD_SAMP_FN void pd_sample_publish(const PdSamp sp, PdSampShared& ss, 
 // block (the same loads and the same arithmetic in the same order); with
 // TOPK only warp 0 returns it. Every thread calls it.
 template <class Cfg>
-__device__ PD_SAMP_FN u32 pd_sample_pick(const PdSamp sp, PdSampShared& ss, const SampArgs a, const u64* set, u32 base) {
+__device__ PD_SAMP_FN u32 pd_sample_pick(const PdSamp sp, PdSampShared& ss, const SampArgs a, const u64* set,
+                                         u32 base) {
     pd_samp_assume_shared(sp);
     const u32 tid = threadIdx.x, G = gridDim.x;
     PD_PT(-1);

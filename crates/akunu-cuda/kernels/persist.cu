@@ -493,7 +493,6 @@ __device__ __forceinline__ void pd_prefetch_bulk(u8* buf, const PdArgs& a, const
     pd_bulk_pass(buf, a, L, bar, true);
 }
 
-// The logits weight's quant and scale bytes a row.
 // The embedding's and the logits weight's forms (1: Q8_0, 0: Q4_1): the
 // constants PD_EMB_Q8 and PD_OUT_Q8 that persist.rs compiles in (from the
 // plan, so that the module holds one form's code), else the arguments
@@ -512,6 +511,7 @@ __device__ __forceinline__ void pd_prefetch_bulk(u8* buf, const PdArgs& a, const
 #else
 #define PD_EMBQ8(a) ((a).emb_q8)
 #endif
+// The logits weight's quant and scale bytes a row.
 __device__ __forceinline__ u32 pd_out_qb(const PdArgs& a) { return PD_OUTQ8(a) ? a.d : a.d / 2; }
 __device__ __forceinline__ u32 pd_out_sb(const PdArgs& a) { return PD_OUTQ8(a) ? a.d / 16 : a.d / 8; }
 // The rows of this block's slice of the logits weight kept in shared
