@@ -136,12 +136,18 @@ __device__ __forceinline__ PdSamp pd_samp_areas(u8* base, u32 per, u32 max_pos, 
 
 // The areas are shared memory (hist may be global): said to the compiler
 // where a called (not inlined) sampler function cannot see it, so that it
-// emits shared rather than generic loads, stores and atomics.
+// emits shared rather than generic loads, stores and atomics. Inlined, the
+// compiler sees where they come from (and the streaming kernel's modules
+// keep the code they were tested with).
 __device__ __forceinline__ void pd_samp_assume_shared(const PdSamp& sp) {
+#if PD_SAMP_NOINLINE
     __builtin_assume(__isShared(sp.cl));
     __builtin_assume(__isShared(sp.lg));
     __builtin_assume(__isShared(sp.mask));
     __builtin_assume(__isShared(sp.rec));
+#else
+    (void)sp;
+#endif
 }
 
 __device__ __forceinline__ float pd_penalised(float l, float pen) {
