@@ -27,7 +27,10 @@
 #                                 peer-torch (PEER_SHAPES, PEER_MODES),
 #                                 ab (AB_VAR, AB_VALUES, AB_ROUNDS), tcg-ab,
 #                                 profile, profile-big, trace, features,
-#                                 ncu-token,
+#                                 ncu-token, ncu-persist (the SmolLM2
+#                                 kernel's stalls by SASS line; NCU_PD_MODE
+#                                 sampled or greedy), icache (the
+#                                 instruction-cache probe, nvcc),
 #                                 model-part1, model-part2, model-part3,
 #                                 model, sampler (needs the model), attn,
 #                                 prefill, spec-ab (needs the model), pfattn,
@@ -1163,6 +1166,40 @@ print(sys.argv[1], sys.argv[2], tg, json.dumps(d["speculative"]))' "$t" "idle=$m
 # every shape of $PROBE_TYPE (Q4_0 or F16; default Q4_0), then the 8B FFN
 # down shape with its activation staged. PROBE_S=1|2|4|8 forces the split;
 # PROBE_NO_TCB=0 adds the bulk-copy form. E.g. PROBE_DEFINES="- -DTCG_L2PF=0".
+# The persistent decode kernel's warp stalls by SASS line (Nsight Compute's
+# source page, sampled warp states) over one 128-token chain on the
+# synthetic SmolLM2 file: the whole page gzipped to $OUTDIR, and a summary
+# of the body and each called function (the sampler's part and pick) by
+# scripts/ncu_source_summary.py. NCU_PD_MODE: sampled (default) or greedy.
+ncu_persist() {
+    local mode=${NCU_PD_MODE:-sampled} f extra=""
+    echo "== ncu: the persistent decode kernel's stalls by SASS line ($mode)"
+    f=$(smol_file)
+    [ "$mode" = sampled ] && extra="--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1"
+    rm -f "$STORE/pd-$mode.ncu-rep"
+    # shellcheck disable=SC2086 # extra is a list of arguments
+    timeout 240 ncu --clock-control none --kernel-name regex:k_persist_decode --launch-skip 1 --launch-count 1 \
+        --section SourceCounters --section WarpStateStats -o "$STORE/pd-$mode" \
+        "$BIN/akunu" bench -m "$f" --device cuda -p 0 -n 128 -r 1 --no-bandwidth $extra \
+        >"$OUTDIR/ncu-persist-$mode.txt" 2>&1 || echo "ncu failed (rc $?)"
+    ncu --import "$STORE/pd-$mode.ncu-rep" --page source --csv --print-source sass 2>/dev/null |
+        gzip >"$OUTDIR/pd-source-$mode.csv.gz"
+    python3 scripts/ncu_source_summary.py "$OUTDIR/pd-source-$mode.csv.gz" 8 | cut -c1-220
+}
+
+# How the SM's instruction caches treat straight-line code of growing size
+# (bench/cuda/icache_probe.cu, nvcc): cycles of each of five passes.
+icache() {
+    echo "== instruction-cache probe (nvcc)"
+    rm -f "$STORE/icache-probe"
+    nvcc -O3 -arch=sm_90 -o "$STORE/icache-probe" bench/cuda/icache_probe.cu 2>&1 | grep -i error || true
+    if [ -x "$STORE/icache-probe" ]; then
+        "$STORE/icache-probe" | tee "$OUTDIR/icache.txt"
+    else
+        echo "icache probe: the build failed"
+    fi
+}
+
 probe() {
     echo "== gemv probe (nvcc, ${PROBE_TYPE:-Q4_0})"
     local d defs bin tag
@@ -1387,6 +1424,8 @@ run)
         spec-ab) spec_ab ;;
         pfattn) pfattn ;;
         probe) probe ;;
+        icache) icache ;;
+        ncu-persist) ncu_persist ;;
         mega) mega ;;
         stream) stream ;;
         stream-clock) stream_clock ;;

@@ -217,7 +217,7 @@ __device__ __forceinline__ void pd_rank(const u64* cl, u32 C, u32 k, u64* out, f
 // `bound` to list[0..cap) at counter *n: a warp's counts are scanned, and
 // its last lane takes the warp's room with one shared atomic (one a key
 // queued behind each other on the counter). Every lane of the warp calls it.
-template <int N>
+template <class Cfg, int N>
 __device__ __forceinline__ void pd_append_above(const u64 (&v)[N], u32 bound, u32* n, u64* list, u32 cap) {
     u32 c = 0;
 #pragma unroll
@@ -232,12 +232,25 @@ __device__ __forceinline__ void pd_append_above(const u64 (&v)[N], u32 bound, u3
     u32 q = 0;
     if (lane == 31 && incl != 0) q = atomicAdd(n, incl);
     q = __shfl_sync(FULL_MASK, q, 31) + incl - c;
+    if constexpr (Cfg::PICK_HEAD_KPT > 0) {
+        // Each key's store predicated rather than branched around (a
+        // convergence region a key, about 50 cycles: bench/RESULTS.md,
+        // session 35). The streaming kernel keeps the branches: there the
+        // predicated form took 11 more registers and was not measured.
 #pragma unroll
-    for (int i = 0; i < N; ++i)
-        if (v[i] != 0 && (u32)(v[i] >> 32) >= bound) {
-            if (q < cap) list[q] = v[i];
-            ++q;
+        for (int i = 0; i < N; ++i) {
+            const bool take = v[i] != 0 && (u32)(v[i] >> 32) >= bound;
+            if (take && q < cap) list[q] = v[i];
+            q += (u32)take;
         }
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+            if (v[i] != 0 && (u32)(v[i] >> 32) >= bound) {
+                if (q < cap) list[q] = v[i];
+                ++q;
+            }
+    }
 }
 
 // The penalty window's tokens in this block's slice [lo, lo + n), as bits
@@ -287,6 +300,7 @@ struct __align__(16) PdSampShared {
     u64 bent[96];
     u32 nc;
     u32 bmax;  // pd_bound_of's bound (0: every key)
+    u32 nhb;   // the pick's head pass: nonzero to take the whole lists
 };
 
 // Resets the selection's fields (bound, count, ranked keys) for
@@ -438,7 +452,7 @@ __device__ PD_SAMP_FN void pd_sample_publish(const PdSamp sp, PdSampShared& ss, 
     pd_bound_of<Cfg>(k, ss);
     Cfg::sync();
     PD_PT(0);
-    pd_append_above(key, ss.bmax, &ss.nc, sp.cl, sp.cap);
+    pd_append_above<Cfg>(key, ss.bmax, &ss.nc, sp.cl, sp.cap);
     Cfg::sync();
     PD_PT(1);
 #ifdef PD_TIMING
@@ -459,11 +473,17 @@ __device__ PD_SAMP_FN void pd_sample_publish(const PdSamp sp, PdSampShared& ss, 
 
 // DENSE and TOPK, after the logits flags: the token, the same in every
 // block (the same loads and the same arithmetic in the same order); with
-// TOPK only warp 0 returns it. Every thread calls it.
-template <class Cfg>
-__device__ PD_SAMP_FN u32 pd_sample_pick(const PdSamp sp, PdSampShared& ss, const SampArgs a, const u64* set,
-                                         u32 base) {
-    pd_samp_assume_shared(sp);
+// TOPK only warp 0 returns it. Keys come from the first H of every block's
+// top-k list, N a thread: HEAD, the head pass (H may be less than top-k),
+// returns PD_PICK_RETRY to every thread when the whole lists must be read;
+// otherwise H is top-k.
+#define PD_PICK_RETRY 0xfffffffeu
+#ifndef PD_PICK_RETRY_ALL
+#define PD_PICK_RETRY_ALL 0
+#endif
+template <class Cfg, int N, bool HEAD>
+__device__ __forceinline__ u32 pd_pick_from(const PdSamp& sp, PdSampShared& ss, const SampArgs& a, const u64* set,
+                                            u32 base, u32 H) {
     const u32 tid = threadIdx.x, G = gridDim.x;
     PD_PT(-1);
     // One round of loads: the blocks' parts (G <= the sampler's threads) and, for
@@ -471,13 +491,21 @@ __device__ PD_SAMP_FN u32 pd_sample_pick(const PdSamp sp, PdSampShared& ss, cons
     const u64* part = set + (u64)tid * PD_PARTS;
     const u64 bk = tid < G ? __ldcg(part) : 0ull;
     const u64 pw = tid < G ? __ldcg(part + (a.mode == PD_SAMPLE_DENSE ? 2 : 1)) : 0ull;
-    const u32 K = a.top_k, total = a.mode == PD_SAMPLE_TOPK ? G * K : 0u;
+    const u32 K = a.top_k, total = a.mode == PD_SAMPLE_TOPK ? G * H : 0u;
     const u64* cand = set + (u64)G * PD_PARTS;
-    u64 y[Cfg::PICK_KPT];
+    if (HEAD && tid == 0) ss.nhb = 0;  // published by the first barrier
+    u64 y[N];
+    u32 last = 0;  // bit i: y[i] is the last key read of its block's list
 #pragma unroll
-    for (int i = 0; i < Cfg::PICK_KPT; ++i) {
+    for (int i = 0; i < N; ++i) {
         const u32 q = tid + i * (Cfg::WARPS * 32);
-        y[i] = q < total ? __ldcg(cand + q) : 0ull;
+        if constexpr (HEAD) {
+            const u32 b = q / H, r = q - b * H;
+            y[i] = q < total ? __ldcg(cand + (u64)b * K + r) : 0ull;
+            last |= (u32)(r == H - 1) << i;
+        } else {
+            y[i] = q < total ? __ldcg(cand + q) : 0ull;
+        }
     }
     // The global max (lowest id on ties) from the blocks' bests and, for
     // TOPK, the bound's entries (pd_bound_warp over every key), published
@@ -489,7 +517,7 @@ __device__ PD_SAMP_FN u32 pd_sample_pick(const PdSamp sp, PdSampShared& ss, cons
     if (a.mode == PD_SAMPLE_TOPK) {
         u32 lane_best = 0;
 #pragma unroll
-        for (int i = 0; i < Cfg::PICK_KPT; ++i) lane_best = max(lane_best, (u32)(y[i] >> 32));
+        for (int i = 0; i < N; ++i) lane_best = max(lane_best, (u32)(y[i] >> 32));
         pd_bound_warp<Cfg>(lane_best, ss);
     }
     Cfg::sync();
@@ -518,8 +546,16 @@ __device__ PD_SAMP_FN u32 pd_sample_pick(const PdSamp sp, PdSampShared& ss, cons
     pd_warp_sum_f64(mass_b, ss.dred);
     pd_bound_of<Cfg>(K, ss);
     Cfg::sync();
-    pd_append_above(y, ss.bmax, &ss.nc, sp.cl, sp.cap);
+    pd_append_above<Cfg>(y, ss.bmax, &ss.nc, sp.cl, sp.cap);
+    if (HEAD && H < K) {
+        // A block's last key read at or above the bound: its unread keys
+        // may rank among the top-k (PD_PICK_RETRY_ALL: always, for tests).
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+            if (PD_PICK_RETRY_ALL || (((last >> i) & 1u) && y[i] != 0 && (u32)(y[i] >> 32) >= ss.bmax)) ss.nhb = 1;
+    }
     Cfg::sync();
+    if (HEAD && H < K && ss.nhb != 0) return PD_PICK_RETRY;
     PD_PT(4);
 #ifdef PD_TIMING
     if (Cfg::bid() == 0 && tid == 0) pd_pt[10] += ss.nc;
@@ -532,7 +568,7 @@ __device__ PD_SAMP_FN u32 pd_sample_pick(const PdSamp sp, PdSampShared& ss, cons
         for (u32 r = 0; r < K; ++r) {
             u64 b = 0;
 #pragma unroll
-            for (int i = 0; i < Cfg::PICK_KPT; ++i) b = max(b, y[i]);
+            for (int i = 0; i < N; ++i) b = max(b, y[i]);
             b = pd_block_max<Cfg>(b, ss.ured);
             if (b == 0) break;
             if (tid == 0) {
@@ -540,7 +576,7 @@ __device__ PD_SAMP_FN u32 pd_sample_pick(const PdSamp sp, PdSampShared& ss, cons
                 ss.noise[r] = gumbel_from_hash(pcg_hash(base ^ ~(u32)b));
             }
 #pragma unroll
-            for (int i = 0; i < Cfg::PICK_KPT; ++i) y[i] = y[i] == b ? 0ull : y[i];
+            for (int i = 0; i < N; ++i) y[i] = y[i] == b ? 0ull : y[i];
         }
         Cfg::sync();
     }
@@ -592,4 +628,33 @@ __device__ PD_SAMP_FN u32 pd_sample_pick(const PdSamp sp, PdSampShared& ss, cons
     for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(FULL_MASK, best, o));
     PD_PT(7);
     return ~(u32)best;
+}
+
+// The pick. With TOPK it first reads only the head of every block's list,
+// the first PD_PICK_HEAD keys (a fifth of the loads for the default
+// top-40): the top-k of those are the top-k of all unless a block's last
+// head key reaches the candidates' bound, in which case (every block sees
+// the same keys, so every block decides alike) the whole lists are read.
+// The lists' loads were the pick's longest step (4.3k of 14.5k cycles,
+// bench/RESULTS.md, session 35).
+#ifndef PD_PICK_HEAD
+#define PD_PICK_HEAD 8
+#endif
+template <class Cfg>
+__device__ PD_SAMP_FN u32 pd_sample_pick(const PdSamp sp, PdSampShared& ss, const SampArgs a, const u64* set,
+                                         u32 base) {
+    pd_samp_assume_shared(sp);
+    constexpr int HN = Cfg::PICK_HEAD_KPT;
+    if constexpr (HN > 0 && PD_PICK_HEAD > 0 && !PD_PICK_SLOW) {
+        const u32 H = min(a.top_k, (u32)PD_PICK_HEAD);
+        if (a.mode == PD_SAMPLE_TOPK && gridDim.x * H <= HN * (Cfg::WARPS * 32)) {
+            const u32 tok = pd_pick_from<Cfg, HN, true>(sp, ss, a, set, base, H);
+            if (tok != PD_PICK_RETRY) return tok;
+            // Every thread has read ss.nhb; the fields start over.
+            Cfg::sync();
+            pd_select_begin(ss);
+            Cfg::sync();
+        }
+    }
+    return pd_pick_from<Cfg, Cfg::PICK_KPT, false>(sp, ss, a, set, base, a.top_k);
 }

@@ -130,7 +130,7 @@ __device__ __forceinline__ u32 pd_bid() {
 }
 // The sampler's configuration (chain_sampler.cuh): every warp of the block.
 struct PdCfg {
-    static constexpr int WARPS = PD_WARPS, PICK_KPT = 24;
+    static constexpr int WARPS = PD_WARPS, PICK_KPT = 24, PICK_HEAD_KPT = 4;
     static __device__ __forceinline__ void sync() { __syncthreads(); }
     static __device__ __forceinline__ u32 bid() { return pd_bid(); }
 };
