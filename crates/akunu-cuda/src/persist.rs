@@ -346,10 +346,14 @@ fn kernel_for(
             defs.push(format!("-D{name}={q8}"));
         }
     }
-    if sampled && !crate::compile::developer_defines_name("PD_SAMP_NOINLINE") {
-        // The sampler's part and pick as called functions: inlined, they
-        // slowed the layers' code around them (chain_sampler.cuh;
-        // -DPD_SAMP_NOINLINE=0 inlines them, for A/B).
+    // The sampler's part and pick as called functions: inlined, they
+    // slowed the layers' code around them (chain_sampler.cuh;
+    // -DPD_SAMP_NOINLINE=0 inlines them, for A/B). Also where a developer
+    // switch keeps the sampler in a greedy table's module
+    // (-DPD_GREEDY_ONLY=0): that module must be the sampled table's to
+    // time its layers.
+    let with_sampler = sampled || crate::compile::developer_defines_name("PD_GREEDY_ONLY");
+    if with_sampler && !crate::compile::developer_defines_name("PD_SAMP_NOINLINE") {
         defs.push("-DPD_SAMP_NOINLINE=1".into());
     }
     // Bulk copies (sm_90's copy engine) bring the next layer's rows where
