@@ -487,7 +487,7 @@ __device__ __forceinline__ u32 pd_pick_from(const PdSamp& sp, PdSampShared& ss, 
     const u32 tid = threadIdx.x, G = gridDim.x;
     PD_PT(-1);
     // One round of loads: the blocks' parts (G <= the sampler's threads) and, for
-    // TOPK, every block's list of top-k keys.
+    // TOPK, the first H keys of every block's list.
     const u64* part = set + (u64)tid * PD_PARTS;
     const u64 bk = tid < G ? __ldcg(part) : 0ull;
     const u64 pw = tid < G ? __ldcg(part + (a.mode == PD_SAMPLE_DENSE ? 2 : 1)) : 0ull;
