@@ -1160,12 +1160,6 @@ print(sys.argv[1], sys.argv[2], tg, json.dumps(d["speculative"]))' "$t" "idle=$m
     done
 }
 
-# The decode gemv kernels alone (bench/cuda/gemv_probe.cu, built here with
-# nvcc; no .gpu needed): for each of $PROBE_DEFINES (space-separated, each a
-# comma-separated list of -D options, "-" for none) the register form on
-# every shape of $PROBE_TYPE (Q4_0 or F16; default Q4_0), then the 8B FFN
-# down shape with its activation staged. PROBE_S=1|2|4|8 forces the split;
-# PROBE_NO_TCB=0 adds the bulk-copy form. E.g. PROBE_DEFINES="- -DTCG_L2PF=0".
 # The persistent decode kernel's warp stalls by SASS line (Nsight Compute's
 # source page, sampled warp states) over one 128-token chain on the
 # synthetic SmolLM2 file: the whole page gzipped to $OUTDIR, and a summary
@@ -1200,6 +1194,12 @@ icache() {
     fi
 }
 
+# The decode gemv kernels alone (bench/cuda/gemv_probe.cu, built here with
+# nvcc; no .gpu needed): for each of $PROBE_DEFINES (space-separated, each a
+# comma-separated list of -D options, "-" for none) the register form on
+# every shape of $PROBE_TYPE (Q4_0 or F16; default Q4_0), then the 8B FFN
+# down shape with its activation staged. PROBE_S=1|2|4|8 forces the split;
+# PROBE_NO_TCB=0 adds the bulk-copy form. E.g. PROBE_DEFINES="- -DTCG_L2PF=0".
 probe() {
     echo "== gemv probe (nvcc, ${PROBE_TYPE:-Q4_0})"
     local d defs bin tag
