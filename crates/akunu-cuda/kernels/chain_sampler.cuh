@@ -154,17 +154,47 @@ __device__ __forceinline__ float pd_penalised(float l, float pen) {
     return l > 0.0f ? __fdiv_rn(l, pen) : __fmul_rn(l, pen);
 }
 
+// Warp max of a u64 (every lane gets it). REDUX (Cfg::REDUX_MAX): two
+// 32-bit reductions, one instruction each (the high words' max, then the
+// low words' max among the lanes holding it), in place of five dependent
+// rounds of two shuffles and a 64-bit compare (bench/RESULTS.md, session
+// 36). The streaming kernel keeps the shuffles: its modules were not
+// measured with the reductions.
+template <bool REDUX>
+__device__ __forceinline__ u64 pd_warp_max_u64(u64 v) {
+    if constexpr (REDUX) {
+        const u32 hi = __reduce_max_sync(FULL_MASK, (u32)(v >> 32));
+        const u32 lo = __reduce_max_sync(FULL_MASK, (u32)(v >> 32) == hi ? (u32)v : 0u);
+        return ((u64)hi << 32) | lo;
+    } else {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(FULL_MASK, v, o));
+        return v;
+    }
+}
+// The max of the warps' words red[0 .. Cfg::WARPS), for every thread: with
+// REDUX_MAX a word a lane and the warp's max, else a chain over the words.
+template <class Cfg>
+__device__ __forceinline__ u64 pd_max_of_warps(const u64* red) {
+    if constexpr (Cfg::REDUX_MAX) {
+        const u32 lane = threadIdx.x & 31;
+        return pd_warp_max_u64<true>(lane < (u32)Cfg::WARPS ? red[lane] : 0ull);
+    } else {
+        u64 m = 0;
+#pragma unroll
+        for (int i = 0; i < Cfg::WARPS; ++i) m = max(m, red[i]);
+        return m;
+    }
+}
+
 // Block max of a u64 (every thread gets it); red holds Cfg::WARPS words.
 // Ends synchronised.
 template <class Cfg>
 __device__ __forceinline__ u64 pd_block_max(u64 v, u64* red) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(FULL_MASK, v, o));
+    v = pd_warp_max_u64<Cfg::REDUX_MAX>(v);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
     Cfg::sync();
-    u64 m = 0;
-#pragma unroll
-    for (int i = 0; i < Cfg::WARPS; ++i) m = max(m, red[i]);
+    const u64 m = pd_max_of_warps<Cfg>(red);
     Cfg::sync();
     return m;
 }
@@ -510,9 +540,7 @@ __device__ __forceinline__ u32 pd_pick_from(const PdSamp& sp, PdSampShared& ss, 
     // The global max (lowest id on ties) from the blocks' bests and, for
     // TOPK, the bound's entries (pd_bound_warp over every key), published
     // by one barrier.
-    u64 wm = bk;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) wm = max(wm, __shfl_xor_sync(FULL_MASK, wm, o));
+    const u64 wm = pd_warp_max_u64<Cfg::REDUX_MAX>(bk);
     if ((tid & 31) == 0) ss.ured[tid >> 5] = wm;
     if (a.mode == PD_SAMPLE_TOPK) {
         u32 lane_best = 0;
@@ -521,9 +549,7 @@ __device__ __forceinline__ u32 pd_pick_from(const PdSamp& sp, PdSampShared& ss, 
         pd_bound_warp<Cfg>(lane_best, ss);
     }
     Cfg::sync();
-    u64 m = 0;
-#pragma unroll
-    for (int i = 0; i < Cfg::WARPS; ++i) m = max(m, ss.ured[i]);
+    const u64 m = pd_max_of_warps<Cfg>(ss.ured);
     PD_PT(3);
     const float mx = rank_logit(m);
     // Not finite: the argmax (every token -inf gives id 0, as the CPU).
@@ -624,8 +650,7 @@ __device__ __forceinline__ u32 pd_pick_from(const PdSamp& sp, PdSampShared& ss, 
         const u32 r = 2 * lane + h;
         if (r < L) best = max(best, pd_key(__fadd_rn(__fsub_rn(sc[h], ln_sum), ss.noise[r]), ~(u32)ss.top[r]));
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(FULL_MASK, best, o));
+    best = pd_warp_max_u64<Cfg::REDUX_MAX>(best);
     PD_PT(7);
     return ~(u32)best;
 }

@@ -129,8 +129,14 @@ __device__ __forceinline__ u32 pd_bid() {
 #endif
 }
 // The sampler's configuration (chain_sampler.cuh): every warp of the block.
+// -DPD_REDUX_MAX=0: the 64-bit maxima by shuffles (chain_sampler.cuh
+// pd_warp_max_u64), for A/B runs.
+#ifndef PD_REDUX_MAX
+#define PD_REDUX_MAX 1
+#endif
 struct PdCfg {
     static constexpr int WARPS = PD_WARPS, PICK_KPT = 24, PICK_HEAD_KPT = 4;
+    static constexpr bool REDUX_MAX = PD_REDUX_MAX;
     static __device__ __forceinline__ void sync() { __syncthreads(); }
     static __device__ __forceinline__ u32 bid() { return pd_bid(); }
 };
@@ -143,6 +149,9 @@ __device__ __forceinline__ float pd_warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+
+// The block's max of the warps' keys wbest[0 .. PD_WARPS), for warp 0.
+__device__ __forceinline__ u64 pd_block_best(const u64* wbest) { return pd_max_of_warps<PdCfg>(wbest); }
 
 // Waits until every block has finished phase e (flags; logits only).
 __device__ __forceinline__ void pd_wait_flags(const u32* flags, u32 e) {
@@ -1131,15 +1140,21 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             auto rows = [&](const u8* Q, const u8* Sc, u32 j0, u32 end) {
                 float s[PD_ROWS];
                 pd_dot_rows(s, Q, Sc, PD_OUTQ8(a), a.d, j0, PD_WARPS, end, xr, lane);
+                // Lane u keeps row u's logit and the warp stores its rows'
+                // logits at once, not a store a row from lane 0 each in its
+                // own branch (sampled +0.4%: bench/RESULTS.md, session 36).
+                float mine = 0.0f;
 #pragma unroll
                 for (int u = 0; u < PD_ROWS; ++u) {
                     const u32 j = j0 + u * PD_WARPS;
-                    if (j < end) {
-                        float l = s[u];
-                        if (pen && ((sp.mask[j >> 5] >> (j & 31)) & 1u)) l = pd_penalised(l, a.s.penalty);
-                        if (a.s.mode >= PD_SAMPLE_DENSE && lane == 0) sp.lg[j] = l;
-                        best = max(best, pd_key(l, r.lo + j));
-                    }
+                    float l = s[u];
+                    if (pen && j < end && ((sp.mask[j >> 5] >> (j & 31)) & 1u)) l = pd_penalised(l, a.s.penalty);
+                    mine = lane == u ? l : mine;
+                    if (j < end) best = max(best, pd_key(l, r.lo + j));
+                }
+                {
+                    const u32 j = j0 + lane * PD_WARPS;
+                    if (a.s.mode >= PD_SAMPLE_DENSE && lane < PD_ROWS && j < end) sp.lg[j] = mine;
                 }
             };
             // The rows past the resident ones stream from global memory,
@@ -1159,12 +1174,13 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             // part resets them for the pick).
             if (a.s.mode == PD_SAMPLE_TOPK) pd_select_begin(ss);
             __syncthreads();
-            if (threadIdx.x == 0) {
-                u64 mx = 0;
-                for (int i = 0; i < PD_WARPS; ++i) mx = max(mx, wbest[i]);
-                bset[pd_bid()] = mx;
-                s_bkey = mx;
-                if (pd_bid() == 0) bset[gridDim.x] = done;
+            if (warp == 0) {
+                const u64 mx = pd_block_best(wbest);
+                if (lane == 0) {
+                    bset[pd_bid()] = mx;
+                    s_bkey = mx;
+                    if (pd_bid() == 0) bset[gridDim.x] = done;
+                }
             }
             PD_TMARK(11);
             if (a.s.mode >= PD_SAMPLE_DENSE) {
@@ -1200,17 +1216,17 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
         } else {
             u64 b = 0;
             for (u32 i = threadIdx.x; i < gridDim.x; i += PD_THREADS) b = max(b, __ldcg(bset + i));
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) b = max(b, __shfl_xor_sync(0xffffffffu, b, o));
+            b = pd_warp_max_u64<PdCfg::REDUX_MAX>(b);
             if (lane == 0) wbest[warp] = b;
             if (threadIdx.x == PD_THREADS - 1) s_cancel = cancel;
             __syncthreads();
-            if (threadIdx.x == 0) {
-                u64 mx = 0;
-                for (int i = 0; i < PD_WARPS; ++i) mx = max(mx, wbest[i]);
-                s_token = 0xffffffffu - (u32)mx;
-                if (pen) sp.hist[t] = s_token;
-                if (publisher) publish_token(a.conveyor, tok0 + 1 + t, s_token, ctl);
+            if (warp == 0) {
+                const u64 mx = pd_block_best(wbest);
+                if (lane == 0) {
+                    s_token = 0xffffffffu - (u32)mx;
+                    if (pen) sp.hist[t] = s_token;
+                    if (publisher) publish_token(a.conveyor, tok0 + 1 + t, s_token, ctl);
+                }
             }
             __syncthreads();
         }
