@@ -10,7 +10,11 @@
 // block), their barrier (Cfg::sync(): __syncthreads, or a named barrier
 // where a producer warp stays out), the block's role (Cfg::bid()) and the
 // keys a thread holds in the pick (Cfg::PICK_KPT: every block's top-k, so
-// blocks x top-k <= PICK_KPT x threads; the plans check). The sampling
+// blocks x top-k <= PICK_KPT x threads; the plans check). Three more pick
+// the forms measured on the SmolLM2 kernel only, which the streaming
+// kernel leaves off: Cfg::PICK_HEAD_KPT (the pick's head pass, keys a
+// thread; 0: none), Cfg::PRED_APPEND (predicated appends) and
+// Cfg::REDUX_MAX (64-bit maxima by warp reductions). The sampling
 // settings come in a SampArgs, which both kernels' argument blocks embed.
 // ---------------------------------------------------------------------------
 
@@ -172,8 +176,9 @@ __device__ __forceinline__ u64 pd_warp_max_u64(u64 v) {
         return v;
     }
 }
-// The max of the warps' words red[0 .. Cfg::WARPS), for every thread: with
-// REDUX_MAX a word a lane and the warp's max, else a chain over the words.
+// The max of the warps' words red[0 .. Cfg::WARPS), for every lane of the
+// whole warps that call it: with REDUX_MAX a word a lane and the warp's
+// max, else a chain over the words.
 template <class Cfg>
 __device__ __forceinline__ u64 pd_max_of_warps(const u64* red) {
     if constexpr (Cfg::REDUX_MAX) {
@@ -262,7 +267,7 @@ __device__ __forceinline__ void pd_append_above(const u64 (&v)[N], u32 bound, u3
     u32 q = 0;
     if (lane == 31 && incl != 0) q = atomicAdd(n, incl);
     q = __shfl_sync(FULL_MASK, q, 31) + incl - c;
-    if constexpr (Cfg::PICK_HEAD_KPT > 0) {
+    if constexpr (Cfg::PRED_APPEND) {
         // Each key's store predicated rather than branched around (a
         // convergence region a key, about 50 cycles: bench/RESULTS.md,
         // session 35). The streaming kernel keeps the branches: there the

@@ -136,7 +136,7 @@ __device__ __forceinline__ u32 pd_bid() {
 #endif
 struct PdCfg {
     static constexpr int WARPS = PD_WARPS, PICK_KPT = 24, PICK_HEAD_KPT = 4;
-    static constexpr bool REDUX_MAX = PD_REDUX_MAX;
+    static constexpr bool REDUX_MAX = PD_REDUX_MAX, PRED_APPEND = true;
     static __device__ __forceinline__ void sync() { __syncthreads(); }
     static __device__ __forceinline__ u32 bid() { return pd_bid(); }
 };
@@ -149,9 +149,6 @@ __device__ __forceinline__ float pd_warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
-
-// The block's max of the warps' keys wbest[0 .. PD_WARPS), for warp 0.
-__device__ __forceinline__ u64 pd_block_best(const u64* wbest) { return pd_max_of_warps<PdCfg>(wbest); }
 
 // Waits until every block has finished phase e (flags; logits only).
 __device__ __forceinline__ void pd_wait_flags(const u32* flags, u32 e) {
@@ -1175,7 +1172,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             if (a.s.mode == PD_SAMPLE_TOPK) pd_select_begin(ss);
             __syncthreads();
             if (warp == 0) {
-                const u64 mx = pd_block_best(wbest);
+                const u64 mx = pd_max_of_warps<PdCfg>(wbest);
                 if (lane == 0) {
                     bset[pd_bid()] = mx;
                     s_bkey = mx;
@@ -1221,7 +1218,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
             if (threadIdx.x == PD_THREADS - 1) s_cancel = cancel;
             __syncthreads();
             if (warp == 0) {
-                const u64 mx = pd_block_best(wbest);
+                const u64 mx = pd_max_of_warps<PdCfg>(wbest);
                 if (lane == 0) {
                     s_token = 0xffffffffu - (u32)mx;
                     if (pen) sp.hist[t] = s_token;

@@ -249,7 +249,7 @@ __device__ __forceinline__ void sd_csync() { asm volatile("bar.sync 1, %0;" ::"r
 #endif
 struct SdCfg {
     static constexpr int WARPS = SD_CW, PICK_KPT = SD_PICK_KPT, PICK_HEAD_KPT = 0;
-    static constexpr bool REDUX_MAX = false;
+    static constexpr bool REDUX_MAX = false, PRED_APPEND = false;
     static __device__ __forceinline__ void sync() { sd_csync(); }
     static __device__ __forceinline__ u32 bid() { return blockIdx.x; }
 };
