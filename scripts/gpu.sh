@@ -314,7 +314,8 @@ persist_timing() {
 # for each define set of PERSIST_AB (as in persist), the sets alternating
 # within each of PD_AB_ROUNDS rounds (default 2); each set's module is
 # compiled by a short warm-up run first. PD_AB_DEPTHS: prompt lengths to
-# start from (default "0").
+# start from (default "0"). PD_AB_MODES: the sampling settings to run
+# (default "greedy sampled"; "penalised" adds --repeat-penalty 1.1 to sampled).
 pd_ab() {
     echo "== persistent decode variants: greedy and sampled tg128, sets alternating"
     local f r d s extra
@@ -325,9 +326,10 @@ pd_ab() {
     done
     for r in $(seq "${PD_AB_ROUNDS:-2}"); do
         for p in ${PD_AB_DEPTHS:-0}; do
-            for s in greedy sampled; do
+            for s in ${PD_AB_MODES:-greedy sampled}; do
                 extra=""
                 [ $s = sampled ] && extra="--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1"
+                [ $s = penalised ] && extra="--temperature 0.8 --top-k 40 --top-p 0.95 --repeat-penalty 1.1 --seed 1"
                 for d in ${PERSIST_AB:-_}; do
                     # shellcheck disable=SC2086
                     AKUNU_CUDA_DEFINES="$(smb_defines "$d")" timeout 120 "$BIN/akunu" bench -m "$f" --device cuda \

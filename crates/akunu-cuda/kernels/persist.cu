@@ -100,6 +100,11 @@ struct PdArgs {
 // the first; on the SmolLM2 shape it has none), so that the publish's
 // system-scope fences delay no phase. -DPD_PUBLISHER=0: block 0, as
 // before session 22 (A/B runs).
+// -DPD_PEN_IN_DOTS=1: the repetition penalty applied to each logit in the
+// logits rows (before session 37), not in a pass after them (A/B runs).
+#ifndef PD_PEN_IN_DOTS
+#define PD_PEN_IN_DOTS 0
+#endif
 #ifndef PD_PUBLISHER
 #define PD_PUBLISHER (gridDim.x - 1)
 #endif
@@ -1145,13 +1150,16 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                 for (int u = 0; u < PD_ROWS; ++u) {
                     const u32 j = j0 + u * PD_WARPS;
                     float l = s[u];
+#if PD_PEN_IN_DOTS
                     if (pen && j < end && ((sp.mask[j >> 5] >> (j & 31)) & 1u)) l = pd_penalised(l, a.s.penalty);
+#endif
                     mine = lane == u ? l : mine;
                     if (j < end) best = max(best, pd_key(l, r.lo + j));
                 }
                 {
                     const u32 j = j0 + lane * PD_WARPS;
-                    if (a.s.mode >= PD_SAMPLE_DENSE && lane < PD_ROWS && j < end) sp.lg[j] = mine;
+                    if ((a.s.mode >= PD_SAMPLE_DENSE || (!PD_PEN_IN_DOTS && pen)) && lane < PD_ROWS && j < end)
+                        sp.lg[j] = mine;
                 }
             };
             // The rows past the resident ones stream from global memory,
@@ -1166,6 +1174,25 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                 const u8* ls = lq + res * qb + (((u64)a.vocab * qb + (u64)r.lo * sb) & 15);
                 for (u32 j0 = warp; j0 < res; j0 += PD_ROWS * PD_WARPS) rows(lq, ls, j0, res);
             }
+#if !PD_PEN_IN_DOTS
+            if (pen) {
+                // The penalty on the stored logits, then the slice's best
+                // again, in a pass of its own: applied in the rows above,
+                // its division's code sat in every unrolled row of both
+                // loops, executed or not, in every sampled chain.
+                __syncthreads();
+                best = 0;
+                for (u32 j = threadIdx.x; j < r.n; j += PD_THREADS) {
+                    float l = sp.lg[j];
+                    if ((sp.mask[j >> 5] >> (j & 31)) & 1u) {
+                        l = pd_penalised(l, a.s.penalty);
+                        sp.lg[j] = l;
+                    }
+                    best = max(best, pd_key(l, r.lo + j));
+                }
+                best = pd_warp_max_u64<PdCfg::REDUX_MAX>(best);
+            }
+#endif
             if (lane == 0) wbest[warp] = best;
             // The part's selection fields, published by this barrier (the
             // part resets them for the pick).
