@@ -121,6 +121,13 @@ __shared__ long long sd_last;
 #ifndef SD_SAMPLED
 #define SD_SAMPLED 0
 #endif
+// With SD_SAMPLED: where the sampler's scalars and per-token areas lie in
+// the scratch (floats from its start; stream.rs `samp_window`), or 0 for
+// after the rest, the scalars static. SD_SAMP_SS: the bytes kept for the
+// scalars there (stream.rs `SAMP_SHARED`).
+#ifndef SD_SAMP_OFF
+#define SD_SAMP_OFF 0
+#endif
 
 constexpr int D = SD_D, QD = SD_QD, KVD = SD_KVD, FF = SD_FF, NH = SD_NH, NKV = SD_NKV, HD = SD_HD;
 constexpr int QKV = QD + 2 * KVD;
@@ -949,9 +956,10 @@ __device__ void sd_attend(const SdArgs& a, const SdLayer& L, u32 pos, u32 h, u32
 // start, the partials of every product but down at SD_IMG, down's at FF,
 // the attention scratch at SD_ATT_OFF, after q|k|v's partials); this
 // block's h rows (64), reductions (64); then the ring's mbarriers and the
-// warps' keys, then (SD_SAMPLED) the sampler's areas (pd_samp_areas;
-// stream.rs computes the same size).
+// warps' keys, then (SD_SAMPLED without SD_SAMP_OFF) the sampler's areas
+// (pd_samp_areas; stream.rs computes the same size).
 constexpr int SD_IMG = D > QD ? D : QD;
+constexpr int SD_SAMP_SS = 2048;
 static_assert(SD_ATT_OFF >= SD_IMG && SD_REGION >= FF, "stream.rs lays the scratch out");
 extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdArgs a) {
     extern __shared__ __align__(128) unsigned char smem[];
@@ -1009,16 +1017,32 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
     // computed once a token, published by the first staging's barriers.
     __shared__ float2 s_rope[HD / 2];
 #if SD_SAMPLED
-    // The sampler's scalars, the slice's best key, the penalty window's
-    // header, the token of the pick.
-    __shared__ PdSampShared ss;
+    // The slice's best key, the penalty window's header, the token of the
+    // pick.
     __shared__ u64 s_bkey;
     __shared__ u32 s_wstart, s_wn, s_token;
     // The tokens this launch chose, block by block in global memory after
     // the parts and candidates (stream.rs): in shared memory they would
     // cost a ring stage.
     u32* hist = (u32*)(a.s.samp + 2 * (u64)gridDim.x * (PD_PARTS + PD_CANDS)) + (u64)blockIdx.x * a.max_pos;
-    const PdSamp sp = pd_samp_areas(after, (a.vocab + gridDim.x - 1) / gridDim.x, a.max_pos, hist);
+    const u32 per = (a.vocab + gridDim.x - 1) / gridDim.x;
+#if SD_SAMP_OFF
+    // The sampler's scalars and per-token areas in the scratch's span that
+    // nothing uses from the last layer's down rows to the next token's
+    // first staging (stream.rs `samp_window`), and the recent ids read
+    // where the host wrote them (at most repeat_last_n a token): in
+    // shared memory after the rest they cost llama-1b F16 a ring stage.
+    static_assert(sizeof(PdSampShared) <= SD_SAMP_SS && SD_SAMP_OFF % 4 == 0 && SD_SAMP_OFF >= SD_IMG &&
+                      4 * SD_SAMP_OFF + SD_SAMP_SS <= 4 * FF,
+                  "stream.rs samp_window");
+    PdSampShared& ss = *(PdSampShared*)(xs + SD_SAMP_OFF);
+    PdSamp sp = pd_samp_areas((u8*)(xs + SD_SAMP_OFF) + SD_SAMP_SS, per, a.max_pos, hist);
+    sp.rec = const_cast<u32*>(a.s.recent + 2);
+#else
+    // The sampler's scalars; its areas follow the rest.
+    __shared__ PdSampShared ss;
+    const PdSamp sp = pd_samp_areas(after, per, a.max_pos, hist);
+#endif
     const bool pen = a.s.mode != PD_SAMPLE_GREEDY && a.s.penalty != 1.0f;
 #endif
 
@@ -1120,7 +1144,9 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
             s_wstart = __ldg(a.s.recent);
             s_wn = nr;
         }
+#if !SD_SAMP_OFF
         for (u32 i = threadIdx.x; i < nr; i += SD_CT) sp.rec[i] = __ldg(a.s.recent + 2 + i);
+#endif
     }
 #endif
     u32 c = 0;

@@ -47,8 +47,9 @@ const HEAD: u32 = 64;
 /// Static shared memory of the kernel (ptxas: 400 bytes greedy, 2,048
 /// with the sampler's scalars before chain_sampler.cuh sized them for 96
 /// bound entries, 192 more since; 2,144 + 192 in a -DPD_TIMING build),
-/// rounded up. The streaming kernel's fits too (its RoPE table, up to 512
-/// bytes, and the same sampler scalars).
+/// rounded up: the room the plan leaves it. The streaming kernel's sampled
+/// module's fits too (its RoPE table, up to 512 bytes, and the same sampler
+/// scalars); its plan sizes the ring from the compiled module's own.
 pub(crate) const STATIC_SMEM: u32 = 3072;
 /// The sampler's words a block publishes (chain_sampler.cuh `PD_PARTS`) and its
 /// top-k keys (`PD_CANDS`, the largest top-k the kernel takes).
@@ -246,18 +247,21 @@ const PICK_CAP: u32 = 1024;
 /// block's top-k, so grid x top-k <= PICK_KPT x threads.
 const PICK_KPT: u32 = 24;
 
-/// Shared memory of the sampler (persist.cu `pd_samp_areas`): 16 bytes of
-/// alignment, the candidates, the slice's logits, its penalty mask, a
-/// token a step (`hist` of them: the launch's positions, or 0 where the
-/// kernel keeps them in global memory), the recent ids.
+/// Shared memory of the sampler (persist.cu `pd_samp_areas`): its
+/// per-token areas, a token a step (`hist` of them: the launch's
+/// positions, or 0 where the kernel keeps them in global memory), the
+/// recent ids.
 pub(crate) fn sample_smem(vocab: u32, g: u32, hist: u32) -> u64 {
+    sample_token_areas(vocab, g) + 4 * hist as u64 + 4 * RECENT_CAPACITY as u64
+}
+
+/// The sampler's areas that live only from a token's logits to its pick:
+/// 16 bytes of alignment, the candidates, the slice's logits, its penalty
+/// mask.
+pub(crate) fn sample_token_areas(vocab: u32, g: u32) -> u64 {
     let per = vocab.div_ceil(g);
     let cap = per.max(PICK_CAP);
-    16 + 8 * cap as u64
-        + 4 * per as u64
-        + 4 * per.div_ceil(32) as u64
-        + 4 * hist as u64
-        + 4 * RECENT_CAPACITY as u64
+    16 + 8 * cap as u64 + 4 * per as u64 + 4 * per.div_ceil(32) as u64
 }
 
 /// What the plans hold on the device, released with the backend.
@@ -369,12 +373,14 @@ fn kernel_for(
         "k_persist_decode",
         owned,
     )
+    .map(|(f, _)| f)
 }
 
 /// A persistent kernel (`name` in translation unit `src`, compiled with
 /// `defs` for this device, disk-cached like the main module), loaded with
-/// its shared-memory limit raised to the device's opt-in amount less
-/// `STATIC_SMEM`; its module goes to `owned`. `what` names it in messages.
+/// its shared-memory limit raised to the device's opt-in amount less its
+/// static shared memory, which it returns with the kernel; its module goes
+/// to `owned`. `what` names it in messages.
 pub(crate) fn load_kernel(
     be: &CudaBackend,
     src: &str,
@@ -382,7 +388,7 @@ pub(crate) fn load_kernel(
     what: &str,
     name: &str,
     owned: &mut Owned,
-) -> Result<sys::CUfunction, BackendError> {
+) -> Result<(sys::CUfunction, u32), BackendError> {
     let arch = format!("sm_{}{}", be.info.cc.0, be.info.cc.1);
     let cubin = crate::compile::cubin_of(
         src,
@@ -409,6 +415,19 @@ pub(crate) fn load_kernel(
         unsafe { sys::cuModuleGetFunction(&mut f, module, cname.as_ptr()) },
         &format!("finding {name}"),
     )?;
+    let mut static_smem: std::ffi::c_int = 0;
+    // SAFETY: a valid function; out-parameter.
+    check(
+        unsafe {
+            sys::cuFuncGetAttribute(
+                &mut static_smem,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+                f,
+            )
+        },
+        &format!("reading {what}'s static shared memory"),
+    )?;
+    let static_smem = static_smem.max(0) as u32;
     // SAFETY: a valid function; at most the device's opt-in amount less
     // the kernel's static shared memory.
     check(
@@ -416,12 +435,12 @@ pub(crate) fn load_kernel(
             sys::cuFuncSetAttribute(
                 f,
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                be.smem_optin().saturating_sub(STATIC_SMEM) as i32,
+                be.smem_optin().saturating_sub(static_smem) as i32,
             )
         },
         &format!("raising {what}'s shared-memory limit"),
     )?;
-    Ok(f)
+    Ok((f, static_smem))
 }
 
 /// Why a table cannot run persistent, or its plan. What the plan holds on

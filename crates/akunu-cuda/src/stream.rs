@@ -27,7 +27,7 @@ use crate::CudaBackend;
 use crate::device::{alloc, check};
 use crate::persist::{
     Args, CANDS, Owned, PARTS, PdArgs, PdLayer, Plan, Q6K_FORM, SampArgs, VPT, load_kernel,
-    read_shape, sample_smem, upload,
+    read_shape, sample_smem, sample_token_areas, upload,
 };
 use akunu_core::backend::BackendError;
 use akunu_core::dtype::DType;
@@ -71,9 +71,17 @@ const ATT_S_MAX: u32 = 4;
 /// Positions the kernel serves: its attention scratch holds a split's
 /// scores (max_pos / SD_ATT_S + 1 floats).
 pub const MAX_POS: u32 = 4096;
-/// Static shared memory of the kernel, with room (stream.cu: `s_last`, the
-/// RoPE table): persist.rs's, which `load_kernel` leaves out of the limit.
+/// Static shared memory of a sampled module whose sampler's scalars are
+/// static (stream.cu: `s_last`, the RoPE table, the scalars: 2,304 bytes at
+/// the 1B shape), with room: persist.rs's. The ring is first sized for it,
+/// or for [`GREEDY_STATIC`] otherwise, then (`plan`) checked against the
+/// compiled module's own.
 use crate::persist::STATIC_SMEM;
+/// Room for the static shared memory of a module without the sampler's
+/// scalars (384 bytes for the 1B shape's greedy module, NVRTC for sm_90).
+/// Reserving persist.rs's 3,072 cost llama-1b F16 its sixth stage by 1,192
+/// bytes.
+const GREEDY_STATIC: u32 = 1024;
 
 /// Mirror of `SdArgs` in stream.cu.
 #[repr(C)]
@@ -229,6 +237,9 @@ pub(crate) struct Layout {
     /// Where the attention scratch starts: after the q|k|v partials, which
     /// are read while attention runs.
     pub att_off: u32,
+    /// Where the logits' partials end: from there to down's partials (at
+    /// ff) nothing is live between a token's logits and its pick.
+    pub log_end: u32,
 }
 
 /// The layout of a shape's scratch on `grid` blocks of `cw` consumer warps,
@@ -252,7 +263,61 @@ pub(crate) fn layout(
     let img = d.max(qd);
     let att_off = img + qkv;
     let region = (img + qkv.max(o).max(gu).max(log).max(qkv + att)).max(ff + dn);
-    Layout { region, att_off }
+    Layout {
+        region,
+        att_off,
+        log_end: img + log,
+    }
+}
+
+/// Bytes the sampled module keeps for the sampler's shared scalars
+/// (stream.cu `SD_SAMP_SS`, at least `sizeof(PdSampShared)`).
+const SAMP_SHARED: u32 = 2048;
+
+/// Where (floats from the scratch's start) the sampler's per-token areas
+/// and scalars go: the span the logits phase leaves free, past the logits'
+/// partials and short of down's, whose last reader (the last layer's rows)
+/// is done before the logits phase begins, and whose next writers (the
+/// next token's layers) start after the pick. None where they do not fit
+/// there: then they follow the rest (`sample_smem`), as they did before.
+/// In that span they cost the ring nothing: llama-1b F16's sampled module
+/// keeps the greedy one's six stages.
+fn samp_window(lay: Layout, ff: u32, vocab: u32, grid: u32) -> Option<u32> {
+    let off = lay.log_end.next_multiple_of(4); // 16-byte aligned
+    let bytes = SAMP_SHARED as u64 + sample_token_areas(vocab, grid);
+    (4 * off as u64 + bytes <= 4 * ff as u64).then_some(off)
+}
+
+/// Where the sampler's shared memory goes and the static room the ring's
+/// first size leaves (the plan then checks the compiled module's own).
+struct SmemPlan {
+    /// `samp_window`'s offset (`-DSD_SAMP_OFF`), if it fits.
+    window: Option<u32>,
+    /// Dynamic bytes after the rest: the sampler's areas, where the window
+    /// does not take them.
+    samp: u64,
+    /// Static bytes reserved: the sampler's scalars are static only in the
+    /// fallback.
+    reserve: u32,
+}
+
+fn smem_plan(lay: Layout, ff: u32, vocab: u32, grid: u32, sampled: bool) -> SmemPlan {
+    let window = if sampled {
+        samp_window(lay, ff, vocab, grid)
+    } else {
+        None
+    };
+    let samp = if sampled && window.is_none() {
+        sample_smem(vocab, grid, 0)
+    } else {
+        0
+    };
+    let reserve = if samp > 0 { STATIC_SMEM } else { GREEDY_STATIC };
+    SmemPlan {
+        window,
+        samp,
+        reserve,
+    }
 }
 
 /// Floats of the attention scratch (stream.cu `sd_attend`): q, the current
@@ -459,7 +524,7 @@ fn kernel_for(
     be: &CudaBackend,
     defs: &[String],
     owned: &mut Owned,
-) -> Result<sys::CUfunction, BackendError> {
+) -> Result<(sys::CUfunction, u32), BackendError> {
     let mut defs = defs.to_vec();
     defs.push(crate::compile::kv_define(be.kv));
     load_kernel(
@@ -510,26 +575,28 @@ pub(crate) fn plan(
     let max_pos = MAX_POS.min(p.capacity);
     let att = att_floats(hd, geo.cw, max_pos, att_s);
     let lay = layout(p.d, p.qd, p.kvd, p.ff, p.vocab, grid, geo.cw, att);
-    let budget = be.smem_optin().saturating_sub(STATIC_SMEM) as u64;
-    // The sampler's areas follow the rest (stream.cu `pd_samp_areas`).
-    let samp = if sampled {
-        sample_smem(p.vocab, grid, 0)
-    } else {
-        0
-    };
+    let SmemPlan {
+        window,
+        samp,
+        reserve,
+    } = smem_plan(lay, p.ff, p.vocab, grid, sampled);
+    let optin = be.smem_optin() as u64;
+    let budget = optin.saturating_sub(reserve as u64);
     let need = |n: u32| smem_bytes(lay, n, geo) + samp;
     // As many stages as fit, up to MAX_NST (or the switch's cap).
     let most = NST.number::<u32>().unwrap_or(MAX_NST).clamp(2, MAX_NST);
-    let Some(nst) = (2..=most).rev().find(|&n| need(n) <= budget) else {
+    let Some(mut nst) = (2..=most).rev().find(|&n| need(n) <= budget) else {
         return Ok(Err(format!(
             "{} bytes of shared memory a block needed, {budget} available",
             need(2)
         )));
     };
-    let smem = need(nst);
-    let mut defs = defines(p.d, p.qd, p.kvd, p.ff, p.nh, p.nkv, lay, nst, att_s, geo);
+    let mut extra: Vec<String> = Vec::new();
     if sampled {
-        defs.push("-DSD_SAMPLED=1".into());
+        extra.push("-DSD_SAMPLED=1".into());
+    }
+    if let Some(off) = window {
+        extra.push(format!("-DSD_SAMP_OFF={off}"));
     }
     // A Q6_K output or embedding (the same matrix when tied) in the
     // kernel's Q6 form.
@@ -542,13 +609,31 @@ pub(crate) fn plan(
                 Ok(f) => f,
                 Err(why) => return Ok(Err(why)),
             };
-            defs.push(def.into());
+            extra.push(def.into());
         }
     }
-    let f = match kernel_for(be, &defs, owned) {
-        Ok(f) => f,
-        Err(e) => return Ok(Err(format!("the streaming kernel is not available: {e}"))),
+    // The module's static shared memory is known once it is compiled: where
+    // it leaves less than the guess did (a developer switch's counters),
+    // one stage fewer, compiled again.
+    let f = loop {
+        let mut defs = defines(p.d, p.qd, p.kvd, p.ff, p.nh, p.nkv, lay, nst, att_s, geo);
+        defs.extend(extra.iter().cloned());
+        let (f, static_smem) = match kernel_for(be, &defs, owned) {
+            Ok(f) => f,
+            Err(e) => return Ok(Err(format!("the streaming kernel is not available: {e}"))),
+        };
+        if need(nst) + static_smem as u64 <= optin {
+            break f;
+        }
+        if nst == 2 {
+            return Ok(Err(format!(
+                "{} bytes of shared memory a block needed with {static_smem} static, {optin} available",
+                need(2)
+            )));
+        }
+        nst -= 1;
     };
+    let smem = need(nst);
     let threads = (geo.cw + 1) * 32;
     if be.occupancy(f, threads, smem as u32) < 1 {
         return Ok(Err("the streaming kernel does not fit an SM".into()));
@@ -707,27 +792,51 @@ mod tests {
 
     #[test]
     fn the_ring_gets_what_shared_memory_leaves() {
-        let budget = (232448 - STATIC_SMEM) as u64;
         let samp = sample_smem(49152, 132, 0);
         assert_eq!(sample_smem(49152, 132, 4096) - samp, 4 * 4096);
-        let stages = |geo: Geometry, extra: u64| {
-            let att = att_floats(128, geo.cw, 4096, 4);
-            let lay = layout(4096, 4096, 1024, 14336, 49152, 132, geo.cw, att);
-            (2..=MAX_NST)
-                .rev()
-                .find(|&n| smem_bytes(lay, n, geo) + extra <= budget)
-        };
-        // llama-8b, H100/H200 (227 KiB opt-in less the static room), F16:
-        // five stages of 32 KiB greedy, four with the sampler's areas (its
-        // token history is in global memory: at 4,096 positions it took
-        // 16 KB more and a stage).
-        assert_eq!(stages(F16, 0), Some(5));
-        assert_eq!(stages(F16, samp), Some(4));
-        // Q4_0 with 16 consumer warps: nine stages of 18,432 bytes greedy,
-        // eight sampled (seven and six while x, the partials and the
-        // attention scratch each had their own room).
+        // The stages of the plan's first guess, on 132 SMs with 227 KiB of
+        // opt-in shared memory (H100/H200), and where the sampler went.
+        let stages_of =
+            |d: u32, kvd: u32, ff: u32, hd: u32, vocab: u32, geo: Geometry, sampled: bool| {
+                let att = att_floats(hd, geo.cw, 4096, 4);
+                let lay = layout(d, d, kvd, ff, vocab, 132, geo.cw, att);
+                let plan = smem_plan(lay, ff, vocab, 132, sampled);
+                let budget = (232448 - plan.reserve) as u64;
+                let nst = (2..=MAX_NST)
+                    .rev()
+                    .find(|&n| smem_bytes(lay, n, geo) + plan.samp <= budget);
+                (nst, plan.window.is_some())
+            };
+        let stages =
+            |geo: Geometry, sampled: bool| stages_of(4096, 1024, 14336, 128, 49152, geo, sampled);
+        // llama-1b F16: six stages (five while the greedy module reserved
+        // the sampled one's room, and while the sampled one kept its
+        // sampler's areas after the rest).
+        assert_eq!(
+            stages_of(2048, 512, 8192, 64, 49152, F16, false),
+            (Some(6), false)
+        );
+        assert_eq!(
+            stages_of(2048, 512, 8192, 64, 49152, F16, true),
+            (Some(6), true)
+        );
+        // Llama 3.2's vocabulary (128,256): the logits' partials (972 rows
+        // of 8 warps) pass down's input, so the sampler's areas follow
+        // the rest.
+        assert_eq!(
+            stages_of(2048, 512, 8192, 64, 128256, F16, true),
+            (Some(5), false)
+        );
+        // llama-8b F16: five stages of 32 KiB (four sampled while its areas
+        // followed the rest; with its token history in shared memory, at
+        // 4,096 positions, 16 KB more and another stage).
+        assert_eq!(stages(F16, false), (Some(5), false));
+        assert_eq!(stages(F16, true), (Some(5), true));
+        // Q4_0 with 16 consumer warps: nine stages of 18,432 bytes (eight
+        // sampled while the areas followed the rest; seven and six while x,
+        // the partials and the attention scratch each had their own room).
         let q4 = shape_fits(4096, 4096, 1024, 14336, 32, 49152, 132, true).unwrap();
-        assert_eq!(stages(q4, 0), Some(9));
-        assert_eq!(stages(q4, samp), Some(8));
+        assert_eq!(stages(q4, false), (Some(9), false));
+        assert_eq!(stages(q4, true), (Some(9), true));
     }
 }
