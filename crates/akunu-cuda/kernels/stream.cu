@@ -959,7 +959,9 @@ __device__ void sd_attend(const SdArgs& a, const SdLayer& L, u32 pos, u32 h, u32
 // warps' keys, then (SD_SAMPLED without SD_SAMP_OFF) the sampler's areas
 // (pd_samp_areas; stream.rs computes the same size).
 constexpr int SD_IMG = D > QD ? D : QD;
+#if SD_SAMP_OFF
 constexpr int SD_SAMP_SS = 2048;
+#endif
 static_assert(SD_ATT_OFF >= SD_IMG && SD_REGION >= FF, "stream.rs lays the scratch out");
 extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdArgs a) {
     extern __shared__ __align__(128) unsigned char smem[];
