@@ -239,6 +239,22 @@ __device__ __forceinline__ bool sd_mbar_done(u64* bar, u32 parity) {
 __device__ __forceinline__ void sd_mbar_arrive(u64* bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
+// The producer keeps at most SD_INFLIGHT copies in flight (0: no cap),
+// waiting for copy c - SD_INFLIGHT to land before issuing copy c: a ring
+// refilled all at once after a serial section would queue its whole depth
+// in the memory system, on every SM, ahead of the consumers' loads of the
+// other blocks' words (stream.rs INFLIGHT). Returns false if the chain
+// ended before token t.
+#ifndef SD_INFLIGHT
+#define SD_INFLIGHT 0
+#endif
+__device__ __forceinline__ bool sd_cap_inflight(const u64* full, u32 c, u32 t, const volatile u32* last) {
+    if (SD_INFLIGHT == 0 || c < (u32)SD_INFLIGHT) return true;
+    const u32 k = c - (u32)SD_INFLIGHT;
+    while (!sd_mbar_done<false>(const_cast<u64*>(&full[k % SD_NST]), (k / SD_NST) & 1u))
+        if (t > *last) return false;
+    return true;
+}
 __device__ __forceinline__ void sd_bulk(void* dst, const void* src, u32 bytes, u64* bar, u64 policy) {
     asm volatile(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
@@ -506,7 +522,7 @@ __device__ __forceinline__ unsigned char* sd_take_stage(const SdRing& r, u32 c, 
 #if SD_DIAG & 4
     sd_pclk += (unsigned long long)(clock64() - p0);
 #endif
-    if (t > *last) {
+    if (t > *last || !sd_cap_inflight(r.full, c, t, last)) {
         ended = true;
         return nullptr;
     }
@@ -1094,6 +1110,9 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
                 if (ended) return;
                 const u32 s = c % SD_NST, n = c / SD_NST;
                 if (n > 0) {
+#if SD_DIAG & 4
+                    const long long p0 = clock64();
+#endif
                     // Wait for the stage, or for the chain to end before t.
                     while (!sd_mbar_done<false>(&r.empty[s], (n - 1) & 1u)) {
                         if (t > s_last) {
@@ -1101,8 +1120,11 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
                             return;
                         }
                     }
+#if SD_DIAG & 4
+                    sd_pclk += (unsigned long long)(clock64() - p0);
+#endif
                 }
-                if (t > s_last) {
+                if (t > s_last || !sd_cap_inflight(r.full, c, t, &s_last)) {
                     ended = true;
                     return;
                 }

@@ -66,6 +66,24 @@ static Q4_L2: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_STREAM_Q4_L
 /// `AKUNU_CUDA_STREAM_NST` sets a lower cap for A/B runs.
 const MAX_NST: u32 = 12;
 static NST: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_STREAM_NST");
+/// Bulk copies the producer keeps in flight at most (stream.cu
+/// `SD_INFLIGHT`), whatever the ring's depth. A producer that refills its
+/// whole ring at once, as every block does after a serial section (the
+/// norms, attention, the activations' staging), queues the ring's depth on
+/// every SM in the memory system ahead of the consumers' own loads of the
+/// other blocks' words, and those sections then wait behind it. Two in
+/// flight still feed the F16 form's stream (bench/RESULTS.md, session 39:
+/// llama-1b F16 +7%, 8B F16 +3.4%, against no cap). The Q4_0 form, bound
+/// by its consumers, keeps no cap: level on 8B Q4_0, and its Q6_K-logits
+/// form (two stages a tile) 1.3–1.7% slower with two. 0 lifts the cap;
+/// `AKUNU_CUDA_STREAM_INFLIGHT` sets it for A/B runs.
+const INFLIGHT_F16: u32 = 2;
+static INFLIGHT: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_STREAM_INFLIGHT");
+fn inflight(q4: bool) -> u32 {
+    INFLIGHT
+        .number::<u32>()
+        .unwrap_or(if q4 { 0 } else { INFLIGHT_F16 })
+}
 /// Splits of a head's attention at most (stream.cu `SD_ATT_S`).
 const ATT_S_MAX: u32 = 4;
 /// Positions the kernel serves: its attention scratch holds a split's
@@ -497,6 +515,7 @@ pub(crate) fn defines(
         ("SD_CW", geo.cw),
         ("SD_PICK_KPT", pick_kpt(geo.cw)),
         ("SD_STB", geo.stb),
+        ("SD_INFLIGHT", inflight(geo.q4)),
     ]
     .iter()
     .map(|(k, v)| format!("-D{k}={v}"))
