@@ -858,4 +858,26 @@ mod tests {
         assert_eq!(stages(q4, false), (Some(9), false));
         assert_eq!(stages(q4, true), (Some(9), true));
     }
+
+    #[test]
+    fn only_the_f16_form_caps_its_copies_in_flight() {
+        if std::env::var_os("AKUNU_CUDA_STREAM_INFLIGHT").is_some() {
+            return; // an A/B run's cap, not the default under test
+        }
+        let cap = |geo: Geometry| {
+            let att = att_floats(128, geo.cw, 4096, 4);
+            let lay = layout(4096, 4096, 1024, 14336, 49152, 132, geo.cw, att);
+            let defs = defines(4096, 4096, 1024, 14336, 32, 8, lay, 5, 4, geo);
+            let found: Vec<_> = defs
+                .iter()
+                .filter(|d| d.starts_with("-DSD_INFLIGHT="))
+                .collect();
+            assert_eq!(found.len(), 1, "{defs:?}");
+            found[0].clone()
+        };
+        assert_eq!(cap(F16), format!("-DSD_INFLIGHT={INFLIGHT_F16}"));
+        assert!(INFLIGHT_F16 >= 1, "a cap of 0 would lift it");
+        let q4 = shape_fits(4096, 4096, 1024, 14336, 32, 49152, 132, true).unwrap();
+        assert_eq!(cap(q4), "-DSD_INFLIGHT=0");
+    }
 }
