@@ -78,6 +78,7 @@ static NST: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_STREAM_NST");
 /// form (two stages a tile) 1.3–1.7% slower with two. 0 lifts the cap;
 /// `AKUNU_CUDA_STREAM_INFLIGHT` sets it for A/B runs.
 const INFLIGHT_F16: u32 = 2;
+const _: () = assert!(INFLIGHT_F16 >= 1, "a cap of 0 would lift it");
 static INFLIGHT: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_STREAM_INFLIGHT");
 fn inflight(q4: bool) -> u32 {
     INFLIGHT
@@ -876,7 +877,6 @@ mod tests {
             found[0].clone()
         };
         assert_eq!(cap(F16), format!("-DSD_INFLIGHT={INFLIGHT_F16}"));
-        assert!(INFLIGHT_F16 >= 1, "a cap of 0 would lift it");
         let q4 = shape_fits(4096, 4096, 1024, 14336, 32, 49152, 132, true).unwrap();
         assert_eq!(cap(q4), "-DSD_INFLIGHT=0");
     }
