@@ -830,7 +830,8 @@ stream_ab_one() { # NAME FILE
 
 # Decode over sets of environment variables, one bench each, in one call:
 # ENV_SETS lists the sets by spaces, a set's VAR=VALUE pairs by commas (`_`
-# for none); ENV_BENCH the bench arguments (default -p 512 -n 128 -r 3);
+# for none); ENV_BENCH the bench arguments (default -p 512 -n 128 -r 3;
+# the pp and tg rows are printed, so -n 0 times prefill alone);
 # BENCH_SHAPES the shapes (default the 8B Q4_0 one).
 env_ab_one() { # NAME FILE
     each_env_set "${ENV_SETS:-_}" "$1" env_ab_run "$2"
@@ -843,7 +844,7 @@ env_ab_run() { # FILE
         [ "$mode" = sampled ] && extra="--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1"
         # shellcheck disable=SC2086 # ENV_BENCH is a list of arguments
         timeout 300 "$BIN/akunu" bench -m "$1" --device cuda ${ENV_BENCH:--p 512 -n 128 -r 3} $extra \
-            --no-bandwidth 2>&1 | grep -E "tg[0-9]|error|akunu:" | grep -v compiling | sed "s/^/$mode /" ||
+            --no-bandwidth 2>&1 | grep -E "pp[0-9]|tg[0-9]|error|akunu:" | grep -v compiling | sed "s/^/$mode /" ||
             echo "run failed"
     done
 }
