@@ -243,15 +243,15 @@ __device__ __forceinline__ void sd_mbar_arrive(u64* bar) {
 // waiting for copy c - SD_INFLIGHT to land before issuing copy c: a ring
 // refilled all at once after a serial section would queue its whole depth
 // in the memory system, on every SM, ahead of the consumers' loads of the
-// other blocks' words (stream.rs INFLIGHT). Returns false if the chain
+// other blocks' words (stream.rs `inflight`). Returns false if the chain
 // ended before token t.
 #ifndef SD_INFLIGHT
 #define SD_INFLIGHT 0
 #endif
-__device__ __forceinline__ bool sd_cap_inflight(const u64* full, u32 c, u32 t, const volatile u32* last) {
+__device__ __forceinline__ bool sd_cap_inflight(u64* full, u32 c, u32 t, const volatile u32* last) {
     if (SD_INFLIGHT == 0 || c < (u32)SD_INFLIGHT) return true;
     const u32 k = c - (u32)SD_INFLIGHT;
-    while (!sd_mbar_done<false>(const_cast<u64*>(&full[k % SD_NST]), (k / SD_NST) & 1u))
+    while (!sd_mbar_done<false>(&full[k % SD_NST], (k / SD_NST) & 1u))
         if (t > *last) return false;
     return true;
 }
