@@ -21,7 +21,8 @@
 #                                 model-sampled (needs the model),
 #                                 persist-blocks, persist-timing,
 #                                 persist-clock, pd-ab (PERSIST_AB),
-#                                 base-ab (with .gpu-base),
+#                                 base-ab (with .gpu-base), base-pp
+#                                 (prefill against .gpu-base),
 #                                 sanitize, sanitize-sampled,
 #                                 sanitize-persist, bench, bench-ab,
 #                                 peer-torch (PEER_SHAPES, PEER_MODES),
@@ -192,12 +193,14 @@ tests() {
 
 # The engine and sampling-kernel tests once, without the reruns under
 # developer switches (a short check between full `tests` runs).
-# ENGINE_FILTER (a test-name substring) runs a subset of the engine tests,
-# e.g. "sampl" for those of the sampler; the sampling-kernel tests always run.
+# ENGINE_FILTER (test-name substrings, separated by spaces) runs a subset of
+# the engine tests, e.g. "sampl" for those of the sampler; the sampling-kernel
+# tests always run.
 # ENGINE_NOCAPTURE=1 shows what passing tests print (their figures).
 engine_tests() {
     echo "== GPU tests (engine${ENGINE_FILTER:+ matching $ENGINE_FILTER} and sampling kernels, once)"
-    { "$BIN/gpu-tests" --ignored --test-threads=1 ${ENGINE_NOCAPTURE:+--nocapture} ${ENGINE_FILTER:+"$ENGINE_FILTER"} 2>&1
+    # shellcheck disable=SC2086 # ENGINE_FILTER is a list of filters
+    { "$BIN/gpu-tests" --ignored --test-threads=1 ${ENGINE_NOCAPTURE:+--nocapture} ${ENGINE_FILTER:-} 2>&1
       "$BIN/gpu-sampling-kernels-tests" --ignored --test-threads=1 2>&1; } | tee "$OUTDIR/engine-tests.log" |
         grep -E "^test |test result|panicked|rel-L2|tokens equal" || true
 }
@@ -282,6 +285,26 @@ base_ab() {
             done
         done
     done
+}
+
+# Prefill (pp512, -r 5) of this build against the base binary (.gpu-base,
+# `build-base REV`) on the synthetic shapes of BENCH_SHAPES, alternating
+# binaries, BASE_PP_ROUNDS rounds (default 3).
+base_pp_one() { # NAME FILE
+    local r b
+    for r in $(seq "${BASE_PP_ROUNDS:-3}"); do
+        for b in .gpu-base/akunu "$BIN/akunu"; do
+            timeout 200 "$b" bench -m "$2" --device cuda -p 512 -n 0 -r 5 --no-bandwidth 2>&1 |
+                grep -E "pp[0-9]|error" | sed "s|^|$1 $([ "$b" = .gpu-base/akunu ] && echo base || echo this) |" |
+                sed 's/| akunu synthetic.*prefill//' || true
+        done
+    done
+}
+
+base_pp() {
+    echo "== prefill: this build against the base binary ($(cat .gpu-base/commit 2>/dev/null || echo missing))"
+    [ -x .gpu-base/akunu ] || { echo "no .gpu-base/akunu: run scripts/gpu.sh build-base REV here"; return 0; }
+    each_shape "${BENCH_SHAPES:-llama-8b:q4_0 llama-1b:f16}" base_pp_one
 }
 
 # Block 0's cycles per phase kind (-DPD_TIMING) of one chain, greedy and
@@ -1412,6 +1435,7 @@ run)
         model-sampled) model_sampled ;;
         persist-blocks) persist_blocks ;;
         base-ab) base_ab ;;
+        base-pp) base_pp ;;
         persist-timing) persist_timing ;;
         persist-clock) persist_clock ;;
         pd-ab) pd_ab ;;

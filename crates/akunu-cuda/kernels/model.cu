@@ -1349,12 +1349,15 @@ k_gemm_split(Bind b, GemvParams p, StepArg a, u16* __restrict__ xs, u32 o0, u32 
 template <bool LO>
 __device__ __forceinline__ void gemm_dequant_body(const Bind& b, const GemvParams& p, u16* __restrict__ ws,
                                                   u32 o0, u32 o1) {
+    // 32-bit unit arithmetic: a chunk has fewer than 2^32 units (blas.rs
+    // chunk_rows: at most 2^26 weights), and a 64-bit division by nb costs
+    // a long software sequence a thread.
     const u32 k = p.k, nb = k >> 5;
-    const u64 unit = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (unit >= (u64)(o1 - o0) * nb * 4) return;
-    const u64 bu = unit >> 2;
-    const u32 part = (u32)unit & 3;  // elements 8 part .. 8 part + 7
-    const u32 o = o0 + (u32)(bu / nb), blk = (u32)(bu % nb);
+    const u32 unit = blockIdx.x * blockDim.x + threadIdx.x;
+    if (unit >= (o1 - o0) * nb * 4) return;
+    const u32 bu = unit >> 2;
+    const u32 part = unit & 3;  // elements 8 part .. 8 part + 7
+    const u32 o = o0 + bu / nb, blk = bu % nb;
     const SegRow g = seg_row(b, p, o);
     float v[8];
     if (g.dt == DT_Q8_0) {
@@ -1410,10 +1413,14 @@ k_gemm_dequant_hi(Bind b, GemvParams p, StepArg a, u16* __restrict__ ws, u32 o0,
 // ---------------------------------------------------------------------------
 // RoPE + KV-cache write
 //
-// grid = (rows, n_heads + n_kv_heads), block 64. Block (r, y) rotates head y
-// of QKV row r in place (Q heads then K heads, which are contiguous in the
-// row); a K block also writes its rotated K head and the matching V head
-// into the caches at position pos + r. Each thread writes the pairs it
+// grid = (rows, G), block 64. Block (r, g) rotates heads g * H .. g * H + H - 1
+// (H = ceil((n_heads + n_kv_heads) / G)) of QKV row r in place (Q heads then
+// K heads, which are contiguous in the row); for a K head it also writes the
+// rotated K head and the matching V head into the caches at position pos + r.
+// The angles depend on the row alone, so a block computes its pairs' angles
+// once for its H heads: decode launches one head a block (G = all heads,
+// the most blocks for one row), prefill several (launch.rs), which saves the
+// f64 angle work the heads would repeat. Each thread writes the pairs it
 // rotated itself, so no barrier is needed. The angle is computed in f64 as
 // the CPU does; sincospi avoids the slow-path argument reduction of sin/cos.
 // ---------------------------------------------------------------------------
@@ -1423,6 +1430,9 @@ __device__ __forceinline__ void rope_pair(u32 i, u32 half, bool neox, u32& ia, u
     ib = neox ? i + half : 2 * i + 1;
 }
 
+// Most heads a block takes on the batched path (launch.rs
+// ROPE_HEADS_PER_BLOCK).
+#define ROPE_BATCH 8
 #ifndef ROPE_PRE  // (AKUNU_CUDA_DEFINES=-DROPE_PRE=0: angles after the wait, for A/B runs)
 #define ROPE_PRE 1
 #endif
@@ -1434,7 +1444,7 @@ k_rope_kv_write(Bind b, RopeParams p, StepArg a) {
     // threadIdx.x + q * blockDim.x, q < 2, which covers head_dim <= 256.
     Step st = step_of(a);
     const u32 pos = (a.patch == PATCH_POSITION ? st.pos : p.pos) + blockIdx.x;
-    const u32 hd = p.head_dim, half = p.rope_dim >> 1, y = blockIdx.y;
+    const u32 hd = p.head_dim, half = p.rope_dim >> 1;
     const float* __restrict__ ff = p.freq_factors ? (const float*)b.p[3] : nullptr;
     float pre_c[2] = {0.0f, 0.0f}, pre_s[2] = {0.0f, 0.0f};
 #pragma unroll
@@ -1445,51 +1455,117 @@ k_rope_kv_write(Bind b, RopeParams p, StepArg a) {
     }
     AKUNU_PROLOGUE(a);
     float* __restrict__ row = (float*)b.p[0] + (u64)blockIdx.x * p.qkv_stride;
-    float* __restrict__ x = row + (u64)y * hd;
-    const bool is_k = y >= p.n_heads;
-    const u32 j = is_k ? y - p.n_heads : 0;  // kv head (K blocks only)
-    kv_t* __restrict__ kdst = (kv_t*)b.p[1] + ((u64)j * p.capacity + pos) * hd;
     const bool neox = p.style == ROPE_NEOX;
-
-    if (p.qk_norm) {
-        // Per-head RMSNorm (Qwen3, Gemma 3) before the rotation: the Q-norm
-        // and K-norm weights follow the optional frequency factors.
-        __shared__ float red[32];
-        const float* __restrict__ nw =
-            (const float*)bind_at(b, 3 + (p.freq_factors ? 1u : 0u) + (is_k ? 1u : 0u));
-        float ss = 0.0f;
-        for (u32 d = threadIdx.x; d < hd; d += blockDim.x) ss += x[d] * x[d];
-        // block_sum's barriers also order every read above before the
-        // writes below.
-        const float sc = rms_inv(block_sum(ss, red), hd, p.norm_eps);
-        for (u32 d = threadIdx.x; d < hd; d += blockDim.x) x[d] = x[d] * sc * nw[d];
-        __syncthreads();
-    }
-
-    for (u32 i = threadIdx.x, q = 0; i < half; i += blockDim.x, ++q) {
-        float c, s;
-        if (ROPE_PRE && q < 2) {
-            c = pre_c[q];
-            s = pre_s[q];
-        } else {
-            rope_cs(pos, i, p.rope_dim, p.theta, p.freq_scale, ff, c, s);
-        }
-        u32 ia, ib;
+    const u32 heads = p.n_heads + p.n_kv_heads;
+    const u32 per = (heads + gridDim.y - 1) / gridDim.y;
+    const u32 y0 = blockIdx.y * per, y_end = min(heads, y0 + per);
+    if (!p.qk_norm && half <= blockDim.x && p.rope_dim == hd && hd <= 2 * blockDim.x && per <= ROPE_BATCH) {
+        // Prefill's usual case, a pair and two V elements a thread per head:
+        // every head's loads go out before the first store (the stores
+        // could alias them for all the compiler knows, which kept each
+        // head's loads waiting for the last head's stores).
+        const u32 i = threadIdx.x;
+        const bool has = i < half;
+        u32 ia = 0, ib = 0;
         rope_pair(i, half, neox, ia, ib);
-        float y0, y1;
-        rope_rotate(x[ia], x[ib], c, s, y0, y1);
-        x[ia] = y0;
-        x[ib] = y1;
-        if (is_k) {
-            kdst[ia] = kv_from(y0);
-            kdst[ib] = kv_from(y1);
+        float c = pre_c[0], s = pre_s[0];
+        if (!ROPE_PRE && has) rope_cs(pos, i, p.rope_dim, p.theta, p.freq_scale, ff, c, s);
+        float xa[ROPE_BATCH], xb[ROPE_BATCH], v0[ROPE_BATCH], v1[ROPE_BATCH];
+#pragma unroll
+        for (u32 h = 0; h < ROPE_BATCH; ++h) {
+            const u32 y = y0 + h;
+            xa[h] = xb[h] = v0[h] = v1[h] = 0.0f;
+            if (y >= y_end) continue;
+            if (has) {
+                xa[h] = row[(u64)y * hd + ia];
+                xb[h] = row[(u64)y * hd + ib];
+            }
+            if (y >= p.n_heads) {
+                const float* __restrict__ v = row + (u64)(heads + y - p.n_heads) * hd;
+                if (i < hd) v0[h] = v[i];
+                if (i + blockDim.x < hd) v1[h] = v[i + blockDim.x];
+            }
         }
+#pragma unroll
+        for (u32 h = 0; h < ROPE_BATCH; ++h) {
+            const u32 y = y0 + h;
+            if (y >= y_end) continue;
+            float* __restrict__ x = row + (u64)y * hd;
+            float r0 = 0.0f, r1 = 0.0f;
+            if (has) {
+                rope_rotate(xa[h], xb[h], c, s, r0, r1);
+                x[ia] = r0;
+                x[ib] = r1;
+            }
+            if (y >= p.n_heads) {
+                const u32 j = y - p.n_heads;
+                kv_t* __restrict__ kdst = (kv_t*)b.p[1] + ((u64)j * p.capacity + pos) * hd;
+                kv_t* __restrict__ vdst = (kv_t*)b.p[2] + ((u64)j * p.capacity + pos) * hd;
+                if (has) {
+                    kdst[ia] = kv_from(r0);
+                    kdst[ib] = kv_from(r1);
+                }
+                if (i < hd) vdst[i] = kv_from(v0[h]);
+                if (i + blockDim.x < hd) vdst[i + blockDim.x] = kv_from(v1[h]);
+            }
+        }
+        return;
     }
-    if (is_k) {
-        for (u32 d = p.rope_dim + threadIdx.x; d < hd; d += blockDim.x) kdst[d] = kv_from(x[d]);
-        const float* __restrict__ v = row + (u64)(p.n_heads + p.n_kv_heads + j) * hd;
-        kv_t* __restrict__ vdst = (kv_t*)b.p[2] + ((u64)j * p.capacity + pos) * hd;
-        for (u32 d = threadIdx.x; d < hd; d += blockDim.x) vdst[d] = kv_from(v[d]);
+    for (u32 y = y0; y < y_end; ++y) {
+        float* __restrict__ x = row + (u64)y * hd;
+        const bool is_k = y >= p.n_heads;
+        const u32 j = is_k ? y - p.n_heads : 0;  // kv head (K heads only)
+        kv_t* __restrict__ kdst = (kv_t*)b.p[1] + ((u64)j * p.capacity + pos) * hd;
+
+        if (p.qk_norm) {
+            // Per-head RMSNorm (Qwen3, Gemma 3) before the rotation: the
+            // Q-norm and K-norm weights follow the optional frequency
+            // factors.
+            __shared__ float red[32];
+            const float* __restrict__ nw =
+                (const float*)bind_at(b, 3 + (p.freq_factors ? 1u : 0u) + (is_k ? 1u : 0u));
+            float ss = 0.0f;
+            for (u32 d = threadIdx.x; d < hd; d += blockDim.x) ss += x[d] * x[d];
+            // block_sum's barriers also order every read above before the
+            // writes below (and the previous head's use of `red`).
+            const float sc = rms_inv(block_sum(ss, red), hd, p.norm_eps);
+            for (u32 d = threadIdx.x; d < hd; d += blockDim.x) x[d] = x[d] * sc * nw[d];
+            __syncthreads();
+        }
+
+        auto rotate = [&](u32 i, float c, float s) {
+            u32 ia, ib;
+            rope_pair(i, half, neox, ia, ib);
+            float y0, y1;
+            rope_rotate(x[ia], x[ib], c, s, y0, y1);
+            x[ia] = y0;
+            x[ib] = y1;
+            if (is_k) {
+                kdst[ia] = kv_from(y0);
+                kdst[ib] = kv_from(y1);
+            }
+        };
+        // Pairs threadIdx.x + q * blockDim.x: q < 2 unrolled (the angles
+        // stay in registers across heads), any further ones computed here.
+#pragma unroll
+        for (u32 q = 0; q < 2; ++q) {
+            const u32 i = threadIdx.x + q * blockDim.x;
+            if (i >= half) continue;
+            float c = pre_c[q], s = pre_s[q];
+            if (!ROPE_PRE) rope_cs(pos, i, p.rope_dim, p.theta, p.freq_scale, ff, c, s);
+            rotate(i, c, s);
+        }
+        for (u32 i = threadIdx.x + 2 * blockDim.x; i < half; i += blockDim.x) {
+            float c, s;
+            rope_cs(pos, i, p.rope_dim, p.theta, p.freq_scale, ff, c, s);
+            rotate(i, c, s);
+        }
+        if (is_k) {
+            for (u32 d = p.rope_dim + threadIdx.x; d < hd; d += blockDim.x) kdst[d] = kv_from(x[d]);
+            const float* __restrict__ v = row + (u64)(p.n_heads + p.n_kv_heads + j) * hd;
+            kv_t* __restrict__ vdst = (kv_t*)b.p[2] + ((u64)j * p.capacity + pos) * hd;
+            for (u32 d = threadIdx.x; d < hd; d += blockDim.x) vdst[d] = kv_from(v[d]);
+        }
     }
 }
 
@@ -2454,6 +2530,9 @@ FA_KERNEL(256, 1)
 #define TA_BQ 64
 #define TA_BK 64
 #define TA_LDT (TA_BK + 8)  // halves per transposed V row
+#ifndef TA_BATCH  // (AKUNU_CUDA_DEFINES=-DTA_BATCH=N for A/B runs)
+#define TA_BATCH 8  // loads in flight per thread while staging
+#endif
 
 // Rows [0, n) of R rows of hd elements (f32 query rows, or the f32 or f16
 // cache) from src + r * stride into hi/lo halves; row-major [r][D + 8], or
@@ -2465,33 +2544,63 @@ FA_KERNEL(256, 1)
 template <int D, int R, bool TRANS, bool LO, class T>
 __device__ __forceinline__ void ta_stage(u16* hi, u16* lo, const T* __restrict__ src,
                                          u64 stride, int n, u32 hd, bool vec) {
+    // The vector paths issue a batch of TA_BATCH loads before converting
+    // and storing any of them, and read rows past n from row n - 1 (n >= 1)
+    // and zero them by a select: with a branch around each load, the loads
+    // of a tile went out one after another, each waiting for the last.
     if (vec && !TRANS) {
-        constexpr int C4 = D / 4;
-        for (int e = threadIdx.x; e < R * C4; e += TA_THREADS) {
-            const int r = e / C4, c = (e - r * C4) * 4;
-            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (r < n) v = ld4_f32(src, (u64)r * stride + c);
-            const float h0 = f16_round(v.x), h1 = f16_round(v.y), h2 = f16_round(v.z), h3 = f16_round(v.w);
-            const u32 at = (u32)(r * (D + 8) + c);
-            *(uint2*)(hi + at) = make_uint2(pack_h2(h0, h1), pack_h2(h2, h3));
-            if (LO) *(uint2*)(lo + at) = make_uint2(pack_h2(v.x - h0, v.y - h1), pack_h2(v.z - h2, v.w - h3));
+        constexpr int C4 = D / 4, PER = R * C4 / TA_THREADS, NB = PER < TA_BATCH ? PER : TA_BATCH;
+        static_assert(R * C4 % TA_THREADS == 0 && PER % NB == 0, "whole batches");
+#pragma unroll
+        for (int b0 = 0; b0 < PER; b0 += NB) {
+            float4 v[NB];
+#pragma unroll
+            for (int q = 0; q < NB; ++q) {
+                const int e = (int)threadIdx.x + (b0 + q) * TA_THREADS;
+                const int r = e / C4, c = (e - r * C4) * 4;
+                v[q] = ld4_f32(src, (u64)min(r, n - 1) * stride + c);
+            }
+#pragma unroll
+            for (int q = 0; q < NB; ++q) {
+                const int e = (int)threadIdx.x + (b0 + q) * TA_THREADS;
+                const int r = e / C4, c = (e - r * C4) * 4;
+                const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f), w = r < n ? v[q] : z;
+                const float h0 = f16_round(w.x), h1 = f16_round(w.y), h2 = f16_round(w.z), h3 = f16_round(w.w);
+                const u32 at = (u32)(r * (D + 8) + c);
+                *(uint2*)(hi + at) = make_uint2(pack_h2(h0, h1), pack_h2(h2, h3));
+                if (LO) *(uint2*)(lo + at) = make_uint2(pack_h2(w.x - h0, w.y - h1), pack_h2(w.z - h2, w.w - h3));
+            }
         }
         return;
     }
     if (vec && TRANS) {
-        constexpr int C4 = D / 4;
-        for (int e = threadIdx.x; e < (R / 2) * C4; e += TA_THREADS) {
-            const int r = (e / C4) * 2, c = (e - (e / C4) * C4) * 4;
-            float4 v0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), v1 = v0;
-            if (r < n) v0 = ld4_f32(src, (u64)r * stride + c);
-            if (r + 1 < n) v1 = ld4_f32(src, (u64)(r + 1) * stride + c);
-            const float a[4] = {v0.x, v0.y, v0.z, v0.w}, bb[4] = {v1.x, v1.y, v1.z, v1.w};
+        constexpr int C4 = D / 4, PER = (R / 2) * C4 / TA_THREADS;
+        constexpr int NB = PER < TA_BATCH / 2 ? PER : TA_BATCH / 2;
+        static_assert((R / 2) * C4 % TA_THREADS == 0 && PER % NB == 0, "whole batches");
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float h0 = f16_round(a[i]), h1 = f16_round(bb[i]);
-                const u32 at = (u32)((c + i) * (R + 8) + r);
-                *(u32*)(hi + at) = pack_h2(h0, h1);
-                if (LO) *(u32*)(lo + at) = pack_h2(a[i] - h0, bb[i] - h1);
+        for (int b0 = 0; b0 < PER; b0 += NB) {
+            float4 v0[NB], v1[NB];
+#pragma unroll
+            for (int q = 0; q < NB; ++q) {
+                const int e = (int)threadIdx.x + (b0 + q) * TA_THREADS;
+                const int r = (e / C4) * 2, c = (e - (e / C4) * C4) * 4;
+                v0[q] = ld4_f32(src, (u64)min(r, n - 1) * stride + c);
+                v1[q] = ld4_f32(src, (u64)min(r + 1, n - 1) * stride + c);
+            }
+#pragma unroll
+            for (int q = 0; q < NB; ++q) {
+                const int e = (int)threadIdx.x + (b0 + q) * TA_THREADS;
+                const int r = (e / C4) * 2, c = (e - (e / C4) * C4) * 4;
+                const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                const float4 w0 = r < n ? v0[q] : z, w1 = r + 1 < n ? v1[q] : z;
+                const float a[4] = {w0.x, w0.y, w0.z, w0.w}, bb[4] = {w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float h0 = f16_round(a[i]), h1 = f16_round(bb[i]);
+                    const u32 at = (u32)((c + i) * (R + 8) + r);
+                    *(u32*)(hi + at) = pack_h2(h0, h1);
+                    if (LO) *(u32*)(lo + at) = pack_h2(a[i] - h0, bb[i] - h1);
+                }
             }
         }
         return;

@@ -636,7 +636,8 @@ pub fn plan(
     let n_seg = (p.n_seg as usize).clamp(1, 3);
     let any_quant = p.dtype[..n_seg].iter().any(|&d| !is_f16(d));
     let chunk = (scratch.w_bytes / (k as u64 * 4)).min(chunk_rows(k));
-    if any_quant && chunk == 0 {
+    // k_gemm_dequant counts a chunk's quarter blocks in 32 bits.
+    if any_quant && (chunk == 0 || chunk * (k as u64 / 8) > u32::MAX as u64) {
         return None;
     }
     let x = scratch.ptr;

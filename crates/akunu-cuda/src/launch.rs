@@ -41,6 +41,14 @@ const ATTN_MAX_SPLIT: u32 = 32;
 /// 256 gave tg128 1,222 against 1,219 tok/s with a 648-position cache and
 /// 1,222 against 1,195 with 8,192 positions.
 const ATTN_KEYS_PER_SPLIT: u32 = 16;
+/// Rows of a step from which `k_rope_kv_write` takes several heads a block,
+/// and how many (at most model.cu `ROPE_BATCH`): the heads share the row's
+/// f64 angles, computed once, and their loads go out together. 8B Q4_0
+/// pp512: 28.7 us a layer with a head a block, 10.7 us with 8 (Nsight
+/// Compute, bench/RESULTS.md session 40).
+const ROPE_MANY_ROWS: u32 = 16;
+const ROPE_HEADS_PER_BLOCK: u32 = 8;
+
 /// Head widths of the flash prefill attention kernels (model.cu
 /// `k_attn_flash_<width>`); a head takes the narrowest that holds it.
 pub const FLASH_WIDTHS: [u32; 3] = [64, 128, 256];
@@ -1088,12 +1096,16 @@ pub fn plan(
                     ));
                 }
             }
-            vec![mk(
-                k.rope_kv_write,
-                (rows, p.n_heads + p.n_kv_heads, 1),
-                64,
-                0,
-            )]
+            // Decode (few rows): a block a head, the most blocks for the
+            // row. Prefill: ROPE_HEADS_PER_BLOCK heads a block, which share
+            // the row's angles (model.cu k_rope_kv_write).
+            let heads = p.n_heads + p.n_kv_heads;
+            let per = if rows >= ROPE_MANY_ROWS {
+                ROPE_HEADS_PER_BLOCK
+            } else {
+                1
+            };
+            vec![mk(k.rope_kv_write, (rows, heads.div_ceil(per), 1), 64, 0)]
         }
         KernelId::Attention => {
             let p: AttnParams = c.params();
