@@ -342,6 +342,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
             format!("read, {threads} threads"),
         )
     };
+    // Described again after the runs: what they set up (the GPU's prefill
+    // weight cache) shows in the rows.
+    let backend = engine.backend_description();
     let launches = engine.launches_per_token();
     // Chains the backend ran as one kernel (the persistent decode) instead
     // of `launches` kernels a token.

@@ -127,6 +127,7 @@ pub fn run(a: InspectArgs) -> Result<()> {
             prefill_chunk: 1,
             activations: "f32".into(),
             prefill_products: "exact".into(),
+            prefill_cache: "auto".into(),
             kv_type: "auto".into(),
         },
     )?;

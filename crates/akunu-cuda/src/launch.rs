@@ -1060,6 +1060,7 @@ pub fn plan(
                         &p,
                         &l,
                         r,
+                        be.cached_runs(&crate::blas::CacheKey::of(&p, &l.bind)),
                     )
                 }) {
                     be.count_blas_command();

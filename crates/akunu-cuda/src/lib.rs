@@ -33,14 +33,15 @@ use akunu_core::backend::{
 };
 use akunu_core::dtype::DType;
 use akunu_core::gguf::{GgufFile, TensorInfo};
-use akunu_core::ops::{AttnParams, KernelId, KvType, RopeParams};
-use akunu_core::table::{BufferId, DispatchCmd, DispatchTable, StepInfo};
+use akunu_core::ops::{AttnParams, GemvParams, KernelId, KvType, RopeParams};
+use akunu_core::table::{BufferId, DispatchCmd, DispatchTable, MAX_BUFFERS, StepInfo};
 use cudarc::driver::sys;
 use device::{Dptr, Event, check};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+pub use blas::CachePolicy as PrefillCache;
 pub use blas::Products as PrefillProducts;
 pub use device::driver_status;
 
@@ -170,6 +171,13 @@ pub struct CudaBackend {
     blas_scratch: Option<blas::Scratch>,
     /// Commands run on cuBLAS so far (tests check the path was taken).
     blas_commands: Arc<AtomicU64>,
+    /// The prefill weight cache (`--prefill-cache`): per product, its
+    /// quantized rows dequantized once as `[W_hi | W_lo]`, which prefill
+    /// steps then read in place of a dequantization each step; the policy,
+    /// and the bytes held.
+    prefill_cache: HashMap<blas::CacheKey, Vec<blas::CachedRun>>,
+    cache_policy: blas::CachePolicy,
+    prefill_cache_bytes: Arc<AtomicU64>,
     /// Whether greedy and sampled chains may run as one persistent kernel (on by
     /// default on sm_90 (H100, H200); `AKUNU_CUDA_PERSIST` 0 / 1,
     /// `set_persistent`), whether a model that cannot is reported (when it
@@ -286,6 +294,9 @@ impl CudaBackend {
             blas_on,
             blas_scratch: None,
             blas_commands: Arc::new(AtomicU64::new(0)),
+            prefill_cache: HashMap::new(),
+            cache_policy: blas::CachePolicy::default(),
+            prefill_cache_bytes: Arc::new(AtomicU64::new(0)),
             persist_on: match persist_env.as_deref() {
                 Some("0") => false,
                 Some("1") => true,
@@ -578,6 +589,24 @@ impl CudaBackend {
         }
     }
 
+    /// When prefill keeps its dequantized weights resident
+    /// (`blas::CachePolicy`); applies to tables prepared from now on (a
+    /// cache already built stays).
+    pub fn set_prefill_cache(&mut self, policy: blas::CachePolicy) {
+        self.cache_policy = policy;
+    }
+
+    /// Device bytes the prefill weight cache holds (0 without one), shared
+    /// so that it can be read after the backend moved into an engine.
+    pub fn prefill_cache_bytes(&self) -> Arc<AtomicU64> {
+        self.prefill_cache_bytes.clone()
+    }
+
+    /// The cached runs of the product with this key (none if uncached).
+    pub(crate) fn cached_runs(&self, key: &blas::CacheKey) -> &[blas::CachedRun] {
+        self.prefill_cache.get(key).map_or(&[], |v| v.as_slice())
+    }
+
     /// The cuBLAS handle, when products may use it.
     pub(crate) fn blas(&self) -> Option<&blas::Blas> {
         self.blas.as_ref().ok().filter(|_| self.blas_on)
@@ -809,7 +838,7 @@ impl Backend for CudaBackend {
     fn describe(&self) -> String {
         let i = &self.info;
         format!(
-            "cuda: {} (sm_{}{}, {} SMs, {} MB L2, {:.0} GiB), driver {}.{}, {} KV cache{}{}",
+            "cuda: {} (sm_{}{}, {} SMs, {} MB L2, {:.0} GiB), driver {}.{}, {} KV cache{}{}{}",
             i.name,
             i.cc.0,
             i.cc.1,
@@ -830,6 +859,17 @@ impl Backend for CudaBackend {
                     }
                 ),
                 _ => ", no cuBLAS".to_string(),
+            },
+            match (
+                self.prefill_cache_bytes.load(Ordering::Relaxed),
+                self.cache_policy
+            ) {
+                (0, blas::CachePolicy::Off) => ", no prefill weight cache".to_string(),
+                (0, _) => String::new(),
+                (b, _) => format!(
+                    ", prefill weights cached ({:.1} GiB)",
+                    b as f64 / (1u64 << 30) as f64
+                ),
             }
         )
     }
@@ -991,7 +1031,7 @@ impl Backend for CudaBackend {
                 first.rows, table.max_rows
             )));
         }
-        self.prepare(table)?;
+        self.prepare(table, first.rows)?;
         for s in 0..steps {
             let step = StepInfo {
                 pos: first.pos + s * first.rows,
@@ -1017,7 +1057,7 @@ impl Backend for CudaBackend {
         req: &ChainRequest<'_>,
         sink: TokenSink<'_>,
     ) -> Result<ChainReport, BackendError> {
-        self.prepare(table)?;
+        self.prepare(table, first.rows)?;
         let persist = if req.table_order {
             None
         } else {
@@ -1091,7 +1131,7 @@ impl Backend for CudaBackend {
                 first.rows, table.max_rows
             )));
         }
-        self.prepare(table)?;
+        self.prepare(table, first.rows)?;
         if self.profile.is_some() {
             // Per-command timing needs the uncaptured path.
             return self.run_step(table, &first);
@@ -1125,13 +1165,114 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
-    /// Binds the context and sizes the scratch buffers `table`'s steps
-    /// use: what every replay, chain and verification does first.
-    fn prepare(&mut self, table: &DispatchTable) -> Result<(), BackendError> {
+    /// Binds the context and sizes the scratch buffers `table`'s steps of
+    /// `rows` rows use: what every replay, chain and verification does
+    /// first. Only steps of `blas::min_rows()` or more take cuBLAS, so only
+    /// they look at its weight cache and scratch (decode steps skip the
+    /// per-command scan).
+    fn prepare(&mut self, table: &DispatchTable, rows: u32) -> Result<(), BackendError> {
         self.bind()?;
         self.ensure_attn_scratch(table)?;
         self.ensure_sample_scratch()?;
-        self.ensure_blas_scratch(table)
+        if rows >= blas::min_rows() {
+            self.ensure_prefill_cache(table)?;
+            self.ensure_blas_scratch(table)?;
+        }
+        Ok(())
+    }
+
+    /// A product command's bindings resolved as `launch::plan` resolves a
+    /// prefill product's (no patched slots).
+    fn product_bindings(&self, c: &DispatchCmd) -> Result<[u64; MAX_BUFFERS], String> {
+        let mut bind = [0u64; MAX_BUFFERS];
+        for (slot, b) in c.bindings().iter().enumerate() {
+            bind[slot] = self.dptr(b.buffer)?.0 + b.offset;
+        }
+        Ok(bind)
+    }
+
+    /// The key of a product command in the weight cache.
+    fn cache_key(&self, c: &DispatchCmd, p: &GemvParams) -> Result<blas::CacheKey, String> {
+        Ok(blas::CacheKey::of(p, &self.product_bindings(c)?))
+    }
+
+    /// Dequantizes, once, the quantized weights of `table`'s cuBLAS
+    /// products into the weight cache, as far as the policy's budget of the
+    /// free device memory allows (products left out dequantize a chunk at
+    /// a time in every step, as without a cache). Synchronous: a few ms.
+    fn ensure_prefill_cache(&mut self, table: &DispatchTable) -> Result<(), BackendError> {
+        if self.blas().is_none() || self.cache_policy == blas::CachePolicy::Off {
+            return Ok(());
+        }
+        let mut todo = Vec::new();
+        for (i, p) in blas::cacheable(table) {
+            let c = &table.commands[i];
+            let key = self.cache_key(c, &p).map_err(BackendError::Device)?;
+            if !self.prefill_cache.contains_key(&key) && !todo.iter().any(|(k, _, _)| *k == key) {
+                todo.push((key, i, p));
+            }
+        }
+        if todo.is_empty() {
+            return Ok(());
+        }
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: out-parameters; the context is current (prepare binds it).
+        check(
+            unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) },
+            "reading free device memory",
+        )?;
+        let mut budget = self.cache_policy.budget(free as u64);
+        let mut built = 0u64;
+        for (key, i, p) in todo {
+            let bytes = blas::cache_bytes(&p);
+            if bytes > budget {
+                continue;
+            }
+            let ptr = match device::alloc(bytes, "prefill weight cache") {
+                Ok(ptr) => ptr,
+                Err(BackendError::OutOfMemory { .. }) => break,
+                Err(e) => return Err(e),
+            };
+            budget -= bytes;
+            let c = &table.commands[i];
+            let bind = self.product_bindings(c).map_err(BackendError::Device)?;
+            let mut runs = Vec::new();
+            let mut at = ptr;
+            let per_launch = blas::dequant_rows_per_launch(p.k);
+            for (a, b) in blas::quant_runs(&p) {
+                let mut c0 = a;
+                while c0 < b {
+                    let c1 = b.min(c0.saturating_add(per_launch));
+                    let units = (c1 - c0) as u64 * (p.k / 8) as u64;
+                    let l = launch::Launch {
+                        f: self.k.gemm_dequant,
+                        grid: (units.div_ceil(256) as u32, 1, 1),
+                        block: 256,
+                        smem: 0,
+                        bind,
+                        params: c.params,
+                        step: launch::StepArg::default(),
+                        tail: launch::Tail::Gemm {
+                            ptr: at + (c0 - a) as u64 * p.k as u64 * 4,
+                            o0: c0,
+                            o1: c1,
+                        },
+                        pdl: false,
+                    };
+                    l.fire(self.stream).map_err(BackendError::Device)?;
+                    c0 = c1;
+                }
+                runs.push(blas::CachedRun { a, b, ptr: at });
+                at += (b - a) as u64 * p.k as u64 * 4;
+            }
+            self.prefill_cache.insert(key, runs);
+            self.prefill_cache_bytes.fetch_add(bytes, Ordering::Relaxed);
+            built += bytes;
+        }
+        if built > 0 {
+            self.sync()?;
+        }
+        Ok(())
     }
 
     /// Sizes the cuBLAS products' scratch for `table` (when cuBLAS is
@@ -1140,7 +1281,12 @@ impl CudaBackend {
         if self.blas.is_err() {
             return Ok(());
         }
-        let need = blas::scratch_need(table);
+        let cached = |i: usize| {
+            let c = &table.commands[i];
+            self.cache_key(c, &c.params())
+                .is_ok_and(|k| self.prefill_cache.contains_key(&k))
+        };
+        let need = blas::scratch_need(table, &cached);
         let have = self.blas_scratch.unwrap_or_default();
         if need.bytes() == 0 || (have.x_bytes >= need.x_bytes && have.w_bytes >= need.w_bytes) {
             return Ok(());
@@ -1252,6 +1398,12 @@ impl Drop for CudaBackend {
             }
             if let Some(s) = self.blas_scratch {
                 sys::cuMemFree_v2(s.ptr);
+            }
+            // One allocation per product: its first run starts it.
+            for runs in self.prefill_cache.values() {
+                if let Some(r) = runs.first() {
+                    sys::cuMemFree_v2(r.ptr);
+                }
             }
             for &p in &self.persist_owned.mem {
                 sys::cuMemFree_v2(p);

@@ -546,23 +546,35 @@ fn prefill_attention_matches_cpu_on_every_head_width() {
     }
 }
 
-/// A CUDA backend with cuBLAS prefill on or off, and its counter of
-/// commands run on cuBLAS.
-fn cuda_cublas(on: bool) -> (Box<dyn Backend>, Arc<std::sync::atomic::AtomicU64>) {
+/// A CUDA backend (f32 KV cache, no persistent decode) with cuBLAS on or
+/// off and a prefill weight cache policy; its counters of the commands run
+/// on cuBLAS and of the bytes the cache holds.
+fn cuda_cublas_cache(
+    on: bool,
+    cache: akunu_cuda::PrefillCache,
+) -> (
+    Box<dyn Backend>,
+    Arc<std::sync::atomic::AtomicU64>,
+    Arc<std::sync::atomic::AtomicU64>,
+) {
     let mut be = akunu_cuda::CudaBackend::with_kv_type(0, KvType::F32, &mut |m| eprintln!("{m}"))
         .expect("CUDA backend");
     be.set_persistent(false);
     be.set_cublas(on);
+    be.set_prefill_cache(cache);
     let n = be.cublas_commands();
-    (Box::new(be), n)
+    let bytes = be.prefill_cache_bytes();
+    (Box::new(be), n, bytes)
 }
 
 /// Prefill steps of many rows (300 tokens in steps of 128, 128 and 44: the
 /// last below the cuBLAS threshold of 64, so both paths run) with the
 /// products on cuBLAS and on `k_gemm_tc`, each against the CPU, for every
 /// type cuBLAS takes: F16 in place, Q8_0/Q4_0/Q4_1 dequantized; a fused QKV
-/// of F16 and Q8_0 segments; Qwen2's QKV biases. Fails where cuBLAS cannot
-/// be loaded (`AKUNU_CUDA_CUBLAS=1` prints why at backend creation).
+/// of F16 and Q8_0 segments; Qwen2's QKV biases. cuBLAS runs with the
+/// quantized weights in the prefill weight cache and without it (dequantized
+/// a chunk at a time). Fails where cuBLAS cannot be loaded
+/// (`AKUNU_CUDA_CUBLAS=1` prints why at backend creation).
 #[test]
 #[ignore = "needs an NVIDIA GPU: run by scripts/gpu.sh"]
 fn cublas_prefill_matches_cpu_with_and_without_cublas() {
@@ -592,23 +604,37 @@ fn cublas_prefill_matches_cpu_with_and_without_cublas() {
         "qwen2 tiny Q4_0".into(),
         synth_arch(SynthArch::Qwen2, Shape::Tiny, DType::Q4_0),
     ));
+    use akunu_cuda::PrefillCache;
+    use std::sync::atomic::Ordering::Relaxed;
     for (what, m) in &models {
-        let mut worst = [0f64; 2];
-        for (i, on) in [true, false].into_iter().enumerate() {
-            let (be, n) = cuda_cublas(on);
-            let label = format!("{what}, cuBLAS {}", if on { "on" } else { "off" });
+        let quantized = !what.ends_with("F16");
+        let mut worst = [0f64; 3];
+        let runs = [
+            (true, PrefillCache::On, "cuBLAS on, weights cached"),
+            (true, PrefillCache::Off, "cuBLAS on, no weight cache"),
+            (false, PrefillCache::On, "cuBLAS off"),
+        ];
+        for (i, (on, cache, how)) in runs.into_iter().enumerate() {
+            let (be, n, bytes) = cuda_cublas_cache(on, cache);
+            let label = format!("{what}, {how}");
             worst[i] = compare_with_cpu_on(m, &label, 1e-4, 300, 128, be);
-            let ran = n.load(std::sync::atomic::Ordering::Relaxed);
+            let ran = n.load(Relaxed);
             if on {
                 assert!(ran > 0, "{label}: no product ran on cuBLAS");
             } else {
                 assert_eq!(ran, 0, "{label}: products ran on cuBLAS");
             }
-            eprintln!("{label}: {ran} commands on cuBLAS");
+            let cached = bytes.load(Relaxed);
+            if on && cache == PrefillCache::On && quantized {
+                assert!(cached > 0, "{label}: no weights cached");
+            } else if !quantized || cache == PrefillCache::Off || !on {
+                assert_eq!(cached, 0, "{label}: {cached} bytes cached");
+            }
+            eprintln!("{label}: {ran} commands on cuBLAS, {cached} bytes cached");
         }
         eprintln!(
-            "{what}: worst rel-L2 cuBLAS {:.2e}, k_gemm_tc {:.2e}",
-            worst[0], worst[1]
+            "{what}: worst rel-L2 cuBLAS cached {:.2e}, uncached {:.2e}, k_gemm_tc {:.2e}",
+            worst[0], worst[1], worst[2]
         );
     }
 }
