@@ -763,7 +763,20 @@ __device__ __forceinline__ float sd_row_sum(const float* part, u32 r) {
 
 // x = rmsnorm(h) * w into xs (sd_put): h the tagged words at src, or
 // token's embedding row when src is null. Ends synchronised.
-__device__ void sd_stage_norm(float* xs, float* red, const u64* src, u32 tag, const SdArgs& a, u32 token,
+// SD_NORM_CALL (the Q4_0 form's default): one copy of it, called from its
+// four sites, rather than inlined at each (about 600 SASS instructions a
+// copy): the layer loop's code is about the size of the instruction cache
+// (bench/RESULTS.md, session 41). -DSD_NORM_CALL=0 lets the compiler
+// inline it again (A/B runs); the F16 form keeps it inlined (not measured).
+#ifndef SD_NORM_CALL
+#define SD_NORM_CALL SD_Q4
+#endif
+#if SD_NORM_CALL
+#define SD_NORM_FN __noinline__
+#else
+#define SD_NORM_FN
+#endif
+__device__ SD_NORM_FN void sd_stage_norm(float* xs, float* red, const u64* src, u32 tag, const SdArgs& a, u32 token,
                               const float* nw, float eps) {
     constexpr int PER = D / SD_CT;
     static_assert(D % SD_CT == 0, "d is a multiple of the consumer threads");
