@@ -1222,57 +1222,92 @@ impl CudaBackend {
             "reading free device memory",
         )?;
         let mut budget = self.cache_policy.budget(free as u64);
-        let mut built = 0u64;
+        let (mut built, mut left_out, mut left_bytes) = (0u64, 0usize, 0u64);
         for (key, i, p) in todo {
             let bytes = blas::cache_bytes(&p);
-            if bytes > budget {
-                continue;
-            }
-            let ptr = match device::alloc(bytes, "prefill weight cache") {
-                Ok(ptr) => ptr,
-                Err(BackendError::OutOfMemory { .. }) => break,
-                Err(e) => return Err(e),
-            };
-            budget -= bytes;
-            let c = &table.commands[i];
-            let bind = self.product_bindings(c).map_err(BackendError::Device)?;
-            let mut runs = Vec::new();
-            let mut at = ptr;
-            let per_launch = blas::dequant_rows_per_launch(p.k);
-            for (a, b) in blas::quant_runs(&p) {
-                let mut c0 = a;
-                while c0 < b {
-                    let c1 = b.min(c0.saturating_add(per_launch));
-                    let units = (c1 - c0) as u64 * (p.k / 8) as u64;
-                    let l = launch::Launch {
-                        f: self.k.gemm_dequant,
-                        grid: (units.div_ceil(256) as u32, 1, 1),
-                        block: 256,
-                        smem: 0,
-                        bind,
-                        params: c.params,
-                        step: launch::StepArg::default(),
-                        tail: launch::Tail::Gemm {
-                            ptr: at + (c0 - a) as u64 * p.k as u64 * 4,
-                            o0: c0,
-                            o1: c1,
-                        },
-                        pdl: false,
-                    };
-                    l.fire(self.stream).map_err(BackendError::Device)?;
-                    c0 = c1;
+            let ptr = match (bytes <= budget).then(|| device::alloc(bytes, "prefill weight cache"))
+            {
+                Some(Ok(ptr)) => ptr,
+                None | Some(Err(BackendError::OutOfMemory { .. })) => {
+                    left_out += 1;
+                    left_bytes += bytes;
+                    continue;
                 }
-                runs.push(blas::CachedRun { a, b, ptr: at });
-                at += (b - a) as u64 * p.k as u64 * 4;
+                Some(Err(e)) => return Err(e),
+            };
+            match self.fill_cached_runs(&table.commands[i], &p, ptr) {
+                Ok(runs) => {
+                    budget -= bytes;
+                    self.prefill_cache.insert(key, runs);
+                    self.prefill_cache_bytes.fetch_add(bytes, Ordering::Relaxed);
+                    built += bytes;
+                }
+                Err(e) => {
+                    // The launches queued for it finish first (sync), so
+                    // nothing writes the memory once it is freed.
+                    let _ = self.sync();
+                    // SAFETY: allocated above, recorded nowhere else.
+                    unsafe { sys::cuMemFree_v2(ptr) };
+                    return Err(BackendError::Device(e));
+                }
             }
-            self.prefill_cache.insert(key, runs);
-            self.prefill_cache_bytes.fetch_add(bytes, Ordering::Relaxed);
-            built += bytes;
+        }
+        if left_out > 0 && (self.cache_policy == blas::CachePolicy::On || blas::verbose()) {
+            eprintln!(
+                "akunu: prefill weight cache: {left_out} products ({:.1} GiB) left out for lack of \
+                 GPU memory ({:.1} GiB free); they dequantize in every prefill step",
+                left_bytes as f64 / (1u64 << 30) as f64,
+                free as f64 / (1u64 << 30) as f64
+            );
         }
         if built > 0 {
             self.sync()?;
         }
         Ok(())
+    }
+
+    /// Queues the dequantization of product `c`'s quantized runs into the
+    /// cache allocation at `ptr` (`blas::cache_bytes(p)` bytes), in
+    /// `k_gemm_dequant` launches whose unit counts fit 32 bits; returns the
+    /// runs as the cache holds them.
+    fn fill_cached_runs(
+        &self,
+        c: &DispatchCmd,
+        p: &GemvParams,
+        ptr: Dptr,
+    ) -> Result<Vec<blas::CachedRun>, String> {
+        let bind = self.product_bindings(c)?;
+        let per_launch = blas::dequant_rows_per_launch(p.k);
+        let row_bytes = p.k as u64 * 4;
+        let mut runs = Vec::new();
+        let mut at = ptr;
+        for (a, b) in blas::quant_runs(p) {
+            let mut c0 = a;
+            while c0 < b {
+                let c1 = b.min(c0.saturating_add(per_launch));
+                let units = (c1 - c0) as u64 * (p.k / 8) as u64;
+                launch::Launch {
+                    f: self.k.gemm_dequant,
+                    grid: (units.div_ceil(256) as u32, 1, 1),
+                    block: 256,
+                    smem: 0,
+                    bind,
+                    params: c.params,
+                    step: launch::StepArg::default(),
+                    tail: launch::Tail::Gemm {
+                        ptr: at + (c0 - a) as u64 * row_bytes,
+                        o0: c0,
+                        o1: c1,
+                    },
+                    pdl: false,
+                }
+                .fire(self.stream)?;
+                c0 = c1;
+            }
+            runs.push(blas::CachedRun { a, b, ptr: at });
+            at += (b - a) as u64 * row_bytes;
+        }
+        Ok(runs)
     }
 
     /// Sizes the cuBLAS products' scratch for `table` (when cuBLAS is
