@@ -1363,6 +1363,44 @@ mod tests {
     }
 
     #[test]
+    fn cache_policies_parse_and_budget() {
+        assert_eq!(CachePolicy::parse("auto"), Some(CachePolicy::Auto));
+        assert_eq!(CachePolicy::parse("on"), Some(CachePolicy::On));
+        assert_eq!(CachePolicy::parse("1"), Some(CachePolicy::On));
+        assert_eq!(CachePolicy::parse("off"), Some(CachePolicy::Off));
+        assert_eq!(CachePolicy::parse("0"), Some(CachePolicy::Off));
+        assert_eq!(CachePolicy::parse("yes"), None);
+        let free = 100u64 << 30;
+        assert_eq!(CachePolicy::Auto.budget(free), 50 << 30);
+        assert_eq!(CachePolicy::On.budget(free), free - CACHE_HEADROOM);
+        assert_eq!(CachePolicy::On.budget(CACHE_HEADROOM / 2), 0);
+        assert_eq!(CachePolicy::Off.budget(free), 0);
+        // A fused QKV of Q8_0, F16 and Q4_0 segments: two runs, 4 bytes a
+        // quantized weight.
+        let p = GemvParams {
+            k: 64,
+            n_seg: 3,
+            n: [32, 16, 8],
+            dtype: [DType::Q8_0 as u32, DType::F16 as u32, DType::Q4_0 as u32],
+            out_stride: 56,
+            ..bytemuck::Zeroable::zeroed()
+        };
+        assert_eq!(quant_runs(&p), vec![(0, 32), (48, 56)]);
+        assert_eq!(cache_bytes(&p), (32 + 8) * 64 * 4);
+        // Consecutive quantized segments form one run.
+        let q = GemvParams {
+            dtype: [DType::Q4_0 as u32, DType::Q4_1 as u32, DType::F16 as u32],
+            ..p
+        };
+        assert_eq!(quant_runs(&q), vec![(0, 48)]);
+        // The most rows whose quarter blocks a launch counts in 32 bits.
+        for k in [32u64, 4096, 14336] {
+            let rows = dequant_rows_per_launch(k as u32) as u64;
+            assert!(rows * (k / 8) <= u32::MAX as u64 && (rows + 1) * (k / 8) > u32::MAX as u64);
+        }
+    }
+
+    #[test]
     fn what_stays_off_cublas() {
         let p = GemvParams {
             k: 64,
