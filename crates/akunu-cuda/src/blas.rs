@@ -701,7 +701,7 @@ pub fn cacheable(table: &DispatchTable) -> impl Iterator<Item = (usize, GemvPara
 /// Rows of one `k_gemm_dequant` launch of depth `k`: its unit count (a
 /// quarter block each) must fit in 32 bits.
 pub fn dequant_rows_per_launch(k: u32) -> u32 {
-    (u32::MAX as u64 / (k as u64 / 8).max(1)).min(u32::MAX as u64) as u32
+    u32::MAX / (k / 8).max(1)
 }
 
 /// Scratch the cuBLAS products of `table` need (zero when none of its
@@ -724,11 +724,7 @@ pub fn scratch_need(table: &DispatchTable, cached: &dyn Fn(usize) -> bool) -> Sc
         }
         let k = p.k as u64;
         need.x_bytes = need.x_bytes.max(rows * k * 4);
-        let n_seg = (p.n_seg as usize).clamp(1, 3);
-        let quant_rows: u64 = (0..n_seg)
-            .filter(|&s| !is_f16(p.dtype[s]))
-            .map(|s| p.n[s] as u64)
-            .sum();
+        let quant_rows: u64 = quant_runs(&p).iter().map(|&(a, b)| (b - a) as u64).sum();
         if quant_rows > 0 && !cached(i) {
             need.w_bytes = need.w_bytes.max(quant_rows.min(chunk_rows(p.k)) * k * 4);
         }
@@ -772,7 +768,7 @@ pub fn plan(
     let to_dequantize = runs.iter().any(|&(a, b)| cached_run(a, b).is_none());
     let chunk = (scratch.w_bytes / (k as u64 * 4)).min(chunk_rows(k));
     // k_gemm_dequant counts a chunk's quarter blocks in 32 bits.
-    if to_dequantize && (chunk == 0 || chunk * (k as u64 / 8) > u32::MAX as u64) {
+    if to_dequantize && (chunk == 0 || chunk > dequant_rows_per_launch(k) as u64) {
         return None;
     }
     let x = scratch.ptr;
