@@ -44,13 +44,12 @@ const WARPS: u32 = 12;
 /// Values of a row a thread holds (persist.cu `PD_MAXPER`).
 const MAXPER: u32 = 4;
 const HEAD: u32 = 64;
-/// Static shared memory of the kernel (ptxas: 400 bytes greedy, 2,048
-/// with the sampler's scalars before chain_sampler.cuh sized them for 96
-/// bound entries, 192 more since; 2,144 + 192 in a -DPD_TIMING build),
-/// rounded up: the room the plan leaves it. The streaming kernel's sampled
-/// module's fits too (its RoPE table, up to 512 bytes, and the same sampler
-/// scalars); its plan sizes the ring from the compiled module's own.
-pub(crate) const STATIC_SMEM: u32 = 3072;
+/// Room for the kernel's static shared memory in the plan's first check,
+/// before the kernel is compiled (so that a shape that cannot fit costs no
+/// compile). The compiled kernel's own then decides (NVRTC 13.5, the
+/// SmolLM2 shape with f16 KV: 3,360 bytes for the sampled module, 1,424
+/// for the greedy one), and sizes the resident logits rows.
+const STATIC_SMEM: u32 = 3072;
 /// The sampler's words a block publishes (chain_sampler.cuh `PD_PARTS`) and its
 /// top-k keys (`PD_CANDS`, the largest top-k the kernel takes).
 pub(crate) const PARTS: u32 = 3;
@@ -329,13 +328,13 @@ fn resident_logits_rows(vocab: u32, d: u32, q8: bool, grid: u32, free: u64) -> u
 
 /// The kernel compiled for the shape of `a` (disk-cached like the main
 /// module), with its sampler for a sampled table, its module pushed to
-/// `owned`.
+/// `owned`, and its static shared memory.
 fn kernel_for(
     be: &CudaBackend,
     a: &PdArgs,
     sampled: bool,
     owned: &mut Owned,
-) -> Result<sys::CUfunction, BackendError> {
+) -> Result<(sys::CUfunction, u32), BackendError> {
     let mut defs = shape_defines(a.d, a.qd, a.kvd, a.ff, a.nh, a.nkv);
     defs.push(crate::compile::kv_define(be.kv));
     if !sampled && !crate::compile::developer_defines_name("PD_GREEDY_ONLY") {
@@ -373,7 +372,6 @@ fn kernel_for(
         "k_persist_decode",
         owned,
     )
-    .map(|(f, _)| f)
 }
 
 /// A persistent kernel (`name` in translation unit `src`, compiled with
@@ -487,30 +485,34 @@ pub(crate) fn plan(
         )));
     }
     a.max_pos = max_pos;
-    // The room left holds the first rows of each block's logits slice for
-    // the whole chain (with bulk copies): the logits phase then reads
-    // them from shared memory rather than streaming them every token.
+    // A kernel that does not compile or load (an older toolkit, say) leaves
+    // the model on the graph path, with the reason on stderr.
+    let (f, static_smem) = match kernel_for(be, &a, sampler.is_some(), owned) {
+        Ok(f) => f,
+        Err(e) => return Ok(Err(format!("the persistent kernel is not available: {e}"))),
+    };
+    // The compiled kernel's own static shared memory decides what fits
+    // (STATIC_SMEM was a guess). The room left holds the first rows of each
+    // block's logits slice for the whole chain (with bulk copies): the
+    // logits phase then reads them from shared memory rather than
+    // streaming them every token.
+    let room = be.smem_optin().saturating_sub(static_smem) as u64;
+    if smem > room {
+        return Ok(Err(format!(
+            "{smem} bytes of shared memory a block needed with {static_smem} static, {} available",
+            be.smem_optin()
+        )));
+    }
     if bulk_copies(be) {
         let off = smem.next_multiple_of(16);
-        a.res_rows = resident_logits_rows(
-            a.vocab,
-            a.d,
-            a.out_q8 == 1,
-            grid,
-            budget.saturating_sub(off),
-        );
+        a.res_rows =
+            resident_logits_rows(a.vocab, a.d, a.out_q8 == 1, grid, room.saturating_sub(off));
         if a.res_rows > 0 {
             a.res_off = off as u32;
             let (qb, sb) = out_row_bytes(a.d, a.out_q8 == 1);
             smem = off + a.res_rows as u64 * (qb + sb) as u64 + 32;
         }
     }
-    // A kernel that does not compile or load (an older toolkit, say) leaves
-    // the model on the graph path, with the reason on stderr.
-    let f = match kernel_for(be, &a, sampler.is_some(), owned) {
-        Ok(f) => f,
-        Err(e) => return Ok(Err(format!("the persistent kernel is not available: {e}"))),
-    };
     let threads = WARPS * 32;
     if be.occupancy(f, threads, smem as u32) < 1 {
         return Ok(Err("the kernel does not fit an SM".into()));

@@ -90,12 +90,12 @@ const ATT_S_MAX: u32 = 4;
 /// Positions the kernel serves: its attention scratch holds a split's
 /// scores (max_pos / SD_ATT_S + 1 floats).
 pub const MAX_POS: u32 = 4096;
-/// Static shared memory of a sampled module whose sampler's scalars are
-/// static (stream.cu: `s_last`, the RoPE table, the scalars: 2,304 bytes at
-/// the 1B shape), with room: persist.rs's. The ring is first sized for it,
-/// or for [`GREEDY_STATIC`] otherwise, then (`plan`) checked against the
-/// compiled module's own.
-use crate::persist::STATIC_SMEM;
+/// Room for the static shared memory of a sampled module whose sampler's
+/// scalars are static (stream.cu: `s_last`, the RoPE table, the scalars:
+/// 2,304 bytes at the 1B shape). The ring is first sized for it, or for
+/// [`GREEDY_STATIC`] otherwise, then (`plan`) checked against the compiled
+/// module's own.
+const SAMPLED_STATIC: u32 = 3072;
 /// Room for the static shared memory of a module without the sampler's
 /// scalars (384 bytes for the 1B shape's greedy module, NVRTC for sm_90).
 /// Reserving persist.rs's 3,072 cost llama-1b F16 its sixth stage by 1,192
@@ -331,7 +331,11 @@ fn smem_plan(lay: Layout, ff: u32, vocab: u32, grid: u32, sampled: bool) -> Smem
     } else {
         0
     };
-    let reserve = if samp > 0 { STATIC_SMEM } else { GREEDY_STATIC };
+    let reserve = if samp > 0 {
+        SAMPLED_STATIC
+    } else {
+        GREEDY_STATIC
+    };
     SmemPlan {
         window,
         samp,
