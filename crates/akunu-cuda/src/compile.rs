@@ -294,6 +294,20 @@ pub fn compile(src: &str, opts: &[String]) -> Result<Vec<u8>, String> {
 mod tests {
     /// Compiles the embedded kernels when NVRTC is installed (no GPU
     /// needed); `AKUNU_REQUIRE_NVRTC=1` makes a missing NVRTC a failure.
+    /// With `AKUNU_CUBIN_DIR` set, the compile test writes each module's
+    /// cubin there under `name` (for `tools/sass_sites.py`; experiments
+    /// pass their switches in `AKUNU_CUDA_DEFINES`).
+    fn keep_cubin(name: &str, bin: &[u8]) {
+        if let Ok(dir) = std::env::var("AKUNU_CUBIN_DIR") {
+            std::fs::create_dir_all(&dir).expect("AKUNU_CUBIN_DIR can be created");
+            std::fs::write(
+                std::path::Path::new(&dir).join(format!("{name}.cubin")),
+                bin,
+            )
+            .expect("AKUNU_CUBIN_DIR is writable");
+        }
+    }
+
     #[test]
     fn kernels_compile_with_nvrtc() {
         // SAFETY: probing for the shared library has no preconditions.
@@ -344,6 +358,17 @@ mod tests {
                 let bin =
                     super::compile(&super::persist_source(), &o).unwrap_or_else(|e| panic!("{e}"));
                 assert!(bin.len() > 1000);
+                let form = if module.contains(&"-DPD_EMB_Q8=1") {
+                    "q8_0"
+                } else {
+                    "q4_1"
+                };
+                let mode = if module[0].ends_with("=0") {
+                    "sampled"
+                } else {
+                    "greedy"
+                };
+                keep_cubin(&format!("persist-smollm2-{form}-{mode}-kv{kv:?}"), &bin);
             }
         }
         // The streaming decode module at the 1B and 8B shapes, F16
@@ -386,6 +411,15 @@ mod tests {
                 let bin =
                     super::compile(&super::stream_source(), &o).unwrap_or_else(|e| panic!("{e}"));
                 assert!(bin.len() > 1000);
+                keep_cubin(
+                    &format!(
+                        "stream-d{d}-{}{}-{}-kv{kv:?}",
+                        if q4 { "q4_0" } else { "f16" },
+                        if q6.is_empty() { "" } else { "-q6k" },
+                        if sampled { "sampled" } else { "greedy" },
+                    ),
+                    &bin,
+                );
             }
         }
     }
