@@ -398,10 +398,11 @@ mod tests {
             };
             for &(kv, sampled) in kinds {
                 let mut o = super::options("sm_90", super::Module::Persistent);
-                let att = crate::stream::att_floats(128, geo.cw, 4096, 4);
+                let att_s = crate::stream::att_splits(132, 32, q4);
+                let att = crate::stream::att_floats(128, geo.cw, 4096, att_s);
                 let lay = crate::stream::layout(d, d, kvd, ff, 49152, 132, geo.cw, att);
                 o.extend(crate::stream::defines(
-                    d, d, kvd, ff, 32, 8, lay, nst, 4, geo,
+                    d, d, kvd, ff, 32, 8, lay, nst, att_s, geo,
                 ));
                 o.push(super::kv_define(kv));
                 if sampled {
