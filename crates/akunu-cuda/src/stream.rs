@@ -89,7 +89,7 @@ fn inflight(q4: bool) -> u32 {
 /// Every block reads every split's partials when it stages o's input (on
 /// 8B: 32 heads x 4 splits x 130 words, 133 KB a block and 17.5 MB over
 /// the grid a layer). The Q4_0 form takes one split a head: on 8B Q4_0
-/// one split ran 2.2-2.5% faster than four from positions 512, 1,536 and
+/// one split ran 2.2-3.0% faster than four from positions 512, 1,536 and
 /// 3,584, greedy and sampled (bench/RESULTS.md, session 42). The F16 form
 /// keeps four: one ran llama-1b F16 greedy 1.0-1.4% faster from 512, but
 /// its GPU tests and the other F16 runs have not been made with it.
