@@ -292,8 +292,6 @@ pub fn compile(src: &str, opts: &[String]) -> Result<Vec<u8>, String> {
 
 #[cfg(test)]
 mod tests {
-    /// Compiles the embedded kernels when NVRTC is installed (no GPU
-    /// needed); `AKUNU_REQUIRE_NVRTC=1` makes a missing NVRTC a failure.
     /// With `AKUNU_CUBIN_DIR` set, the compile test writes each module's
     /// cubin there under `name` (for `tools/sass_sites.py`; experiments
     /// pass their switches in `AKUNU_CUDA_DEFINES`).
@@ -308,6 +306,8 @@ mod tests {
         }
     }
 
+    /// Compiles the embedded kernels when NVRTC is installed (no GPU
+    /// needed); `AKUNU_REQUIRE_NVRTC=1` makes a missing NVRTC a failure.
     #[test]
     fn kernels_compile_with_nvrtc() {
         // SAFETY: probing for the shared library has no preconditions.
