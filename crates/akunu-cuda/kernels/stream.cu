@@ -209,6 +209,36 @@ __device__ __forceinline__ u32 sd_units(int m, u32 vocab) {
 constexpr int X_HO = 0, X_HD = X_HO + D, X_Q = X_HD + D, X_K = X_Q + QD, X_V = X_K + KVD, X_ACT = X_V + KVD,
               X_PART = X_ACT + FF, SD_XW = X_PART + NH * SD_ATT_S * (HD + 2);
 
+static_assert(X_ACT % 2 == 0, "down's input is read 16 bytes at a time");
+// down's input (the FFN activation, FF words a set) as 4-byte words: the
+// f32 rounded to its top 24 bits (15 of mantissa), the tag's low byte in
+// the bottom 8. Every block reads all FF of them a layer: as 8-byte tagged
+// words that was 115 KB a block and 15 MB over the grid on the 8B shape.
+// The low byte tells a stale word from a fresh one because each set's word
+// is rewritten every second layer, 16 tags later (sd_tag), and no phase-3
+// tag is 0 mod 256 (the words start zeroed). -DSD_ACT_W4=0: 8-byte words
+// (A/B runs).
+#ifndef SD_ACT_W4
+#define SD_ACT_W4 1
+#endif
+__device__ __forceinline__ void sd_act_store(u32* a, float v, u32 tag) {
+    const u32 w = ((__float_as_uint(v) + 0x80u) & 0xFFFFFF00u) | (tag & 0xFFu);
+    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(a), "r"(w) : "memory");
+}
+__device__ __forceinline__ uint4 sd_act_load4(const u32* a) {
+    uint4 w;
+    asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
+                 : "l"(a)
+                 : "memory");
+    return w;
+}
+// Whether any of w's four words carries another tag than t8.
+__device__ __forceinline__ bool sd_act_stale(uint4 w, u32 t8) {
+    return (((w.x ^ t8) | (w.y ^ t8) | (w.z ^ t8) | (w.w ^ t8)) & 0xFFu) != 0u;
+}
+__device__ __forceinline__ float sd_act_val(u32 w) { return __uint_as_float(w & 0xFFFFFF00u); }
+
 // common.cuh's tag_wait_all, with SD_DIAG's no-wait bit and clock count.
 template <int N, class F>
 __device__ __forceinline__ void sd_poll(u64 (&w)[N], F addr, u32 tag) {
@@ -853,6 +883,7 @@ __device__ void sd_stage_attn(float* xs, const u64* part, u32 tag) {
     sd_csync();
 }
 
+#if !SD_ACT_W4
 // x = the tagged words at src (the FFN activation), permuted.
 __device__ void sd_stage_plain(float* xs, const u64* src, u32 tag) {
     // 16 words a thread at a time: all of an 8B ffn input at once (28,
@@ -873,6 +904,48 @@ __device__ void sd_stage_plain(float* xs, const u64* src, u32 tag) {
     }
     sd_csync();
 }
+#else
+// x = down's input (sd_act_store's words at src), staged as sd_put does:
+// up to 8 four-word loads a thread in flight, one round trip for the 8B
+// shape's 14,336 words with 16 consumer warps.
+__device__ void sd_stage_act(float* xs, const u32* src, u32 tag) {
+    static_assert(FF % 4 == 0, "the activation in 16-byte pieces");
+    constexpr int N4 = FF / 4, ROUND = (N4 + SD_CT - 1) / SD_CT, PER = ROUND < 8 ? ROUND : 8;
+    const u32 t8 = tag & 0xFFu, fill = t8 * 0x01010101u;
+    for (u32 b = 0; b < (u32)N4; b += PER * SD_CT) {
+        uint4 w[PER];
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const u32 i = b + threadIdx.x + j * SD_CT;
+            w[j] = i < (u32)N4 ? sd_act_load4(src + 4 * i) : make_uint4(fill, fill, fill, fill);
+        }
+        if ((SD_DIAG & 2) == 0) {
+            SD_CLK_BEGIN(1);
+            for (;;) {
+                bool stale = false;
+#pragma unroll
+                for (int j = 0; j < PER; ++j) stale |= sd_act_stale(w[j], t8);
+                if (!stale) break;
+#pragma unroll
+                for (int j = 0; j < PER; ++j)
+                    if (sd_act_stale(w[j], t8)) w[j] = sd_act_load4(src + 4 * (b + threadIdx.x + j * SD_CT));
+            }
+            SD_CLK_END(1);
+        }
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const u32 i = b + threadIdx.x + j * SD_CT;
+            if (i < (u32)N4) {
+                sd_put(xs, 4 * i, sd_act_val(w[j].x));
+                sd_put(xs, 4 * i + 1, sd_act_val(w[j].y));
+                sd_put(xs, 4 * i + 2, sd_act_val(w[j].z));
+                sd_put(xs, 4 * i + 3, sd_act_val(w[j].w));
+            }
+        }
+    }
+    sd_csync();
+}
+#endif
 
 // One (head, split)'s attention over positions [p0, p1) of pos + 1: the
 // current position's k and v from the tagged words (rounded as the cache
@@ -1273,13 +1346,21 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
                     const u32 ci = i / T::UPC, j = i % T::UPC, n = min((u32)T::UPC, u1 - u0 - ci * T::UPC);
                     const float g = sd_row_sum(part, ci * T::RPC + j), u = sd_row_sum(part, ci * T::RPC + n + j);
 #endif
+#if SD_ACT_W4
+                    sd_act_store((u32*)(X + X_ACT) + u0 + i, g / (1.0f + __expf(-g)) * u, tg);
+#else
                     tag_store(X + X_ACT + u0 + i, g / (1.0f + __expf(-g)) * u, tg);
+#endif
                 }
             }
             sd_csync();  // down's input lies over these partials
             SD_MARK(9);
             // down: h += Wd act.
+#if SD_ACT_W4
+            sd_stage_act(xs, (const u32*)(X + X_ACT), sd_tag(t, a.nl, l, 3));
+#else
             sd_stage_plain(xs, X + X_ACT, sd_tag(t, a.nl, l, 3));
+#endif
             SD_MARK(10);
             sd_consume<M_DN>(a, L, r, xs, part_dn, c, zeros);
             SD_MARK(11);

@@ -398,7 +398,7 @@ mod tests {
             };
             for &(kv, sampled) in kinds {
                 let mut o = super::options("sm_90", super::Module::Persistent);
-                let att_s = crate::stream::att_splits(132, 32, q4);
+                let att_s = crate::stream::att_splits(132, 32);
                 let att = crate::stream::att_floats(128, geo.cw, 4096, att_s);
                 let lay = crate::stream::layout(d, d, kvd, ff, 49152, 132, geo.cw, att);
                 o.extend(crate::stream::defines(

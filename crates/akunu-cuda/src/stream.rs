@@ -85,24 +85,23 @@ fn inflight(q4: bool) -> u32 {
         .number::<u32>()
         .unwrap_or(if q4 { 0 } else { INFLIGHT_F16 })
 }
-/// Splits of a head's attention at most (stream.cu `SD_ATT_S`), F16 form.
-/// Every block reads every split's partials when it stages o's input (on
-/// 8B: 32 heads x 4 splits x 130 words, 133 KB a block and 17.5 MB over
-/// the grid a layer). The Q4_0 form takes one split a head: on 8B Q4_0
-/// one split ran 2.2-3.0% faster than four from positions 512, 1,536 and
-/// 3,584, greedy and sampled (bench/RESULTS.md, session 42). The F16 form
-/// keeps four: one ran llama-1b F16 greedy 1.0-1.4% faster from 512, but
-/// its GPU tests and the other F16 runs have not been made with it.
-/// `AKUNU_CUDA_STREAM_ATT_S` sets the cap for A/B runs (1 to 4).
+/// Splits of a head's attention (stream.cu `SD_ATT_S`): one block a head
+/// by default. Every block reads every split's partials when it stages o's
+/// input (on 8B with four splits: 32 heads x 4 splits x 130 words, 133 KB
+/// a block and 17.5 MB over the grid a layer). One split against four
+/// (bench/RESULTS.md): 8B Q4_0 2.2-3.0% faster from positions 512, 1,536
+/// and 3,584 (session 42); llama-1b F16 0.8% faster greedy and 1.3%
+/// sampled, 8B F16 as in session 43's section. `AKUNU_CUDA_STREAM_ATT_S`
+/// sets the most for A/B runs (1 to 4); the grid bounds it too.
 const ATT_S_MAX: u32 = 4;
-const ATT_S_Q4: u32 = 1;
+const ATT_S_DEFAULT: u32 = 1;
 static ATT_S: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_STREAM_ATT_S");
 /// Splits of each head's attention on `grid` blocks: one block a (head,
-/// split), at most the form's cap.
-pub(crate) fn att_splits(grid: u32, nh: u32, q4: bool) -> u32 {
+/// split), at most the switch's count.
+pub(crate) fn att_splits(grid: u32, nh: u32) -> u32 {
     let cap = ATT_S
         .number::<u32>()
-        .unwrap_or(if q4 { ATT_S_Q4 } else { ATT_S_MAX })
+        .unwrap_or(ATT_S_DEFAULT)
         .clamp(1, ATT_S_MAX);
     (grid / nh).clamp(1, cap)
 }
@@ -614,7 +613,7 @@ pub(crate) fn plan(
         )));
     }
     let hd = p.qd / p.nh;
-    let att_s = att_splits(grid, p.nh, geo.q4);
+    let att_s = att_splits(grid, p.nh);
     let max_pos = MAX_POS.min(p.capacity);
     let att = att_floats(hd, geo.cw, max_pos, att_s);
     let lay = layout(p.d, p.qd, p.kvd, p.ff, p.vocab, grid, geo.cw, att);
@@ -782,17 +781,13 @@ mod tests {
     }
 
     #[test]
-    fn attention_splits_follow_the_form_and_the_grid() {
+    fn attention_takes_one_block_a_head() {
         if std::env::var_os("AKUNU_CUDA_STREAM_ATT_S").is_some() {
-            return; // the A/B switch overrides the caps
+            return; // the A/B switch overrides the default
         }
-        // F16: up to four blocks a head, as many as the grid holds.
-        assert_eq!(att_splits(132, 32, false), 4);
-        assert_eq!(att_splits(80, 32, false), 2);
-        assert_eq!(att_splits(20, 32, false), 1);
-        // Q4_0: one block a head.
-        assert_eq!(att_splits(132, 32, true), 1);
-        assert_eq!(att_splits(132, 8, true), 1);
+        assert_eq!(att_splits(132, 32), 1);
+        assert_eq!(att_splits(132, 8), 1);
+        assert_eq!(att_splits(20, 32), 1);
     }
 
     #[test]
