@@ -44,7 +44,9 @@
 #                                 env-ab (bench over sets of environment
 #                                 variables; ENV_SETS, ENV_MODES "greedy sampled"), stream-clock (the
 #                                 streaming kernel's waits, SD_DIAG=4;
-#                                 STREAM_CLOCK_SETS).
+#                                 STREAM_CLOCK_SETS), stream-blocks (every
+#                                 block's section ends in one layer,
+#                                 SD_DIAG=64).
 #                                 Logs go to $OUT (or ./gpu-out),
 #                                 a summary to stdout. BENCH_SHAPES lists
 #                                 SHAPE:TYPE[:rope-freqs][:llama3-vocab][:q6k-logits]
@@ -472,6 +474,56 @@ PY
 stream_clock() {
     echo "== streaming kernel: where the cycles go (SD_DIAG=4)"
     each_shape "${BENCH_SHAPES:-llama-8b:q4_0}" stream_clock_one
+}
+
+# The streaming kernel's block times (SD_DIAG=64): every block's section
+# ends in one layer (SD_BT_LAYER, default 5) of one chain token
+# (SD_BT_TOKEN, default 2) of each launch; per section, the median over
+# launches of the earliest, median and latest block (ns after the layer's
+# first start), and the blocks most often among the latest five.
+# STREAM_BLOCKS_DEFINES: extra defines.
+stream_blocks() {
+    echo "== streaming kernel: every block's section ends (SD_DIAG=64)"
+    each_shape "${BENCH_SHAPES:-llama-8b:q4_0}" stream_blocks_one
+}
+
+stream_blocks_one() { # NAME FILE
+    AKUNU_CUDA_DEFINES="-DSD_DIAG=64 ${STREAM_BLOCKS_DEFINES:-}" timeout 300 "$BIN/akunu" bench -m "$2" \
+        --device cuda -p 512 -n 128 -r 1 --no-bandwidth >"$OUTDIR/stream-blocks-$1.log" 2>&1 || echo "run failed"
+    grep -E "tg[0-9]" "$OUTDIR/stream-blocks-$1.log" || true
+    python3 - "$OUTDIR/stream-blocks-$1.log" <<'PY'
+import sys, statistics as st, collections
+launches, cur = [], {}
+for l in open(sys.argv[1]):
+    w = l.split()
+    if len(w) != 16 or w[0] != "sd_bt":
+        continue
+    b, v = int(w[1]), list(map(int, w[2:]))
+    if b in cur:
+        launches.append(cur); cur = {}
+    cur[b] = v
+if cur:
+    launches.append(cur)
+launches = [g for g in launches if len(g) > 1 and all(min(v) > 0 for v in g.values())]
+if not launches:
+    sys.exit("no sd_bt lines (did a chain reach the token?)")
+names = ["layer start", "norm>qkv", "qkv", "rope+kv", "attend", "merge>o", "o", "o sums", "norm>gu", "gu",
+         "gu sums", "act>down", "down", "down sums"]
+print(f"{len(launches)} launches of {len(launches[0])} blocks; ns after the layer's first start, "
+      "medians over launches")
+late = collections.defaultdict(collections.Counter)
+for i, n in enumerate(names):
+    e, m, x = [], [], []
+    for g in launches:
+        t0 = min(v[0] for v in g.values())
+        ts = sorted((v[i] - t0, b) for b, v in g.items())
+        e.append(ts[0][0]); m.append(ts[len(ts) // 2][0]); x.append(ts[-1][0])
+        for _, b in ts[-5:]:
+            late[n][b] += 1
+    often = ", ".join(f"{b}:{c}" for b, c in late[n].most_common(4))
+    print(f"  {n:11s} earliest {st.median(e):8.0f}  median {st.median(m):8.0f}  latest {st.median(x):8.0f}  "
+          f"spread {st.median([a - b for a, b in zip(x, e)]):7.0f}  often latest {often}")
+PY
 }
 
 # Every block's phase ends in one layer of one token of the persistent
@@ -1456,6 +1508,7 @@ run)
         mega) mega ;;
         stream) stream ;;
         stream-clock) stream_clock ;;
+        stream-blocks) stream_blocks ;;
         *)
             echo "unknown step $what" >&2
             exit 2

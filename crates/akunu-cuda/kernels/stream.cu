@@ -78,7 +78,7 @@ static_assert(SD_Q4 || !(SD_OUT_Q6 || SD_EMB_Q6), "the Q6 form is the Q4_0 form'
 // consumers load each stage but do not multiply; 16, the Q4_0 form's
 // producer copies every tile from its matrix's first (L2, not HBM); 32,
 // the Q6 form's consumers drop the top bits (a negative control for the
-// GPU tests).
+// GPU tests); 64, block times (right tokens; SD_BT below).
 #ifndef SD_DIAG
 #define SD_DIAG 0
 #endif
@@ -92,6 +92,29 @@ static_assert(SD_Q4 || !(SD_OUT_Q6 || SD_EMB_Q6), "the Q6 form is the Q4_0 form'
 #ifndef SD_OPAQUE_TAIL
 #define SD_OPAQUE_TAIL (!(SD_SAMPLED && SD_Q4))  // k_stream_decode: what follows the barriers
 #endif
+// Bit 64, block times (right tokens): every block's thread 0 notes
+// %globaltimer at the start of layer SD_BT_LAYER of chain token SD_BT_TOKEN
+// and at each of that layer's section ends (SD_MARK 0-12), and prints them
+// at the launch's end (scripts/gpu.sh stream-blocks): how far apart the
+// blocks reach each phase boundary.
+#if SD_DIAG & 64
+#ifndef SD_BT_LAYER
+#define SD_BT_LAYER 5
+#endif
+#ifndef SD_BT_TOKEN
+#define SD_BT_TOKEN 2
+#endif
+__shared__ unsigned long long sd_bt[14];  // 0-12: SD_MARK's; 13: the layer's start
+__shared__ u32 sd_bt_on;
+#define SD_BT(i)                                                           \
+    if (threadIdx.x == 0 && sd_bt_on && (i) < 13) {                        \
+        unsigned long long now_;                                           \
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now_)::"memory"); \
+        sd_bt[i] = now_;                                                   \
+    }
+#else
+#define SD_BT(i)
+#endif
 #if SD_DIAG & 4
 __shared__ unsigned long long sd_clk[3];  // consumer: full stages, tagged words, stage work
 __shared__ unsigned long long sd_pclk;    // producer: free stages
@@ -101,6 +124,7 @@ __shared__ unsigned long long sd_pclk;    // producer: free stages
 __shared__ unsigned long long sd_sec[20];
 __shared__ long long sd_last;
 #define SD_MARK(i)                                         \
+    SD_BT(i)                                               \
     if (threadIdx.x == 0) {                                \
         const long long now_ = clock64();                  \
         sd_sec[i] += (unsigned long long)(now_ - sd_last); \
@@ -112,7 +136,7 @@ __shared__ long long sd_last;
 #else
 #define SD_CLK_BEGIN(slot)
 #define SD_CLK_END(slot)
-#define SD_MARK(i)
+#define SD_MARK(i) SD_BT(i)
 #endif
 #define SD_THREADS ((SD_CW + 1) * 32)
 #define SD_CT (SD_CW * 32)
@@ -240,11 +264,21 @@ __device__ __forceinline__ bool sd_act_stale(uint4 w, u32 t8) {
 __device__ __forceinline__ float sd_act_val(u32 w) { return __uint_as_float(w & 0xFFFFFF00u); }
 
 // common.cuh's tag_wait_all, with SD_DIAG's no-wait bit and clock count.
+// Tried and not kept (bench/RESULTS.md, session 43): a pause before each
+// reload (8B Q4_0 0.6% slower at 200 ns, 3.8% at 1 us).
 template <int N, class F>
 __device__ __forceinline__ void sd_poll(u64 (&w)[N], F addr, u32 tag) {
     if (SD_DIAG & 2) return;
     SD_CLK_BEGIN(1);
-    tag_wait_all(w, addr, tag);
+    for (;;) {
+        bool ok = true;
+#pragma unroll
+        for (int j = 0; j < N; ++j) ok &= (u32)(w[j] >> 32) == tag;
+        if (ok) break;
+#pragma unroll
+        for (int j = 0; j < N; ++j)
+            if ((u32)(w[j] >> 32) != tag) w[j] = tag_load(addr(j));
+    }
     SD_CLK_END(1);
 }
 __device__ __forceinline__ float sd_val(u64 w) { return __uint_as_float((u32)w); }
@@ -328,6 +362,32 @@ __device__ __forceinline__ void sd_put(float* xs, u32 e, float v) {
     xs[sd_xperm(e)] = v;
 #endif
 }
+#if SD_Q4
+// A staging unit of the Q4_0 form's B image: elements 4j..4j+3 and
+// 16+4j..16+4j+3 of block t of a group G of four blocks (u = 16 G + 4 j +
+// t). Their hi and lo pairs are the image's eight words at G 128 + j 32 +
+// t 8 (q4_img_at), stored as two 16-byte words: with t fastest over the
+// lanes a quarter warp meets each bank twice. Element by element (sd_put:
+// 16 two-byte stores a unit, each meeting its bank four times) the 8B
+// shape's staging of down's input took about 2.6 us a layer after the
+// last word had arrived (bench/RESULTS.md, session 43).
+__device__ __forceinline__ u32 sd_unit_elem(u32 u, int k) {
+    return (u >> 4) * 128 + (u & 3u) * 32 + ((u >> 2) & 3u) * 4 + (u32)(k & 3) + (u32)(k >> 2) * 16;
+}
+__device__ __forceinline__ void sd_put_unit(float* xs, u32 u, const float (&v)[8]) {
+    u32 hi[8], lo[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const u16 h = f16_bits(v[e]);
+        hi[e] = h;
+        lo[e] = f16_bits(v[e] - f16_to_f32(h));
+    }
+    // Pairs (e, e + 2) and (e + 1, e + 3) of each half.
+    uint4* img = (uint4*)xs + ((u >> 4) * 128 + ((u >> 2) & 3u) * 32 + (u & 3u) * 8) / 4;
+    img[0] = make_uint4(hi[0] | hi[2] << 16, hi[1] | hi[3] << 16, hi[4] | hi[6] << 16, hi[5] | hi[7] << 16);
+    img[1] = make_uint4(lo[0] | lo[2] << 16, lo[1] | lo[3] << 16, lo[4] | lo[6] << 16, lo[5] | lo[7] << 16);
+}
+#endif
 // Element i of token's embedding row.
 #if SD_EMB_Q6
 // Element i of token's row of the Q6 form; not inlined: inlined into the
@@ -806,6 +866,10 @@ __device__ __forceinline__ float sd_row_sum(const float* part, u32 r) {
 #else
 #define SD_NORM_FN
 #endif
+// Tried and not kept (bench/RESULTS.md, session 43): x stored unit by
+// unit (sd_put_unit) as down's input is, each thread loading its units'
+// words: 8B Q4_0 2.2% slower (a warp's eight-byte loads then each met 32
+// sectors, every sector four times).
 __device__ SD_NORM_FN void sd_stage_norm(float* xs, float* red, const u64* src, u32 tag, const SdArgs& a, u32 token,
                               const float* nw, float eps) {
     constexpr int PER = D / SD_CT;
@@ -905,42 +969,70 @@ __device__ void sd_stage_plain(float* xs, const u64* src, u32 tag) {
     sd_csync();
 }
 #else
-// x = down's input (sd_act_store's words at src), staged as sd_put does:
-// up to 8 four-word loads a thread in flight, one round trip for the 8B
-// shape's 14,336 words with 16 consumer warps.
+// x = down's input (sd_act_store's words at src), one round trip for the
+// 8B shape's 14,336 words with 16 consumer warps. SD_ACT_PACK (default):
+// the Q4_0 form stores x unit by unit (sd_put_unit), 8B Q4_0 2.0% faster
+// than element by element (sd_put; -DSD_ACT_PACK=0 for A/B runs). The
+// F16 form stores element by element: four at once measured level on
+// llama-1b F16 (session 43).
+#ifndef SD_ACT_PACK
+#define SD_ACT_PACK 1
+#endif
 __device__ void sd_stage_act(float* xs, const u32* src, u32 tag) {
+#if SD_Q4 && SD_ACT_PACK
+    static_assert(FF % 128 == 0, "whole groups of four blocks");
+    constexpr int PIECES = 2, NU = FF / 8;
+#else
     static_assert(FF % 4 == 0, "the activation in 16-byte pieces");
-    constexpr int N4 = FF / 4, ROUND = (N4 + SD_CT - 1) / SD_CT, PER = ROUND < 8 ? ROUND : 8;
+    constexpr int PIECES = 1, NU = FF / 4;
+#endif
+    constexpr int ROUND = (NU + SD_CT - 1) / SD_CT, PERU = ROUND < 8 / PIECES ? ROUND : 8 / PIECES,
+                  PER = PERU * PIECES;
+    // Piece k of this thread's units of round b: its unit and first word.
+    auto unit = [&](u32 b, int k) { return b + threadIdx.x + (u32)(k / PIECES) * SD_CT; };
+    auto addr = [&](u32 u, int k) -> const u32* {
+#if SD_Q4 && SD_ACT_PACK
+        return src + sd_unit_elem(u, (k % 2) * 4);
+#else
+        return src + 4 * u;
+#endif
+    };
     const u32 t8 = tag & 0xFFu, fill = t8 * 0x01010101u;
-    for (u32 b = 0; b < (u32)N4; b += PER * SD_CT) {
+    for (u32 b = 0; b < (u32)NU; b += PERU * SD_CT) {
         uint4 w[PER];
 #pragma unroll
-        for (int j = 0; j < PER; ++j) {
-            const u32 i = b + threadIdx.x + j * SD_CT;
-            w[j] = i < (u32)N4 ? sd_act_load4(src + 4 * i) : make_uint4(fill, fill, fill, fill);
+        for (int k = 0; k < PER; ++k) {
+            const u32 u = unit(b, k);
+            w[k] = u < (u32)NU ? sd_act_load4(addr(u, k)) : make_uint4(fill, fill, fill, fill);
         }
         if ((SD_DIAG & 2) == 0) {
             SD_CLK_BEGIN(1);
             for (;;) {
                 bool stale = false;
 #pragma unroll
-                for (int j = 0; j < PER; ++j) stale |= sd_act_stale(w[j], t8);
+                for (int k = 0; k < PER; ++k) stale |= sd_act_stale(w[k], t8);
                 if (!stale) break;
 #pragma unroll
-                for (int j = 0; j < PER; ++j)
-                    if (sd_act_stale(w[j], t8)) w[j] = sd_act_load4(src + 4 * (b + threadIdx.x + j * SD_CT));
+                for (int k = 0; k < PER; ++k)
+                    if (sd_act_stale(w[k], t8)) w[k] = sd_act_load4(addr(unit(b, k), k));
             }
             SD_CLK_END(1);
         }
 #pragma unroll
-        for (int j = 0; j < PER; ++j) {
-            const u32 i = b + threadIdx.x + j * SD_CT;
-            if (i < (u32)N4) {
-                sd_put(xs, 4 * i, sd_act_val(w[j].x));
-                sd_put(xs, 4 * i + 1, sd_act_val(w[j].y));
-                sd_put(xs, 4 * i + 2, sd_act_val(w[j].z));
-                sd_put(xs, 4 * i + 3, sd_act_val(w[j].w));
-            }
+        for (int i = 0; i < PERU; ++i) {
+            const u32 u = unit(b, i * PIECES);
+            if (u >= (u32)NU) continue;
+#if SD_Q4 && SD_ACT_PACK
+            const uint4 p = w[2 * i], q = w[2 * i + 1];
+            const float v[8] = {sd_act_val(p.x), sd_act_val(p.y), sd_act_val(p.z), sd_act_val(p.w),
+                                sd_act_val(q.x), sd_act_val(q.y), sd_act_val(q.z), sd_act_val(q.w)};
+            sd_put_unit(xs, u, v);
+#else
+            sd_put(xs, 4 * u, sd_act_val(w[i].x));
+            sd_put(xs, 4 * u + 1, sd_act_val(w[i].y));
+            sd_put(xs, 4 * u + 2, sd_act_val(w[i].z));
+            sd_put(xs, 4 * u + 3, sd_act_val(w[i].w));
+#endif
         }
     }
     sd_csync();
@@ -1159,6 +1251,9 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
             mbar_init(&r.empty[s], SD_CW);
         }
         s_last = 0xffffffffu;
+#if SD_DIAG & 64
+        sd_bt_on = 0;
+#endif
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
 #if SD_Q4
@@ -1277,6 +1372,16 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
             const SdLayer& L = a.layers[l];
             const u32 gl = t * a.nl + l;
             u64* X = a.x + (u64)(gl & 1u) * xw;
+#if SD_DIAG & 64
+            if (threadIdx.x == 0) {
+                sd_bt_on = t == SD_BT_TOKEN && l == SD_BT_LAYER;
+                if (sd_bt_on) {
+                    unsigned long long now_;
+                    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now_)::"memory");
+                    sd_bt[13] = now_;
+                }
+            }
+#endif
             // q|k|v: the norm of h, the rows, RoPE, K and V into the cache.
             if (l == 0)
                 sd_stage_norm(xs, red, nullptr, 0, a, token, L.attn_norm, a.eps);
@@ -1483,6 +1588,12 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
         for (u32 j = 0; j < ns; ++j) stop |= ctl->stop[j] == token;
         if (stop) {
             if (threadIdx.x == 0) s_last = t;
+#if SD_DIAG & 64
+            if (threadIdx.x == 0 && t >= SD_BT_TOKEN)
+                printf("sd_bt %u %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu\n", blockIdx.x,
+                       sd_bt[13], sd_bt[0], sd_bt[1], sd_bt[2], sd_bt[3], sd_bt[4], sd_bt[5], sd_bt[6], sd_bt[7],
+                       sd_bt[8], sd_bt[9], sd_bt[10], sd_bt[11], sd_bt[12]);
+#endif
 #if SD_DIAG & 4
             if (threadIdx.x == 0) {
                 printf("sd_clk C %u %llu %llu %llu %u %llu %u\n", blockIdx.x, sd_clk[0], sd_clk[1],
