@@ -270,15 +270,7 @@ template <int N, class F>
 __device__ __forceinline__ void sd_poll(u64 (&w)[N], F addr, u32 tag) {
     if (SD_DIAG & 2) return;
     SD_CLK_BEGIN(1);
-    for (;;) {
-        bool ok = true;
-#pragma unroll
-        for (int j = 0; j < N; ++j) ok &= (u32)(w[j] >> 32) == tag;
-        if (ok) break;
-#pragma unroll
-        for (int j = 0; j < N; ++j)
-            if ((u32)(w[j] >> 32) != tag) w[j] = tag_load(addr(j));
-    }
+    tag_wait_all(w, addr, tag);
     SD_CLK_END(1);
 }
 __device__ __forceinline__ float sd_val(u64 w) { return __uint_as_float((u32)w); }

@@ -91,8 +91,9 @@ fn inflight(q4: bool) -> u32 {
 /// a block and 17.5 MB over the grid a layer). One split against four
 /// (bench/RESULTS.md): 8B Q4_0 2.2-3.0% faster from positions 512, 1,536
 /// and 3,584 (session 42); llama-1b F16 0.8% faster greedy and 1.3%
-/// sampled, 8B F16 as in session 43's section. `AKUNU_CUDA_STREAM_ATT_S`
-/// sets the most for A/B runs (1 to 4); the grid bounds it too.
+/// sampled, 8B F16 0.6% greedy (also from 3,584) and 0.9% sampled
+/// (session 43). `AKUNU_CUDA_STREAM_ATT_S` sets the most for A/B runs (1
+/// to 4); the grid bounds it too.
 const ATT_S_MAX: u32 = 4;
 const ATT_S_DEFAULT: u32 = 1;
 static ATT_S: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_STREAM_ATT_S");
