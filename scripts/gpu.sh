@@ -511,7 +511,11 @@ names = ["layer start", "norm>qkv", "qkv", "rope+kv", "attend", "merge>o", "o", 
          "gu sums", "act>down", "down", "down sums"]
 print(f"{len(launches)} launches of {len(launches[0])} blocks; ns after the layer's first start, "
       "medians over launches")
+# "after" is the median block's end less the previous section's latest
+# block's end: how long a section takes once every block could start it
+# (for a staging, from the last writer's mark).
 late = collections.defaultdict(collections.Counter)
+prev = None
 for i, n in enumerate(names):
     e, m, x = [], [], []
     for g in launches:
@@ -521,8 +525,10 @@ for i, n in enumerate(names):
         for _, b in ts[-5:]:
             late[n][b] += 1
     often = ", ".join(f"{b}:{c}" for b, c in late[n].most_common(4))
+    after = f"{st.median([a - b for a, b in zip(m, prev)]):7.0f}" if prev else "       "
     print(f"  {n:11s} earliest {st.median(e):8.0f}  median {st.median(m):8.0f}  latest {st.median(x):8.0f}  "
-          f"spread {st.median([a - b for a, b in zip(x, e)]):7.0f}  often latest {often}")
+          f"spread {st.median([a - b for a, b in zip(x, e)]):7.0f}  after {after}  often latest {often}")
+    prev = x
 PY
 }
 
