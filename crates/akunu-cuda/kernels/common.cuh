@@ -386,6 +386,13 @@ __device__ __forceinline__ void tag_wait_all(u64 (&w)[N], F addr, u32 tag) {
     }
 }
 
+// The GPU's %globaltimer (ns), the same clock on every SM.
+__device__ __forceinline__ u64 globaltimer_ns() {
+    u64 now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    return now;
+}
+
 // What an Argmax command does with its token: store it in conveyor slot
 // `slot`, and inside a chain publish it (and its %globaltimer stamp) to the
 // host, count the step and raise `done` at the limit or a stop token. One
@@ -393,8 +400,7 @@ __device__ __forceinline__ void tag_wait_all(u64 (&w)[N], F addr, u32 tag) {
 __device__ void publish_token(u32* tokens, u32 slot, u32 id, Ctl* c) {
     tokens[slot] = id;
     if (!c) return;
-    u64 now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    const u64 now = globaltimer_ns();
     // The host polls the token slot, then reads the stamp: stamp first.
     *(volatile u64*)&c->host_stamps[slot] = now;
     __threadfence_system();

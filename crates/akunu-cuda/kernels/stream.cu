@@ -106,12 +106,8 @@ static_assert(SD_Q4 || !(SD_OUT_Q6 || SD_EMB_Q6), "the Q6 form is the Q4_0 form'
 #endif
 __shared__ unsigned long long sd_bt[14];  // 0-12: SD_MARK's; 13: the layer's start
 __shared__ u32 sd_bt_on;
-#define SD_BT(i)                                                           \
-    if (threadIdx.x == 0 && sd_bt_on && (i) < 13) {                        \
-        unsigned long long now_;                                           \
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now_)::"memory"); \
-        sd_bt[i] = now_;                                                   \
-    }
+#define SD_BT(i) \
+    if (threadIdx.x == 0 && sd_bt_on && (i) < 13) sd_bt[i] = globaltimer_ns();
 #else
 #define SD_BT(i)
 #endif
@@ -240,11 +236,8 @@ static_assert(X_ACT % 2 == 0, "down's input is read 16 bytes at a time");
 // words that was 115 KB a block and 15 MB over the grid on the 8B shape.
 // The low byte tells a stale word from a fresh one because each set's word
 // is rewritten every second layer, 16 tags later (sd_tag), and no phase-3
-// tag is 0 mod 256 (the words start zeroed). -DSD_ACT_W4=0: 8-byte words
-// (A/B runs).
-#ifndef SD_ACT_W4
-#define SD_ACT_W4 1
-#endif
+// tag is 0 mod 256 (the words start zeroed). The 8-byte words measured
+// level on 8B Q4_0 and 8B F16 and 1.6% slower on llama-1b F16 (session 43).
 __device__ __forceinline__ void sd_act_store(u32* a, float v, u32 tag) {
     const u32 w = ((__float_as_uint(v) + 0x80u) & 0xFFFFFF00u) | (tag & 0xFFu);
     asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(a), "r"(w) : "memory");
@@ -939,28 +932,6 @@ __device__ void sd_stage_attn(float* xs, const u64* part, u32 tag) {
     sd_csync();
 }
 
-#if !SD_ACT_W4
-// x = the tagged words at src (the FFN activation), permuted.
-__device__ void sd_stage_plain(float* xs, const u64* src, u32 tag) {
-    // 16 words a thread at a time: all of an 8B ffn input at once (28,
-    // one round trip instead of two) spilled and ran 13% slower
-    // (bench/RESULTS.md, session 30).
-    constexpr int PER = 16;
-    for (u32 b = 0; b < (u32)FF; b += PER * SD_CT) {
-        auto addr = [&](int j) { return src + b + threadIdx.x + j * SD_CT; };
-        u64 w[PER];
-#pragma unroll
-        for (int j = 0; j < PER; ++j) w[j] = b + threadIdx.x + j * SD_CT < (u32)FF ? tag_load(addr(j)) : (u64)tag << 32;
-        sd_poll(w, addr, tag);
-#pragma unroll
-        for (int j = 0; j < PER; ++j) {
-            const u32 i = b + threadIdx.x + j * SD_CT;
-            if (i < (u32)FF) sd_put(xs, i, sd_val(w[j]));
-        }
-    }
-    sd_csync();
-}
-#else
 // x = down's input (sd_act_store's words at src), one round trip for the
 // 8B shape's 14,336 words with 16 consumer warps. SD_ACT_PACK (default):
 // the Q4_0 form stores x unit by unit (sd_put_unit), 8B Q4_0 2.0% faster
@@ -1029,7 +1000,6 @@ __device__ void sd_stage_act(float* xs, const u32* src, u32 tag) {
     }
     sd_csync();
 }
-#endif
 
 // One (head, split)'s attention over positions [p0, p1) of pos + 1: the
 // current position's k and v from the tagged words (rounded as the cache
@@ -1367,11 +1337,7 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
 #if SD_DIAG & 64
             if (threadIdx.x == 0) {
                 sd_bt_on = t == SD_BT_TOKEN && l == SD_BT_LAYER;
-                if (sd_bt_on) {
-                    unsigned long long now_;
-                    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now_)::"memory");
-                    sd_bt[13] = now_;
-                }
+                if (sd_bt_on) sd_bt[13] = globaltimer_ns();
             }
 #endif
             // q|k|v: the norm of h, the rows, RoPE, K and V into the cache.
@@ -1443,21 +1409,13 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
                     const u32 ci = i / T::UPC, j = i % T::UPC, n = min((u32)T::UPC, u1 - u0 - ci * T::UPC);
                     const float g = sd_row_sum(part, ci * T::RPC + j), u = sd_row_sum(part, ci * T::RPC + n + j);
 #endif
-#if SD_ACT_W4
                     sd_act_store((u32*)(X + X_ACT) + u0 + i, g / (1.0f + __expf(-g)) * u, tg);
-#else
-                    tag_store(X + X_ACT + u0 + i, g / (1.0f + __expf(-g)) * u, tg);
-#endif
                 }
             }
             sd_csync();  // down's input lies over these partials
             SD_MARK(9);
             // down: h += Wd act.
-#if SD_ACT_W4
             sd_stage_act(xs, (const u32*)(X + X_ACT), sd_tag(t, a.nl, l, 3));
-#else
-            sd_stage_plain(xs, X + X_ACT, sd_tag(t, a.nl, l, 3));
-#endif
             SD_MARK(10);
             sd_consume<M_DN>(a, L, r, xs, part_dn, c, zeros);
             SD_MARK(11);
