@@ -405,6 +405,8 @@ each_env_set() { # SETS NAME CMD ARGS...
     for set in $sets; do
         vars=()
         if [ "$set" != _ ]; then IFS=, read -ra vars <<<"$set"; fi
+        # `+` in a value stands for a space (several -D words in one set).
+        if [ ${#vars[@]} -gt 0 ]; then vars=("${vars[@]//+/ }"); fi
         echo "-- $name $set"
         (
             if [ ${#vars[@]} -gt 0 ]; then export "${vars[@]}"; fi
@@ -911,7 +913,7 @@ stream_ab_one() { # NAME FILE
 
 # Decode over sets of environment variables, one bench each, in one call:
 # ENV_SETS lists the sets by spaces, a set's VAR=VALUE pairs by commas (`_`
-# for none); ENV_BENCH the bench arguments (default -p 512 -n 128 -r 3;
+# for none; `+` in a value for a space: AKUNU_CUDA_DEFINES=-DA=0+-DB=1); ENV_BENCH the bench arguments (default -p 512 -n 128 -r 3;
 # the pp and tg rows are printed, so -n 0 times prefill alone);
 # BENCH_SHAPES the shapes (default the 8B Q4_0 one).
 env_ab_one() { # NAME FILE

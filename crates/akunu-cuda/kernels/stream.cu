@@ -229,7 +229,7 @@ __device__ __forceinline__ u32 sd_units(int m, u32 vocab) {
 constexpr int X_HO = 0, X_HD = X_HO + D, X_Q = X_HD + D, X_K = X_Q + QD, X_V = X_K + KVD, X_ACT = X_V + KVD,
               X_PART = X_ACT + FF, SD_XW = X_PART + NH * SD_ATT_S * (HD + 2);
 
-static_assert(X_ACT % 2 == 0, "down's input is read 16 bytes at a time");
+static_assert(X_ACT % 2 == 0 && SD_XW % 2 == 0, "down's input and h's units are read 16 bytes at a time");
 // down's input (the FFN activation, FF words a set) as 4-byte words: the
 // f32 rounded to its top 24 bits (15 of mantissa), the tag's low byte in
 // the bottom 8. Every block reads all FF of them a layer: as 8-byte tagged
@@ -373,6 +373,39 @@ __device__ __forceinline__ void sd_put_unit(float* xs, u32 u, const float (&v)[8
     img[1] = make_uint4(lo[0] | lo[2] << 16, lo[1] | lo[3] << 16, lo[4] | lo[6] << 16, lo[5] | lo[7] << 16);
 }
 #endif
+// SD_H_UNITS (the Q4_0 form's default): h's tagged words (the o and down
+// sums) are written so that a norm's staging loads whole units, each
+// load of a warp 512 contiguous bytes, and stores them with sd_put_unit:
+// the words of units 32 c .. 32 c + 31 take 256 words from 256 c, word j
+// of unit u (element sd_unit_elem(u, j)) at 256 c + 64 (j / 2) +
+// 2 (u % 32) + j % 2, so that a lane's four 16-byte loads hold its unit.
+// Measured (bench/RESULTS.md, session 44): 8B Q4_0 +1.5% greedy against
+// the norms element by element (whose 2-byte stores meet each bank four
+// times). Loading units from words in element order cost 2.2% (session
+// 43: each 8-byte load met 32 sectors), and 64 contiguous bytes a lane
+// cost 2.5% (session 44: each 16-byte load met 32 sectors, half of each;
+// every block reads the same words at once, so the requests count).
+// Tried and not kept (session 44): these words as 4 bytes, as down's
+// input's are (+0.5%; the Q4_0 GPU tests failed with them, not
+// diagnosed). -DSD_H_UNITS=0 for A/B runs.
+#ifndef SD_H_UNITS
+#define SD_H_UNITS (SD_Q4 && SD_D % 256 == 0)
+#endif
+static_assert(!SD_H_UNITS || (SD_Q4 && D % 256 == 0), "h in units: the Q4_0 form, whole chunks of 32 units");
+// The word of unit u's word j (sd_unit_elem's k).
+__device__ __forceinline__ u32 sd_uword(u32 u, u32 j) { return (u >> 5) * 256 + (j >> 1) * 64 + (u & 31u) * 2 + (j & 1u); }
+// The word of h's element e.
+__device__ __forceinline__ u32 sd_hword(u32 e) {
+#if SD_H_UNITS
+    const u32 r = e & 127u, w = r & 31u;
+    const u32 u = (e >> 7) * 16 + ((w & 15u) >> 2) * 4 + (r >> 5);
+    return sd_uword(u, (w & 3u) + (w >> 4) * 4);
+#else
+    return e;
+#endif
+}
+// h's element e (or o's input's) into the tagged words at area.
+__device__ __forceinline__ void sd_h_store(u64* area, u32 e, float v, u32 tag) { tag_store(area + sd_hword(e), v, tag); }
 // Element i of token's embedding row.
 #if SD_EMB_Q6
 // Element i of token's row of the Q6 form; not inlined: inlined into the
@@ -851,10 +884,99 @@ __device__ __forceinline__ float sd_row_sum(const float* part, u32 r) {
 #else
 #define SD_NORM_FN
 #endif
-// Tried and not kept (bench/RESULTS.md, session 43): x stored unit by
-// unit (sd_put_unit) as down's input is, each thread loading its units'
-// words: 8B Q4_0 2.2% slower (a warp's eight-byte loads then each met 32
-// sectors, every sector four times).
+// With SD_H_UNITS, x is stored unit by unit (sd_put_unit) from words the
+// sums wrote in sd_hword's order; otherwise element by element (sd_put).
+#if SD_H_UNITS
+// 16 bytes of tagged words, each word loaded relaxed at GPU scope.
+__device__ __forceinline__ void sd_tag_load2(const u64* p, u64& a, u64& b) {
+    asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
+}
+// A thread's units of x (UPT of them: u = threadIdx.x + i SD_CT, up to
+// n): their eight tagged words each (sd_uword), loaded together and
+// reloaded, pair by pair, until every word carries the tag.
+template <int UPT>
+__device__ __forceinline__ void sd_load_units(const u64* src, u32 tag, u32 n, float (&v)[UPT][8]) {
+    u64 w[UPT][8];
+#pragma unroll
+    for (int i = 0; i < UPT; ++i) {
+        const u32 u = threadIdx.x + i * SD_CT;
+#pragma unroll
+        for (int k = 0; k < 8; k += 2) {
+            if (u < n)
+                sd_tag_load2(src + sd_uword(u, k), w[i][k], w[i][k + 1]);
+            else
+                w[i][k] = w[i][k + 1] = (u64)tag << 32;
+        }
+    }
+    if ((SD_DIAG & 2) == 0) {
+        SD_CLK_BEGIN(1);
+        for (;;) {
+            bool stale = false;
+#pragma unroll
+            for (int i = 0; i < UPT; ++i)
+#pragma unroll
+                for (int k = 0; k < 8; ++k) stale |= (u32)(w[i][k] >> 32) != tag;
+            if (!stale) break;
+#pragma unroll
+            for (int i = 0; i < UPT; ++i)
+#pragma unroll
+                for (int k = 0; k < 8; k += 2)
+                    if ((u32)(w[i][k] >> 32) != tag || (u32)(w[i][k + 1] >> 32) != tag)
+                        sd_tag_load2(src + sd_uword(threadIdx.x + i * SD_CT, k), w[i][k], w[i][k + 1]);
+        }
+        SD_CLK_END(1);
+    }
+#pragma unroll
+    for (int i = 0; i < UPT; ++i)
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[i][k] = sd_val(w[i][k]);
+}
+// sd_stage_norm in units: thread i takes units i, i + SD_CT, ... of d / 8.
+__device__ SD_NORM_FN void sd_stage_norm(float* xs, float* red, const u64* src, u32 tag, const SdArgs& a, u32 token,
+                              const float* nw, float eps) {
+    constexpr u32 NU = D / 8;
+    constexpr int UPT = (NU + SD_CT - 1) / SD_CT;
+    float v[UPT][8], wn[UPT][8];
+#pragma unroll
+    for (int i = 0; i < UPT; ++i) {
+        const u32 u = threadIdx.x + i * SD_CT;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) wn[i][k] = u < NU ? nw[sd_unit_elem(u, k)] : 0.0f;  // before the wait
+    }
+    if (src) {
+        sd_load_units<UPT>(src, tag, NU, v);
+    } else {
+#pragma unroll
+        for (int i = 0; i < UPT; ++i) {
+            const u32 u = threadIdx.x + i * SD_CT;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) v[i][k] = u < NU ? sd_emb(a.emb, a.vocab, token, sd_unit_elem(u, k)) : 0.0f;
+        }
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < UPT; ++i)
+#pragma unroll
+        for (int k = 0; k < 8; ++k) ss = fmaf(v[i][k], v[i][k], ss);
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31u) == 0) red[threadIdx.x >> 5] = ss;
+    sd_csync();
+    float tot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < SD_CW; ++i) tot += red[i];
+    const float ri = rms_inv(tot, D, eps);
+#pragma unroll
+    for (int i = 0; i < UPT; ++i) {
+        const u32 u = threadIdx.x + i * SD_CT;
+        if (u >= NU) continue;
+        float x[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) x[k] = v[i][k] * ri * wn[i][k];
+        sd_put_unit(xs, u, x);
+    }
+    sd_csync();
+}
+#else
 __device__ SD_NORM_FN void sd_stage_norm(float* xs, float* red, const u64* src, u32 tag, const SdArgs& a, u32 token,
                               const float* nw, float eps) {
     constexpr int PER = D / SD_CT;
@@ -888,7 +1010,31 @@ __device__ SD_NORM_FN void sd_stage_norm(float* xs, float* red, const u64* src, 
     for (int j = 0; j < PER; ++j) sd_put(xs, threadIdx.x + j * SD_CT, v[j] * ri * wn[j]);
     sd_csync();
 }
+#endif
 
+// SD_O_UNITS (the default where h is in units and a head has one split):
+// the attending block writes its head's values already divided by the
+// sum, in unit order (sd_hword), and o's staging loads and stores them
+// unit by unit as a norm's does: 8B Q4_0 +1.2% greedy, +2.7% sampled
+// (bench/RESULTS.md, session 44). -DSD_O_UNITS=0 for A/B runs.
+#ifndef SD_O_UNITS
+#define SD_O_UNITS (SD_H_UNITS && SD_ATT_S == 1 && SD_QD % 256 == 0)
+#endif
+static_assert(!SD_O_UNITS || (SD_H_UNITS && SD_ATT_S == 1 && QD % 256 == 0), "o's input in units: one split");
+#if SD_O_UNITS
+__device__ void sd_stage_attn(float* xs, const u64* part, u32 tag) {
+    constexpr u32 NU = QD / 8;
+    constexpr int UPT = (NU + SD_CT - 1) / SD_CT;
+    float v[UPT][8];
+    sd_load_units<UPT>(part, tag, NU, v);
+#pragma unroll
+    for (int i = 0; i < UPT; ++i) {
+        const u32 u = threadIdx.x + i * SD_CT;
+        if (u < NU) sd_put_unit(xs, u, v[i]);
+    }
+    sd_csync();
+}
+#else
 // The o product's input: every head's attention merged from its SD_ATT_S
 // partials (max, sum, values); warp w merges heads 2w, 2w + 1, 2w + 2 SD_CW...
 __device__ void sd_stage_attn(float* xs, const u64* part, u32 tag) {
@@ -931,6 +1077,7 @@ __device__ void sd_stage_attn(float* xs, const u64* part, u32 tag) {
     }
     sd_csync();
 }
+#endif
 
 // x = down's input (sd_act_store's words at src), one round trip for the
 // 8B shape's 14,336 words with 16 consumer warps. SD_ACT_PACK (default):
@@ -1001,6 +1148,27 @@ __device__ void sd_stage_act(float* xs, const u32* src, u32 tag) {
     sd_csync();
 }
 
+// SD_ATT_V16 (default): attention reads the cached K and V rows 16 bytes
+// a load (were 8 for K, 2 for V: a 512-position head then took four
+// rounds of dependent V loads a warp, now two): 8B Q4_0 +0.7%, llama-1b
+// F16 +0.9% (bench/RESULTS.md, session 44). Tried and not kept: the
+// attending blocks asking L2 for their K and V rows when their q|k|v
+// product ends (level), as session 29 found at each layer's start.
+// -DSD_ATT_V16=0 for A/B runs.
+#ifndef SD_ATT_V16
+#define SD_ATT_V16 1
+#endif
+constexpr int SD_KV_CH = 16 / (int)sizeof(kv_t);  // cache elements in 16 bytes
+__device__ __forceinline__ void sd_kv16(uint4 w, float (&f)[SD_KV_CH]) {
+    if constexpr (sizeof(kv_t) == 2) {
+        const float4 a = f16x4_to_f32(make_uint2(w.x, w.y)), b = f16x4_to_f32(make_uint2(w.z, w.w));
+        f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w;
+        f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+    } else {
+        f[0] = __uint_as_float(w.x), f[1] = __uint_as_float(w.y);
+        f[2] = __uint_as_float(w.z), f[3] = __uint_as_float(w.w);
+    }
+}
 // One (head, split)'s attention over positions [p0, p1) of pos + 1: the
 // current position's k and v from the tagged words (rounded as the cache
 // holds them), the rest from the cache. Writes (max, sum, values) as
@@ -1040,6 +1208,15 @@ __device__ void sd_attend(const SdArgs& a, const SdLayer& L, u32 pos, u32 h, u32
 #pragma unroll 8
             for (int i = 0; i < HD; ++i) d = fmaf(q[i], kcur[i], d);
         } else {
+#if SD_ATT_V16
+#pragma unroll
+            for (int i = 0; i < HD; i += SD_KV_CH) {
+                float f[SD_KV_CH];
+                sd_kv16(*(const uint4*)(K + (u64)p * HD + i), f);
+#pragma unroll
+                for (int j = 0; j < SD_KV_CH; ++j) d = fmaf(q[i + j], f[j], d);
+            }
+#else
 #pragma unroll
             for (int i = 0; i < HD; i += 4) {
                 const float4 k4 = ld4_f32(K, (u64)p * HD + i);
@@ -1048,6 +1225,7 @@ __device__ void sd_attend(const SdArgs& a, const SdLayer& L, u32 pos, u32 h, u32
                 d = fmaf(q[i + 2], k4.z, d);
                 d = fmaf(q[i + 3], k4.w, d);
             }
+#endif
         }
         sc[p - p0] = d;
         mx = fmaxf(mx, d);
@@ -1067,6 +1245,46 @@ __device__ void sd_attend(const SdArgs& a, const SdLayer& L, u32 pos, u32 h, u32
     lsum = warp_sum(lsum);
     if (lane == 0) red[SD_CW + warp] = lsum;
     sd_csync();
+#if SD_ATT_V16
+    // Values in 16-byte pieces: a lane takes SD_KV_CH columns of a
+    // position, LP lanes a position, a warp PPW positions a load and UNR
+    // loads in flight; the lanes of the same columns are summed at the end.
+    {
+        constexpr int LP = HD / SD_KV_CH, PPW = 32 / LP, UNR = 8;
+        static_assert(HD % SD_KV_CH == 0 && 32 % LP == 0, "whole 16-byte pieces, whole positions a warp");
+        float o[SD_KV_CH] = {};
+        const u32 pc = min(p1, pos);  // cached positions end here
+        const u32 sub = lane / LP, col = (lane % LP) * SD_KV_CH;
+        for (u32 b = p0 + warp * (PPW * UNR) + sub; b < pc + sub; b += SD_CW * PPW * UNR) {
+            uint4 vv[UNR];
+#pragma unroll
+            for (int u = 0; u < UNR; ++u)
+                vv[u] = *(const uint4*)(V + (u64)min(b + u * PPW, pc - 1) * HD + col);
+#pragma unroll
+            for (int u = 0; u < UNR; ++u) {
+                const u32 p = b + u * PPW;
+                const float e = p < pc ? sc[p - p0] : 0.0f;
+                float f[SD_KV_CH];
+                sd_kv16(vv[u], f);
+#pragma unroll
+                for (int j = 0; j < SD_KV_CH; ++j) o[j] = fmaf(e, f[j], o[j]);
+            }
+        }
+#pragma unroll
+        for (int off = LP; off < 32; off <<= 1)
+#pragma unroll
+            for (int j = 0; j < SD_KV_CH; ++j) o[j] += __shfl_xor_sync(0xffffffffu, o[j], off);
+        if (sub == 0) {
+            if (p1 == kv && warp == SD_CW - 1) {
+                const float e = sc[pos - p0];
+#pragma unroll
+                for (int j = 0; j < SD_KV_CH; ++j) o[j] = fmaf(e, vcur[col + j], o[j]);
+            }
+#pragma unroll
+            for (int j = 0; j < SD_KV_CH; ++j) acc[warp * HD + col + j] = o[j];
+        }
+    }
+#else
     // Values: warp w takes positions p0 + 8w .. in groups of 8 (loads in
     // flight together), lane the columns VPL lane .. VPL lane + VPL - 1.
     constexpr int VPL = HD / 32, UNR = 8;
@@ -1092,7 +1310,20 @@ __device__ void sd_attend(const SdArgs& a, const SdLayer& L, u32 pos, u32 h, u32
     }
 #pragma unroll
     for (int j = 0; j < VPL; ++j) acc[warp * HD + VPL * lane + j] = o[j];
+#endif
     sd_csync();
+#if SD_O_UNITS
+    if (tid < HD) {
+        float v = 0.0f, ls = 0.0f;
+#pragma unroll
+        for (int w = 0; w < SD_CW; ++w) {
+            v += acc[w * HD + tid];
+            ls += red[SD_CW + w];
+        }
+        sd_h_store(part, h * HD + tid, v * (1.0f / ls), tag_att);
+    }
+    return;
+#endif
     u64* dst = part + ((u64)h * SD_ATT_S + s) * (HD + 2);
     if (tid < HD) {
         float v = 0.0f;
@@ -1386,7 +1617,7 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
                 const u32 tg = sd_tag(t, a.nl, l, 2);
                 for (u32 i = threadIdx.x; i < h1 - h0; i += SD_CT) {
                     hloc[i] += sd_row_sum(part, i);
-                    tag_store(X + X_HO + h0 + i, hloc[i], tg);
+                    sd_h_store(X + X_HO, h0 + i, hloc[i], tg);
                 }
             }
             SD_MARK(6);
@@ -1423,7 +1654,7 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
                 const u32 tg = sd_tag(t, a.nl, l, 4);
                 for (u32 i = threadIdx.x; i < h1 - h0; i += SD_CT) {
                     hloc[i] += sd_row_sum(part_dn, i);
-                    tag_store(X + X_HD + h0 + i, hloc[i], tg);
+                    sd_h_store(X + X_HD, h0 + i, hloc[i], tg);
                 }
             }
             SD_MARK(12);
