@@ -884,6 +884,21 @@ __device__ __forceinline__ float sd_row_sum(const float* part, u32 r) {
 #else
 #define SD_NORM_FN
 #endif
+// The consumers' sum of v, the same bits in every thread (red: SD_CW
+// floats; one barrier). Tried and not kept (bench/RESULTS.md, session
+// 44): the o and down sums publishing each block's sum of squares beside
+// h, every warp of a norm adding the 132 of them itself: 8B Q4_0 6%
+// slower greedy, 8% sampled (the norm for q|k|v 4.0 us after its latest
+// writer, from 1.9: every warp of every block polled the same 1 KB).
+__device__ __forceinline__ float sd_block_sum(float v, float* red) {
+    v = warp_sum(v);
+    if ((threadIdx.x & 31u) == 0) red[threadIdx.x >> 5] = v;
+    sd_csync();
+    float tot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < SD_CW; ++i) tot += red[i];
+    return tot;
+}
 // With SD_H_UNITS, x is stored unit by unit (sd_put_unit) from words the
 // sums wrote in sd_hword's order; otherwise element by element (sd_put).
 #if SD_H_UNITS
@@ -958,13 +973,7 @@ __device__ SD_NORM_FN void sd_stage_norm(float* xs, float* red, const u64* src, 
     for (int i = 0; i < UPT; ++i)
 #pragma unroll
         for (int k = 0; k < 8; ++k) ss = fmaf(v[i][k], v[i][k], ss);
-    ss = warp_sum(ss);
-    if ((threadIdx.x & 31u) == 0) red[threadIdx.x >> 5] = ss;
-    sd_csync();
-    float tot = 0.0f;
-#pragma unroll
-    for (int i = 0; i < SD_CW; ++i) tot += red[i];
-    const float ri = rms_inv(tot, D, eps);
+    const float ri = rms_inv(sd_block_sum(ss, red), D, eps);
 #pragma unroll
     for (int i = 0; i < UPT; ++i) {
         const u32 u = threadIdx.x + i * SD_CT;
@@ -999,13 +1008,7 @@ __device__ SD_NORM_FN void sd_stage_norm(float* xs, float* red, const u64* src, 
     float ss = 0.0f;
 #pragma unroll
     for (int j = 0; j < PER; ++j) ss = fmaf(v[j], v[j], ss);
-    ss = warp_sum(ss);
-    if ((threadIdx.x & 31u) == 0) red[threadIdx.x >> 5] = ss;
-    sd_csync();
-    float tot = 0.0f;
-#pragma unroll
-    for (int i = 0; i < SD_CW; ++i) tot += red[i];
-    const float ri = rms_inv(tot, D, eps);
+    const float ri = rms_inv(sd_block_sum(ss, red), D, eps);
 #pragma unroll
     for (int j = 0; j < PER; ++j) sd_put(xs, threadIdx.x + j * SD_CT, v[j] * ri * wn[j]);
     sd_csync();
