@@ -1316,6 +1316,7 @@ __device__ void sd_attend(const SdArgs& a, const SdLayer& L, u32 pos, u32 h, u32
 #endif
     sd_csync();
 #if SD_O_UNITS
+    // One split: the head's values divided by its sum, in unit order.
     if (tid < HD) {
         float v = 0.0f, ls = 0.0f;
 #pragma unroll
@@ -1325,8 +1326,7 @@ __device__ void sd_attend(const SdArgs& a, const SdLayer& L, u32 pos, u32 h, u32
         }
         sd_h_store(part, h * HD + tid, v * (1.0f / ls), tag_att);
     }
-    return;
-#endif
+#else
     u64* dst = part + ((u64)h * SD_ATT_S + s) * (HD + 2);
     if (tid < HD) {
         float v = 0.0f;
@@ -1339,6 +1339,7 @@ __device__ void sd_attend(const SdArgs& a, const SdLayer& L, u32 pos, u32 h, u32
         for (int w = 0; w < SD_CW; ++w) ls += red[SD_CW + w];
         tag_store(dst + tid, tid == HD ? (p1 > p0 ? m : 0.0f) : ls, tag_att);
     }
+#endif
 }
 
 // Shared memory: the ring; x, the row partials and the attention scratch
