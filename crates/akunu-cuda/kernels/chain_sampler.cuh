@@ -212,7 +212,9 @@ __device__ __forceinline__ u64 pd_block_max(u64 v, u64* red) {
 // list, four 16-byte loads in flight, and their counts add up by
 // shuffles. (One thread a candidate with eight 8-byte loads took 5.0k
 // cycles for the pick's 128 candidates; a warp a candidate, with its
-// reduction, measured slower still: bench/RESULTS.md, session 21.) cl is
+// reduction, measured slower still: bench/RESULTS.md, session 21; one
+// warp's bitonic sort of up to 64 candidates in registers, without the
+// barrier, took twice these cycles in the part and the pick: session 45.) cl is
 // 16-byte aligned; out is zeroed and published before. Every thread calls
 // it; ends synchronised.
 #ifndef PD_RANK_LANES

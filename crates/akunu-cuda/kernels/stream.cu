@@ -749,7 +749,12 @@ __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer&, cons
                 const u8* st2 = r.buf + (u64)s2 * SD_STB;
                 // All of the warp's loads first, then its products in NGW x 2
                 // independent chains (measured the same as one group after
-                // another: bench/RESULTS.md, session 27).
+                // another: bench/RESULTS.md, session 27). Tried and not
+                // kept (session 45): two stages a warp at once (7% slower),
+                // the stage freed as soon as these loads are done (0.9%),
+                // the nibbles as f16 subnormals with the -8 from one more
+                // product a word (3.5%) or from each block's sum of x kept
+                // by the stagings (2.3%).
                 uint4 qa[NGW], qb[NGW], bv[NGW][4];
                 float d0[NGW], d1[NGW];
                 // Q6: rows g's and g + 8's top bits.
@@ -947,6 +952,7 @@ __device__ __forceinline__ void sd_load_units(const u64* src, u32 tag, u32 n, fl
         for (int k = 0; k < 8; ++k) v[i][k] = sd_val(w[i][k]);
 }
 // sd_stage_norm in units: thread i takes units i, i + SD_CT, ... of d / 8.
+// The weights as two 16-byte loads a unit measured level (session 45).
 __device__ SD_NORM_FN void sd_stage_norm(float* xs, float* red, const u64* src, u32 tag, const SdArgs& a, u32 token,
                               const float* nw, float eps) {
     constexpr u32 NU = D / 8;
