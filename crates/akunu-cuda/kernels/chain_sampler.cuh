@@ -10,11 +10,12 @@
 // block), their barrier (Cfg::sync(): __syncthreads, or a named barrier
 // where a producer warp stays out), the block's role (Cfg::bid()) and the
 // keys a thread holds in the pick (Cfg::PICK_KPT: every block's top-k, so
-// blocks x top-k <= PICK_KPT x threads; the plans check). Three more pick
+// blocks x top-k <= PICK_KPT x threads; the plans check). Four more pick
 // the forms measured on the SmolLM2 kernel only, which the streaming
 // kernel leaves off: Cfg::PICK_HEAD_KPT (the pick's head pass, keys a
-// thread; 0: none), Cfg::PRED_APPEND (predicated appends) and
-// Cfg::REDUX_MAX (64-bit maxima by warp reductions). The sampling
+// thread; 0: none), Cfg::PRED_APPEND (predicated appends),
+// Cfg::REDUX_MAX (64-bit maxima by warp reductions) and Cfg::SPEC_PICK
+// (the top-k pick tested candidate by candidate, not ranked). The sampling
 // settings come in a SampArgs, which both kernels' argument blocks embed.
 // ---------------------------------------------------------------------------
 
@@ -214,7 +215,9 @@ __device__ __forceinline__ u64 pd_block_max(u64 v, u64* red) {
 // cycles for the pick's 128 candidates; a warp a candidate, with its
 // reduction, measured slower still: bench/RESULTS.md, session 21; one
 // warp's bitonic sort of up to 64 candidates in registers, without the
-// barrier, took twice these cycles in the part and the pick: session 45.) cl is
+// barrier, took twice these cycles in the part and the pick: session 45;
+// one warp counting the part's candidates by broadcast loads, 2.6k cycles
+// against 1.4-1.6k, sampled 0.6-1.2% slower: session 46.) cl is
 // 16-byte aligned; out is zeroed and published before. Every thread calls
 // it; ends synchronised.
 #ifndef PD_RANK_LANES
@@ -518,6 +521,59 @@ __device__ PD_SAMP_FN void pd_sample_publish(const PdSamp sp, PdSampShared& ss, 
 #ifndef PD_PICK_RETRY_ALL
 #define PD_PICK_RETRY_ALL 0
 #endif
+// Cfg::SPEC_PICK: the top-k pick without ranking its candidates, where they
+// fit a warp (two a lane). The Gumbel-max over the kept candidates is the
+// candidate of the largest (l - max) / T + G that is kept, and whether
+// one candidate is kept takes no order: fewer than top-k candidates above
+// it, its weight at least min-p's, and (top-p) the mass above it short of
+// top-p of the total. Every warp takes the candidates' largest perturbed
+// value, tests it and drops it if it is not kept, up to PD_SPEC_TRIES
+// times (the same keys and arithmetic in every warp, so every warp returns
+// the same token, with no barrier); past that, the ranks and the cuts
+// below. The token differs from theirs only at a near-tie of perturbed
+// values: the cuts subtract ln(kept mass) before adding G. Measured
+// (bench/RESULTS.md, session 46): SmolLM2 sampled +0.7 to +1.2%.
+#ifndef PD_SPEC_TRIES
+#define PD_SPEC_TRIES 8
+#endif
+#define PD_SPEC_MISS 0xfffffffdu
+template <class Cfg>
+__device__ __forceinline__ u32 pd_pick_spec(const PdSamp& sp, const PdSampShared& ss, const SampArgs& a, float mx,
+                                            u32 K, u32 base) {
+    const u32 lane = threadIdx.x & 31u, n = ss.nc;
+    const double mass = pd_red_sum<Cfg>(ss.dred);
+    const float min_w = a.min_p > 0.0f ? fminf(a.min_p, 1.0f) : 0.0f;
+    const double target = a.top_p < 1.0f ? (double)fmaxf(a.top_p, 0.0f) * mass : -1.0;
+    u64 key[2], g[2];
+    double w[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u32 i = lane + 32u * h;
+        key[h] = i < n ? sp.cl[i] : 0ull;
+        const float sc = key[h] ? __fmul_rn(__fsub_rn(rank_logit(key[h]), mx), a.inv_t) : NEG_INF;
+        const float e = key[h] ? expf(sc) : 0.0f;
+        const bool in = key[h] != 0 && (min_w <= 0.0f || e >= min_w);
+        w[h] = in ? (double)e : 0.0;
+        g[h] = in ? pd_key(__fadd_rn(sc, gumbel_from_hash(pcg_hash(base ^ ~(u32)key[h]))), ~(u32)key[h]) : 0ull;
+    }
+#pragma unroll 1
+    for (int tries = 0; tries < PD_SPEC_TRIES; ++tries) {
+        const u64 best = pd_warp_max_u64<Cfg::REDUX_MAX>(max(g[0], g[1]));
+        if (best == 0) break;
+        const bool own0 = g[0] == best, own1 = g[1] == best;
+        const u32 holder = __ffs(__ballot_sync(FULL_MASK, own0 || own1)) - 1;
+        const u64 kj = __shfl_sync(FULL_MASK, own1 ? key[1] : key[0], holder);
+        const bool a0 = key[0] > kj, a1 = key[1] > kj;
+        const u32 above = __popc(__ballot_sync(FULL_MASK, a0)) + __popc(__ballot_sync(FULL_MASK, a1));
+        double m = (a0 ? w[0] : 0.0) + (a1 ? w[1] : 0.0);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m += __shfl_xor_sync(FULL_MASK, m, o);
+        if (above < K && (target < 0.0 || above == 0 || m < target)) return ~(u32)best;
+        g[0] = own0 ? 0ull : g[0];
+        g[1] = own1 ? 0ull : g[1];
+    }
+    return PD_SPEC_MISS;
+}
 template <class Cfg, int N, bool HEAD>
 __device__ __forceinline__ u32 pd_pick_from(const PdSamp& sp, PdSampShared& ss, const SampArgs& a, const u64* set,
                                             u32 base, u32 H) {
@@ -593,6 +649,11 @@ __device__ __forceinline__ u32 pd_pick_from(const PdSamp& sp, PdSampShared& ss, 
 #ifdef PD_TIMING
     if (Cfg::bid() == 0 && tid == 0) pd_pt[10] += ss.nc;
 #endif
+    if (Cfg::SPEC_PICK && !PD_PICK_SLOW && ss.nc <= 64) {
+        const u32 tok = pd_pick_spec<Cfg>(sp, ss, a, mx, K, base);
+        PD_PT(6);
+        if (tok != PD_SPEC_MISS) return tok;
+    }
     if (!PD_PICK_SLOW && ss.nc <= sp.cap) {
         pd_rank<Cfg>(sp.cl, ss.nc, K, ss.top, ss.noise, base);
     } else {

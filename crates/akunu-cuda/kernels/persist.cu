@@ -139,9 +139,13 @@ __device__ __forceinline__ u32 pd_bid() {
 #ifndef PD_REDUX_MAX
 #define PD_REDUX_MAX 1
 #endif
+// -DPD_SPEC_PICK=0: the top-k pick ranks its candidates (A/B runs).
+#ifndef PD_SPEC_PICK
+#define PD_SPEC_PICK 1
+#endif
 struct PdCfg {
     static constexpr int WARPS = PD_WARPS, PICK_KPT = 24, PICK_HEAD_KPT = 4;
-    static constexpr bool REDUX_MAX = PD_REDUX_MAX, PRED_APPEND = true;
+    static constexpr bool REDUX_MAX = PD_REDUX_MAX, PRED_APPEND = true, SPEC_PICK = PD_SPEC_PICK;
     static __device__ __forceinline__ void sync() { __syncthreads(); }
     static __device__ __forceinline__ u32 bid() { return pd_bid(); }
 };

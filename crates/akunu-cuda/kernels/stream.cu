@@ -321,7 +321,7 @@ __device__ __forceinline__ void sd_csync() { asm volatile("bar.sync 1, %0;" ::"r
 #endif
 struct SdCfg {
     static constexpr int WARPS = SD_CW, PICK_KPT = SD_PICK_KPT, PICK_HEAD_KPT = 0;
-    static constexpr bool REDUX_MAX = false, PRED_APPEND = false;
+    static constexpr bool REDUX_MAX = false, PRED_APPEND = false, SPEC_PICK = false;
     static __device__ __forceinline__ void sync() { sd_csync(); }
     static __device__ __forceinline__ u32 bid() { return blockIdx.x; }
 };
@@ -754,7 +754,12 @@ __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer&, cons
                 // the stage freed as soon as these loads are done (0.9%),
                 // the nibbles as f16 subnormals with the -8 from one more
                 // product a word (3.5%) or from each block's sum of x kept
-                // by the stagings (2.3%).
+                // by the stagings (2.3%). Nor (session 46) x staged as Q8
+                // activations with the products on the integer tensor
+                // cores (mma.m16n8k32, one a word for both rows: a quarter
+                // of the tensor work): greedy level, sampled +2 to +2.7%,
+                // and the tokens then follow the CPU's q8 mode, not its
+                // f32 one.
                 uint4 qa[NGW], qb[NGW], bv[NGW][4];
                 float d0[NGW], d1[NGW];
                 // Q6: rows g's and g + 8's top bits.
@@ -1181,7 +1186,11 @@ __device__ __forceinline__ void sd_kv16(uint4 w, float (&f)[SD_KV_CH]) {
 // One (head, split)'s attention over positions [p0, p1) of pos + 1: the
 // current position's k and v from the tagged words (rounded as the cache
 // holds them), the rest from the cache. Writes (max, sum, values) as
-// tagged words.
+// tagged words. Tried and not kept (bench/RESULTS.md, session 46): each
+// thread's first K row held in registers from before the wait for the
+// q|k|v words, and the values' first loads issued before the scores' max
+// (8B Q4_0 -6%, -8%, both -14%: the registers they hold made ptxas spill
+// across the kernel, 31 local-memory instructions to 120-265).
 __device__ void sd_attend(const SdArgs& a, const SdLayer& L, u32 pos, u32 h, u32 s, const u64* X, u64* part,
                           u32 tag_qkv, u32 tag_att, float* sm) {
     const u32 kvh = h / (NH / NKV), kv = pos + 1;
