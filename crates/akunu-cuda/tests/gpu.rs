@@ -1128,6 +1128,9 @@ fn sampled_chains_against_cpu(m: &Arc<Model>, p: &[u32], max_tokens: u32, label:
     let configs = [
         (0.8, 40, 0.95, 0.0, 1.0),
         (1.2, 50, 0.95, 0.05, 1.1),
+        // A low temperature, at which top-p is meant to cut inside the
+        // top-k even on a synthetic model's logits.
+        (0.1, 40, 0.9, 0.0, 1.0),
         (1.0, 64, 1.0, 0.0, 1.0),
         (0.7, 1, 1.0, 0.0, 1.0),
         (0.8, 0, 1.0, 0.0, 1.0),
@@ -1191,7 +1194,8 @@ fn sampled_chains_against_cpu(m: &Arc<Model>, p: &[u32], max_tokens: u32, label:
 /// The persistent kernel's sampled tokens against the CPU's sampled ones
 /// (the same Gumbel noise: equal but after a near-tie of the perturbed
 /// values), for each mode of its sampler: top-k with top-p, min-p and the
-/// repetition penalty, the largest top-k, dense Gumbel-max with and without
+/// repetition penalty, top-p cutting inside the top-k (a low temperature),
+/// the largest top-k, dense Gumbel-max with and without
 /// the penalty, and the penalty alone at temperature 0. A configuration the
 /// sampler does not take (top-p without top-k) keeps the graph, whose tokens
 /// it then gives.
