@@ -546,6 +546,9 @@ __device__ __forceinline__ u32 pd_pick_spec(const PdSamp& sp, const PdSampShared
     const double target = a.top_p < 1.0f ? (double)fmaxf(a.top_p, 0.0f) * mass : -1.0;
     u64 key[2], g[2];
     double w[2];
+    // min_w, target, sc, e and in as the cuts below compute them (keep the
+    // two alike: a helper both call moved every sampled module's schedule,
+    // the streaming kernel's unmeasured, so each keeps its own lines).
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const u32 i = lane + 32u * h;
