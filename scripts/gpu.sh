@@ -30,7 +30,9 @@
 #                                 profile, profile-big, trace, features,
 #                                 ncu-token, ncu-persist (the SmolLM2
 #                                 kernel's stalls by SASS line; NCU_PD_MODE
-#                                 sampled or greedy), icache (the
+#                                 sampled or greedy), ncu-stream (the
+#                                 streaming kernel's; NCU_STREAM_SHAPES),
+#                                 icache (the
 #                                 instruction-cache probe, nvcc),
 #                                 model-part1, model-part2, model-part3,
 #                                 model, sampler (needs the model), attn,
@@ -329,7 +331,7 @@ persist_timing() {
             # shellcheck disable=SC2086
             AKUNU_CUDA_DEFINES="-DPD_TIMING $defs ${PERSIST_DEFINES:-}" timeout 120 "$BIN/akunu" bench -m "$f" \
                 --device cuda -p "$p" -n 128 -r 1 --no-bandwidth $args 2>&1 |
-                grep -E "persist timing|persist sampler|error" | tail -2 | sed "s/^/$label p=$p: /" || true
+                grep -E "persist timing|persist sampler|error" | tail -3 | sed "s/^/$label p=$p: /" || true
         done
     done
 }
@@ -537,13 +539,16 @@ PY
 # Every block's phase ends in one layer of one token of the persistent
 # decode (-DPD_BLOCK_TIMES, persist.cu): for each mark, the earliest,
 # median and latest block (ns after the layer's first start) and the three
-# latest blocks. PERSIST_BT: extra defines (e.g. "-DPD_BT_LAYER=3").
+# latest blocks. PERSIST_BT: extra defines (e.g. "-DPD_BT_LAYER=3");
+# PD_BLOCKS_ARGS: extra bench arguments (e.g. the sampler's settings).
 persist_blocks() {
     echo "== persistent decode: every block's phase ends (one layer, one token)"
     local f=$STORE/smollm2-135m-q4_1.gguf
     synth_file smollm2-135m q4_1 "$f"
+    # shellcheck disable=SC2086
     AKUNU_CUDA_PERSIST=1 AKUNU_CUDA_DEFINES="-DPD_BLOCK_TIMES ${PERSIST_BT:-}" timeout 120 "$BIN/akunu" bench \
-        -m "$f" --device cuda -p 0 -n 128 -r 1 --no-bandwidth >"$OUTDIR/persist-blocks.log" 2>&1 || true
+        -m "$f" --device cuda -p 0 -n 128 -r 1 --no-bandwidth ${PD_BLOCKS_ARGS:-} \
+        >"$OUTDIR/persist-blocks.log" 2>&1 || true
     python3 - "$OUTDIR/persist-blocks.log" <<'PY'
 import sys
 rows = [l.split()[1:] for l in open(sys.argv[1]) if l.startswith("bt ")]
@@ -551,7 +556,8 @@ rows = [list(map(int, r)) for r in rows][-132:]
 if not rows:
     print("no block times (did the chain reach the token?)"); sys.exit()
 names = ["start", "qkv rows", "qkv h", "qkv norm", "qkv end", "attn end", "o end",
-         "gu h", "gu norm", "gu end", "down end"]
+         "gu h", "gu norm", "gu end", "down end", "lg dots", "lg part", "lg flags", "token",
+         "part 1", "pick 1"]
 # Blocks without q|k|v rows wait on nothing in the layer and run ahead:
 # they are left out (a mark a block did not reach reads 0).
 act = [r for r in rows if r[3]]
@@ -1267,6 +1273,25 @@ ncu_persist() {
     python3 scripts/ncu_source_summary.py "$OUTDIR/pd-source-$mode.csv.gz" 8 | cut -c1-220
 }
 
+# The streaming decode kernel's stalls by SASS line (as ncu-persist; its
+# called functions, such as the Q4_0 form's norm, apart from the body):
+# one launch of a 64-token chain, greedy, on each of NCU_STREAM_SHAPES
+# (default llama-8b:q4_0).
+ncu_stream_one() { # NAME FILE
+    rm -f "$STORE/sd-$1.ncu-rep"
+    timeout 400 ncu --clock-control none --kernel-name regex:k_stream_decode --launch-skip 1 --launch-count 1 \
+        --section SourceCounters --section WarpStateStats -o "$STORE/sd-$1" \
+        "$BIN/akunu" bench -m "$2" --device cuda -p 0 -n 64 -r 1 --no-bandwidth \
+        >"$OUTDIR/ncu-stream-$1.txt" 2>&1 || echo "ncu failed (rc $?)"
+    ncu --import "$STORE/sd-$1.ncu-rep" --page source --csv --print-source sass 2>/dev/null |
+        gzip >"$OUTDIR/sd-source-$1.csv.gz"
+    python3 scripts/ncu_source_summary.py "$OUTDIR/sd-source-$1.csv.gz" 8 | cut -c1-220
+}
+ncu_stream() {
+    echo "== ncu: the streaming decode kernel's stalls by SASS line"
+    each_shape "${NCU_STREAM_SHAPES:-llama-8b:q4_0}" ncu_stream_one
+}
+
 # How the SM's instruction caches treat straight-line code of growing size
 # (bench/cuda/icache_probe.cu, nvcc): cycles of each of five passes.
 icache() {
@@ -1513,6 +1538,7 @@ run)
         probe) probe ;;
         icache) icache ;;
         ncu-persist) ncu_persist ;;
+        ncu-stream) ncu_stream ;;
         mega) mega ;;
         stream) stream ;;
         stream-clock) stream_clock ;;

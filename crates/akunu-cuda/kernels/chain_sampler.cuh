@@ -571,6 +571,9 @@ __device__ __forceinline__ u32 pd_pick_spec(const PdSamp& sp, const PdSampShared
         double m = (a0 ? w[0] : 0.0) + (a1 ? w[1] : 0.0);
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) m += __shfl_xor_sync(FULL_MASK, m, o);
+#ifdef PD_TIMING
+        if (Cfg::bid() == 0 && threadIdx.x == 0) pd_pt[11] += 1;  // the candidates tested
+#endif
         if (above < K && (target < 0.0 || above == 0 || m < target)) return ~(u32)best;
         g[0] = own0 ? 0ull : g[0];
         g[1] = own1 ? 0ull : g[1];

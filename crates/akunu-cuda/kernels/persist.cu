@@ -667,9 +667,14 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
 #endif
     // -DPD_BLOCK_TIMES: every block's thread 0 notes %globaltimer (ns, the
     // same clock on every SM) at each mark of layer PD_BT_LAYER of token
-    // PD_BT_TOKEN (slot 11: the layer's start) and prints them once the
+    // PD_BT_TOKEN (slot 11: the layer's start; with the last layer, slots
+    // 12, 13, 14 and 5 also note the logits phase: its dots' end, the
+    // sampler's part, the flags seen, the token) and prints them once the
     // token is done: which blocks end each phase last (gpu.sh
-    // persist-blocks summarises them). Timing builds only.
+    // persist-blocks summarises them). -DPD_DIAG_TWICE also runs the part
+    // and the pick twice, noting slots 15 and 16 after the first runs: a
+    // second run at once takes the code from the instruction cache
+    // (bench/RESULTS.md, session 47). Timing builds only.
 #ifdef PD_BLOCK_TIMES
 #ifndef PD_BT_TOKEN
 #define PD_BT_TOKEN 64
@@ -678,8 +683,8 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
 #define PD_BT_LAYER 15
 #endif
     // In shared memory, as tm below.
-    __shared__ unsigned long long bt[12];
-    if (threadIdx.x < 12) bt[threadIdx.x] = 0;
+    __shared__ unsigned long long bt[17];
+    if (threadIdx.x < 17) bt[threadIdx.x] = 0;
     bool bt_on = false;
 #define PD_BT(i)                                                                  \
     do {                                                                          \
@@ -701,7 +706,12 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
     // local array, which takes registers or a stack frame from the kernel
     // it measures.
     __shared__ long long tm[17];
+    // tm0: the same marks in layer 0 alone (the layer after the token's
+    // pick, where a skew between blocks' picks would show).
+    __shared__ long long tm0[17];
+    u32 tm_layer = 1;
     if (threadIdx.x < 17) tm[threadIdx.x] = 0;
+    if (threadIdx.x < 17) tm0[threadIdx.x] = 0;
     long long t0 = clock64();
     if (threadIdx.x < 12) pd_pt[threadIdx.x] = 0;
 // (PD_TMARK: a timing mark only; 14 and 11-13 split logits and token: the
@@ -712,6 +722,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
         if (pd_bid() == 0 && threadIdx.x == 0) {                     \
             const long long t1 = clock64();                          \
             tm[i] += t1 - t0;                                        \
+            if (tm_layer == 0) tm0[i] += t1 - t0;                    \
             t0 = t1;                                                 \
         }                                                            \
     } while (0)
@@ -842,6 +853,9 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
 #ifdef PD_BLOCK_TIMES
             bt_on = t == PD_BT_TOKEN && l == PD_BT_LAYER;
             PD_BT(11);
+#endif
+#ifdef PD_TIMING
+            tm_layer = l;
 #endif
 #if PD_BULK
             // Every warp left the other buffer (read by the layer before) at
@@ -1211,11 +1225,18 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                 }
             }
             PD_TMARK(11);
+            PD_BT(12);
             if (a.s.mode >= PD_SAMPLE_DENSE) {
                 __syncthreads();
                 pd_sample_publish<PdCfg>(sp, ss, a.s, sset, r.lo, r.n, s_bkey, sbase);
+#ifdef PD_DIAG_TWICE
+                PD_BT(15);
+                __syncthreads();
+                pd_sample_publish<PdCfg>(sp, ss, a.s, sset, r.lo, r.n, s_bkey, sbase);
+#endif
             }
             PD_TMARK(12);
+            PD_BT(13);
             pd_end_flags(a.flags, ++e);
         }
         // ---- the token: every block takes the argmax of the bests (and
@@ -1223,6 +1244,7 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
         // so that all agree on it and on stopping.
         pd_wait_flags(a.flags, e);
         PD_TMARK(13);
+        PD_BT(14);
         // The cancel word, requested beside the bests (or the sampler's
         // parts) rather than after them: its round trip is off the path.
         u32 cancel = 0;
@@ -1233,6 +1255,15 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
         // every attention block waits on.
         const bool publisher = pd_bid() == PD_PUBLISHER;
         if (a.s.mode >= PD_SAMPLE_DENSE) {
+#ifdef PD_DIAG_TWICE
+            {
+                (void)pd_sample_pick<PdCfg>(sp, ss, a.s, sset, sbase);
+                PD_BT(16);
+                __syncthreads();
+                pd_select_begin(ss);
+                __syncthreads();
+            }
+#endif
             const u32 tok = pd_sample_pick<PdCfg>(sp, ss, a.s, sset, sbase);
             if (threadIdx.x == 0) {
                 s_token = tok;
@@ -1261,8 +1292,9 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
         PD_MARK(5);
 #ifdef PD_BLOCK_TIMES
         if (t == PD_BT_TOKEN && threadIdx.x == 0)
-            printf("bt %u %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu\n", pd_bid(), bt[11], bt[6],
-                   bt[7], bt[8], bt[0], bt[1], bt[2], bt[9], bt[10], bt[3], bt[4], bt[5]);
+            printf("bt %u %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu\n",
+                   pd_bid(), bt[11], bt[6], bt[7], bt[8], bt[0], bt[1], bt[2], bt[9], bt[10], bt[3], bt[4], bt[12], bt[13],
+                   bt[14], bt[5], bt[15], bt[16]);
 #endif
         token = s_token;
         bool stop = s_cancel != 0u || t + 1 >= limit;
@@ -1300,12 +1332,20 @@ extern "C" __global__ void __launch_bounds__(PD_THREADS, 1) k_persist_decode(PdA
                        tm[8] / (t + 1), tm[0] / (t + 1), tm[15] / (t + 1), tm[16] / (t + 1), tm[1] / (t + 1),
                        tm[9] / (t + 1), tm[10] / (t + 1), tm[3] / (t + 1),
                        tm[14] / (t + 1), tm[11] / (t + 1), tm[12] / (t + 1), tm[13] / (t + 1), tm[5] / (t + 1));
+            if (pd_bid() == 0 && threadIdx.x == 0)
+                printf("persist timing layer 0: qkv %lld (rows %lld h %lld norm %lld dots %lld) attn %lld (q|k|v words "
+                       "%lld scores %lld rest %lld) o %lld gu %lld down %lld\n",
+                       (tm0[6] + tm0[7] + tm0[8] + tm0[0]) / (t + 1), tm0[6] / (t + 1), tm0[7] / (t + 1),
+                       tm0[8] / (t + 1), tm0[0] / (t + 1), (tm0[15] + tm0[16] + tm0[1]) / (t + 1),
+                       tm0[15] / (t + 1), tm0[16] / (t + 1), tm0[1] / (t + 1), tm0[2] / (t + 1),
+                       (tm0[9] + tm0[10] + tm0[3]) / (t + 1), tm0[4] / (t + 1));
             if (pd_bid() == 0 && threadIdx.x == 0 && a.s.mode >= PD_SAMPLE_DENSE)
                 printf("persist sampler: part = bound+mass %lld + appends %lld + rank %lld; pick = loads+max+bound "
-                       "%lld + mass+appends %lld + rank %lld + cuts %lld; candidates: part %lld, pick %lld\n",
+                       "%lld + mass+appends %lld + rank %lld + cuts %lld; candidates: part %lld, pick %lld; candidates "
+                       "tested (all tokens) %lld\n",
                        pd_pt[0] / (t + 1), pd_pt[1] / (t + 1), pd_pt[2] / (t + 1), pd_pt[3] / (t + 1),
                        pd_pt[4] / (t + 1), pd_pt[6] / (t + 1), pd_pt[7] / (t + 1), pd_pt[9] / (t + 1),
-                       pd_pt[10] / (t + 1));
+                       pd_pt[10] / (t + 1), pd_pt[11]);
 #endif
             break;
         }
