@@ -1252,6 +1252,21 @@ print(sys.argv[1], sys.argv[2], tg, json.dumps(d["speculative"]))' "$t" "idle=$m
     done
 }
 
+# One launch of KERNEL (a regex) in the command after the first three
+# arguments, sampled by SASS line: the report $STORE/TAG.ncu-rep, the
+# command's output in $OUTDIR/ncu-TAG.txt, the source page gzipped to
+# $OUTDIR/TAG-source.csv.gz and summarised by scripts/ncu_source_summary.py.
+ncu_sass_stalls() { # KERNEL TAG LIMIT COMMAND...
+    local kernel=$1 tag=$2 limit=$3
+    shift 3
+    rm -f "$STORE/$tag.ncu-rep"
+    timeout "$limit" ncu --clock-control none --kernel-name "regex:$kernel" --launch-skip 1 --launch-count 1 \
+        --section SourceCounters --section WarpStateStats -o "$STORE/$tag" "$@" \
+        >"$OUTDIR/ncu-$tag.txt" 2>&1 || echo "ncu failed (rc $?)"
+    ncu --import "$STORE/$tag.ncu-rep" --page source --csv --print-source sass 2>/dev/null |
+        gzip >"$OUTDIR/$tag-source.csv.gz"
+    python3 scripts/ncu_source_summary.py "$OUTDIR/$tag-source.csv.gz" 8 | cut -c1-220
+}
 # The persistent decode kernel's warp stalls by SASS line (Nsight Compute's
 # source page, sampled warp states) over one 128-token chain on the
 # synthetic SmolLM2 file: the whole page gzipped to $OUTDIR, and a summary
@@ -1262,15 +1277,9 @@ ncu_persist() {
     echo "== ncu: the persistent decode kernel's stalls by SASS line ($mode)"
     f=$(smol_file)
     [ "$mode" = sampled ] && extra="--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1"
-    rm -f "$STORE/pd-$mode.ncu-rep"
     # shellcheck disable=SC2086 # extra is a list of arguments
-    timeout 240 ncu --clock-control none --kernel-name regex:k_persist_decode --launch-skip 1 --launch-count 1 \
-        --section SourceCounters --section WarpStateStats -o "$STORE/pd-$mode" \
-        "$BIN/akunu" bench -m "$f" --device cuda -p 0 -n 128 -r 1 --no-bandwidth $extra \
-        >"$OUTDIR/ncu-persist-$mode.txt" 2>&1 || echo "ncu failed (rc $?)"
-    ncu --import "$STORE/pd-$mode.ncu-rep" --page source --csv --print-source sass 2>/dev/null |
-        gzip >"$OUTDIR/pd-source-$mode.csv.gz"
-    python3 scripts/ncu_source_summary.py "$OUTDIR/pd-source-$mode.csv.gz" 8 | cut -c1-220
+    ncu_sass_stalls k_persist_decode "pd-$mode" 240 \
+        "$BIN/akunu" bench -m "$f" --device cuda -p 0 -n 128 -r 1 --no-bandwidth $extra
 }
 
 # The streaming decode kernel's stalls by SASS line (as ncu-persist; its
@@ -1278,14 +1287,8 @@ ncu_persist() {
 # one launch of a 64-token chain, greedy, on each of NCU_STREAM_SHAPES
 # (default llama-8b:q4_0).
 ncu_stream_one() { # NAME FILE
-    rm -f "$STORE/sd-$1.ncu-rep"
-    timeout 400 ncu --clock-control none --kernel-name regex:k_stream_decode --launch-skip 1 --launch-count 1 \
-        --section SourceCounters --section WarpStateStats -o "$STORE/sd-$1" \
-        "$BIN/akunu" bench -m "$2" --device cuda -p 0 -n 64 -r 1 --no-bandwidth \
-        >"$OUTDIR/ncu-stream-$1.txt" 2>&1 || echo "ncu failed (rc $?)"
-    ncu --import "$STORE/sd-$1.ncu-rep" --page source --csv --print-source sass 2>/dev/null |
-        gzip >"$OUTDIR/sd-source-$1.csv.gz"
-    python3 scripts/ncu_source_summary.py "$OUTDIR/sd-source-$1.csv.gz" 8 | cut -c1-220
+    ncu_sass_stalls k_stream_decode "sd-$1" 400 \
+        "$BIN/akunu" bench -m "$2" --device cuda -p 0 -n 64 -r 1 --no-bandwidth
 }
 ncu_stream() {
     echo "== ncu: the streaming decode kernel's stalls by SASS line"
