@@ -34,6 +34,9 @@
 #                                 streaming kernel's; NCU_STREAM_SHAPES),
 #                                 icache (the
 #                                 instruction-cache probe, nvcc),
+#                                 code-addr (whether a device function's
+#                                 address can be read or prefetched as
+#                                 data, nvcc),
 #                                 model-part1, model-part2, model-part3,
 #                                 model, sampler (needs the model), attn,
 #                                 prefill, spec-ab (needs the model), pfattn,
@@ -1308,6 +1311,23 @@ icache() {
     fi
 }
 
+# Whether a device function's address reads as data (bench/cuda/
+# code_addr_probe.cu, nvcc): the pointer, then a load from it and an L2
+# prefetch of it, each in a process of its own (a fault ends the process).
+code_addr() {
+    echo "== code-address probe (nvcc)"
+    rm -f "$STORE/code-addr-probe"
+    nvcc -O3 -arch=sm_90 -o "$STORE/code-addr-probe" bench/cuda/code_addr_probe.cu 2>&1 | grep -i error || true
+    if [ -x "$STORE/code-addr-probe" ]; then
+        local m
+        for m in pointer read prefetch; do
+            "$STORE/code-addr-probe" "$m" 2>&1 | sed "s/^/$m: /" | tee -a "$OUTDIR/code-addr.txt" || true
+        done
+    else
+        echo "code-address probe: the build failed"
+    fi
+}
+
 # The decode gemv kernels alone (bench/cuda/gemv_probe.cu, built here with
 # nvcc; no .gpu needed): for each of $PROBE_DEFINES (space-separated, each a
 # comma-separated list of -D options, "-" for none) the register form on
@@ -1540,6 +1560,7 @@ run)
         pfattn) pfattn ;;
         probe) probe ;;
         icache) icache ;;
+        code-addr) code_addr ;;
         ncu-persist) ncu_persist ;;
         ncu-stream) ncu_stream ;;
         mega) mega ;;

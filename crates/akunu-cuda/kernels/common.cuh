@@ -445,3 +445,12 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes,
         "l"(src), "r"(bytes), "r"(smem_u32(bar))
         : "memory");
 }
+// bulk_copy with an L2 cache policy (createpolicy): the streaming kernel's
+// stages and the SmolLM2 kernel's rows, both evict-first.
+__device__ __forceinline__ void bulk_copy_hint(void* dst, const void* src, u32 bytes, u64* bar, u64 policy) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "
+        "%4;" ::"r"(smem_u32(dst)),
+        "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy)
+        : "memory");
+}

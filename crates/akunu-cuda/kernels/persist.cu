@@ -457,6 +457,18 @@ __device__ __forceinline__ PdBulk pd_bulk_areas(const PdArgs& a) {
     return b;
 }
 
+// The layers' weight copies ask L2 to evict their lines first (as the
+// streaming kernel's producer does, stream.cu), so that the weights streaming
+// through it each token (66 MB of layers on the SmolLM2 shape, more than
+// the H200's 60 MB L2) leave in L2 what is read once a token: the code of
+// the logits phase and the sampler, the KV cache, the blocks' words.
+// Sampled +2.1% to +3.1%, greedy +0.5% to +2.0% on three H200s
+// (bench/RESULTS.md, session 48): the sampler's code, about 80 KB run once a
+// token, had to come back from DRAM. -DPD_EVICT_FIRST=0: plain copies
+// (A/B runs).
+#ifndef PD_EVICT_FIRST
+#define PD_EVICT_FIRST 1
+#endif
 // Rows [r0, r1) of a repacked matrix m of `rows` rows (every row's quants,
 // qb bytes each, then every row's scales, sb bytes each): quants to
 // buf + qo, scales to buf + so, the first row's at buf + so + (its offset
@@ -471,8 +483,15 @@ __device__ __forceinline__ u32 pd_bulk_range(u8* buf, u32 qo, u32 so, const u8* 
     const u64 s_a = s_lo & ~15ull, s_b = (s_lo + (u64)(r1 - r0) * sb + 15) & ~15ull;
     const u32 sbytes = (u32)(s_b - s_a);
     if (issue) {
+#if PD_EVICT_FIRST
+        u64 policy;
+        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+        bulk_copy_hint(buf + qo, m + (u64)r0 * qb, qbytes, bar, policy);
+        bulk_copy_hint(buf + so, m + s_a, sbytes, bar, policy);
+#else
         bulk_copy(buf + qo, m + (u64)r0 * qb, qbytes, bar);
         bulk_copy(buf + so, m + s_a, sbytes, bar);
+#endif
     }
     return qbytes + sbytes;
 }

@@ -304,13 +304,6 @@ __device__ __forceinline__ bool sd_cap_inflight(u64* full, u32 c, u32 t, const v
         if (t > *last) return false;
     return true;
 }
-__device__ __forceinline__ void sd_bulk(void* dst, const void* src, u32 bytes, u64* bar, u64 policy) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
-            smem_u32(dst)),
-        "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy)
-        : "memory");
-}
 // The consumers' barrier (named barrier 1; the producer warp never joins).
 __device__ __forceinline__ void sd_csync() { asm volatile("bar.sync 1, %0;" ::"r"(SD_CT) : "memory"); }
 // The sampler's configuration (chain_sampler.cuh): the consumer warps, their
@@ -1522,8 +1515,8 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
                     return;
                 }
                 mbar_expect_tx(&r.full[s], b0 + b1);
-                sd_bulk(r.buf + (u64)s * SD_STB, s0, b0, &r.full[s], policy);
-                if (b1) sd_bulk(r.buf + (u64)s * SD_STB + b0, s1, b1, &r.full[s], policy);
+                bulk_copy_hint(r.buf + (u64)s * SD_STB, s0, b0, &r.full[s], policy);
+                if (b1) bulk_copy_hint(r.buf + (u64)s * SD_STB + b0, s1, b1, &r.full[s], policy);
                 ++c;
             };
             for (u32 t = 0; t < limit && !ended; ++t) {
