@@ -445,8 +445,14 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes,
         "l"(src), "r"(bytes), "r"(smem_u32(bar))
         : "memory");
 }
-// bulk_copy with an L2 cache policy (createpolicy): the streaming kernel's
-// stages and the SmolLM2 kernel's rows, both evict-first.
+// An L2 policy that evicts the lines it is given first, for weights read
+// once a token (the streaming kernel's stages, the SmolLM2 kernel's rows).
+__device__ __forceinline__ u64 l2_evict_first_policy() {
+    u64 policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+// bulk_copy with an L2 cache policy (l2_evict_first_policy).
 __device__ __forceinline__ void bulk_copy_hint(void* dst, const void* src, u32 bytes, u64* bar, u64 policy) {
     asm volatile(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "

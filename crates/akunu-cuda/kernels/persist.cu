@@ -462,45 +462,49 @@ __device__ __forceinline__ PdBulk pd_bulk_areas(const PdArgs& a) {
 // through it each token (66 MB of layers on the SmolLM2 shape, more than
 // the H200's 60 MB L2) leave in L2 what is read once a token: the code of
 // the logits phase and the sampler, the KV cache, the blocks' words.
-// Sampled +2.1% to +3.1%, greedy +0.5% to +2.0% on three H200s
+// Sampled +2.1% to +3.1%, greedy +0.5% to +2.0% on four H200s
 // (bench/RESULTS.md, session 48): the sampler's code, about 80 KB run once a
 // token, had to come back from DRAM. -DPD_EVICT_FIRST=0: plain copies
 // (A/B runs).
 #ifndef PD_EVICT_FIRST
 #define PD_EVICT_FIRST 1
 #endif
+// The copies' L2 policy, made once a batch of copies and passed to each.
+__device__ __forceinline__ u64 pd_copy_policy() { return PD_EVICT_FIRST ? l2_evict_first_policy() : 0ull; }
+__device__ __forceinline__ void pd_copy(void* dst, const void* src, u32 bytes, u64* bar, u64 policy) {
+#if PD_EVICT_FIRST
+    bulk_copy_hint(dst, src, bytes, bar, policy);
+#else
+    (void)policy;
+    bulk_copy(dst, src, bytes, bar);
+#endif
+}
 // Rows [r0, r1) of a repacked matrix m of `rows` rows (every row's quants,
 // qb bytes each, then every row's scales, sb bytes each): quants to
 // buf + qo, scales to buf + so, the first row's at buf + so + (its offset
 // in m & 15). Returns the bytes the two copies move; issues them only when
 // `issue` (the first pass counts the bytes for the mbarrier's expected
-// total).
+// total), with L2 policy `policy` (pd_copy_policy).
 __device__ __forceinline__ u32 pd_bulk_range(u8* buf, u32 qo, u32 so, const u8* m, u32 rows, u32 qb, u32 sb,
-                                             u32 r0, u32 r1, u64* bar, bool issue) {
+                                             u32 r0, u32 r1, u64* bar, bool issue, u64 policy) {
     if (r0 >= r1) return 0;
     const u32 qbytes = (r1 - r0) * qb;
     const u64 s_lo = (u64)rows * qb + (u64)r0 * sb;  // 8-aligned
     const u64 s_a = s_lo & ~15ull, s_b = (s_lo + (u64)(r1 - r0) * sb + 15) & ~15ull;
     const u32 sbytes = (u32)(s_b - s_a);
     if (issue) {
-#if PD_EVICT_FIRST
-        u64 policy;
-        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-        bulk_copy_hint(buf + qo, m + (u64)r0 * qb, qbytes, bar, policy);
-        bulk_copy_hint(buf + so, m + s_a, sbytes, bar, policy);
-#else
-        bulk_copy(buf + qo, m + (u64)r0 * qb, qbytes, bar);
-        bulk_copy(buf + so, m + s_a, sbytes, bar);
-#endif
+        pd_copy(buf + qo, m + (u64)r0 * qb, qbytes, bar, policy);
+        pd_copy(buf + so, m + s_a, sbytes, bar, policy);
     }
     return qbytes + sbytes;
 }
 // The same for the Q4_1 matrix m (rows x k) of a layer.
 __device__ __forceinline__ u32 pd_bulk_rows(u8* buf, u32 qo, u32 so, const u8* m, u32 rows, u32 k, u32 r0, u32 r1,
-                                            u64* bar, bool issue) {
-    return pd_bulk_range(buf, qo, so, m, rows, k / 2, k / 8, r0, r1, bar, issue);
+                                            u64* bar, bool issue, u64 policy) {
+    return pd_bulk_range(buf, qo, so, m, rows, k / 2, k / 8, r0, r1, bar, issue, policy);
 }
-__device__ __forceinline__ u32 pd_bulk_pass(u8* buf, const PdArgs& a, const PdLayer& L, u64* bar, bool issue) {
+__device__ __forceinline__ u32 pd_bulk_pass(u8* buf, const PdArgs& a, const PdLayer& L, u64* bar, bool issue,
+                                            u64 policy = 0) {
     const PdBulk b = pd_bulk_areas(a);
     const PdRange rq = pd_items((a.qd + 2 * a.kvd) / 2);
     const u32 c0 = 2 * rq.lo, c1 = 2 * (rq.lo + rq.n);
@@ -512,19 +516,19 @@ __device__ __forceinline__ u32 pd_bulk_pass(u8* buf, const PdArgs& a, const PdLa
         const u32 r0 = max(c0, seg[m]), r1 = min(c1, seg[m + 1]);
         if (r0 < r1)
             n += pd_bulk_rows(buf, b.qkv_q + (r0 - c0) * (a.d / 2), so[m], L.w[m], seg[m + 1] - seg[m], a.d,
-                              r0 - seg[m], r1 - seg[m], bar, issue);
+                              r0 - seg[m], r1 - seg[m], bar, issue, policy);
     }
     const PdRange ro = pd_items(a.d), rg = pd_items(a.ff);
-    n += pd_bulk_rows(buf, b.o_q, b.o_s, L.w[3], a.d, a.qd, ro.lo, ro.lo + ro.n, bar, issue);
-    n += pd_bulk_rows(buf, b.g_q, b.g_s, L.w[4], a.ff, a.d, rg.lo, rg.lo + rg.n, bar, issue);
-    n += pd_bulk_rows(buf, b.u_q, b.u_s, L.w[5], a.ff, a.d, rg.lo, rg.lo + rg.n, bar, issue);
-    n += pd_bulk_rows(buf, b.d_q, b.d_s, L.w[6], a.d, a.ff, ro.lo, ro.lo + ro.n, bar, issue);
+    n += pd_bulk_rows(buf, b.o_q, b.o_s, L.w[3], a.d, a.qd, ro.lo, ro.lo + ro.n, bar, issue, policy);
+    n += pd_bulk_rows(buf, b.g_q, b.g_s, L.w[4], a.ff, a.d, rg.lo, rg.lo + rg.n, bar, issue, policy);
+    n += pd_bulk_rows(buf, b.u_q, b.u_s, L.w[5], a.ff, a.d, rg.lo, rg.lo + rg.n, bar, issue, policy);
+    n += pd_bulk_rows(buf, b.d_q, b.d_s, L.w[6], a.d, a.ff, ro.lo, ro.lo + ro.n, bar, issue, policy);
     return n;
 }
 // Thread 0: this block's rows of layer L into buf, completing on bar.
 __device__ __forceinline__ void pd_prefetch_bulk(u8* buf, const PdArgs& a, const PdLayer& L, u64* bar) {
     mbar_expect_tx(bar, pd_bulk_pass(buf, a, L, bar, false));
-    pd_bulk_pass(buf, a, L, bar, true);
+    pd_bulk_pass(buf, a, L, bar, true, pd_copy_policy());
 }
 
 // The embedding's and the logits weight's forms (1: Q8_0, 0: Q4_1): the
@@ -563,8 +567,8 @@ __device__ __forceinline__ void pd_fetch_logits(u8* smem, const PdArgs& a, u64* 
     const u32 n = pd_res_rows(a), lo = pd_items(a.vocab).lo, qb = pd_out_qb(a), sb = pd_out_sb(a);
     if (n == 0) return;
     u8* const dst = smem + a.res_off;
-    mbar_expect_tx(bar, pd_bulk_range(dst, 0, n * qb, a.out, a.vocab, qb, sb, lo, lo + n, bar, false));
-    pd_bulk_range(dst, 0, n * qb, a.out, a.vocab, qb, sb, lo, lo + n, bar, true);
+    mbar_expect_tx(bar, pd_bulk_range(dst, 0, n * qb, a.out, a.vocab, qb, sb, lo, lo + n, bar, false, 0));
+    pd_bulk_range(dst, 0, n * qb, a.out, a.vocab, qb, sb, lo, lo + n, bar, true, pd_copy_policy());
 }
 
 // Block sum; red holds PD_WARPS floats. Ends synchronised.

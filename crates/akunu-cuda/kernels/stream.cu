@@ -1477,8 +1477,7 @@ extern "C" __global__ void __launch_bounds__(SD_THREADS, 1) k_stream_decode(SdAr
     if (warp == SD_CW) {
         // The producer: the chain's schedule of this block's rows.
         if (lane == 0) {
-            u64 policy;
-            asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+            const u64 policy = l2_evict_first_policy();
             u32 c = 0;
             bool ended = false;
 #if SD_Q4
