@@ -65,6 +65,29 @@
 #define SD_EMB_Q6 0
 #endif
 static_assert(SD_Q4 || !(SD_OUT_Q6 || SD_EMB_Q6), "the Q6 form is the Q4_0 form's");
+// SD_STAGED (the Q4_0 form; stream.rs sets it where the device had room
+// for the copy): the producer copies each stage as one linear bulk copy
+// from stage images that stream.rs lays out once (k_stage_form), block by
+// block in the order the producer takes them, instead of two tensor-map
+// boxes of the row-major matrix; and inside a stage the quants and scales
+// lie in the order the consumers' lanes read them, so that a warp's loads
+// meet no bank twice. A Q6 form's logits keep the tensor maps.
+// Measured (bench/RESULTS.md, session 49, H200, 8B Q4_0): the stream
+// alone (SD_DIAG=3) 888 -> 975 tok/s (the boxes' 1 KB row pieces and
+// 128-byte scale rows left HBM a fifth idle); the kernel 680 -> 701 tok/s
+// greedy, 717 with two copies in flight (stream.rs INFLIGHT_CAP).
+#ifndef SD_STAGED
+#define SD_STAGED 0
+#endif
+static_assert(SD_Q4 || !SD_STAGED, "stage images are the Q4_0 form's");
+// SD_B_FEED (default): only the lanes whose B fragment is not zero load it
+// (sd_consume); the others take zeros in registers. Loading zeros from
+// shared memory, every LDS.128 of B met the feeders' banks twice: 8B Q4_0
+// +2.5% with the tensor-map boxes, +1.9% greedy with stage images
+// (session 49). -DSD_B_FEED=0 for A/B runs.
+#ifndef SD_B_FEED
+#define SD_B_FEED 1
+#endif
 // Measurement switches (wrong tokens; bench/RESULTS.md), bits of SD_DIAG:
 // 1, the Q4_0 form's consumers take each stage without computing; 2, no
 // wait for a tagged word (sd_poll takes what one load finds), so that the
@@ -183,6 +206,11 @@ struct SdArgs {
     const float* freq;  // Llama 3.1-style RoPE divisors (HD / 2), or null
     u32 nl, vocab, capacity, max_pos;
     float eps, theta, freq_scale, scale;
+    // SD_STAGED: each product's stage images (sd_stage_form), 4 a layer
+    // (q|k|v, o, gate|up, down), then the logits'; block b's stage i of
+    // product M at staged[.] + (b sns[M] + i) x its stage's bytes.
+    const u64* staged;
+    u32 sns[5], pad;
     SampArgs s;  // the in-kernel sampler (SD_SAMPLED)
 };
 
@@ -203,7 +231,8 @@ struct Mat {
     static constexpr int GPS = KC / 128;
     static_assert(K % KS == 0 && GPS % SD_CW == 0, "a slice is whole groups for every warp");
     static_assert(KC / 8 <= 256, "a box row is at most 256 words");
-    static_assert(16 * (KC / 2 + KC / 16) <= SD_STB, "a tile's slice fits a stage");
+    static constexpr int SB = 16 * (KC / 2 + KC / 16);  // a stage's bytes
+    static_assert(SB <= SD_STB, "a tile's slice fits a stage");
 };
 #else
 template <int M>
@@ -643,6 +672,27 @@ __device__ __forceinline__ void sd_produce(const SdArgs& a, u32 l, const SdRing&
                                            u64 policy, const volatile u32* last) {
     using T = Mat<M>;
     constexpr bool Q6 = SD_OUT_Q6 && M == M_LOG;
+#if SD_STAGED
+    if constexpr (!Q6) {
+        // This block's stage images of the product, one after another.
+        const u32 n = a.sns[M];
+        const u8* src = (const u8*)a.staged[M == M_LOG ? 4 * a.nl : 4 * l + M] + (u64)blockIdx.x * n * T::SB;
+        SdSeg sg[3];
+        const int ns = sd_segs<M>(a, sg);
+        for (int j = 0; j < ns; ++j)
+            for (u32 i = 0; i < sg[j].n; i += 16)
+                for (u32 k = 0; k < (u32)T::KS; ++k) {
+                    unsigned char* dst = sd_take_stage(r, c, t, ended, last);
+                    if (!dst) return;
+                    u64* full = &r.full[c % SD_NST];
+                    mbar_expect_tx(full, T::SB);
+                    bulk_copy_hint(dst, src, T::SB, full, policy);
+                    src += T::SB;
+                    ++c;
+                }
+        return;
+    }
+#endif
     SdSeg sg[3];
     const int ns = sd_segs<M>(a, sg);
     for (int j = 0; j < ns; ++j) {
@@ -677,6 +727,56 @@ __device__ __forceinline__ void sd_produce(const SdArgs& a, u32 l, const SdRing&
             }
         }
     }
+}
+
+// The stage images of product M of layer l (the logits: l = nl) for this
+// block (SD_STAGED): its stages in sd_produce's order (sd_segs' runs, their
+// 16-row tiles, each tile's slices), each a tile's slice as sd_consume's
+// lanes read it. Quants: group j's 1 KB, rows 0-7 then 8-15, row r's
+// block 4j + t at 16 (4 (r % 8) + t). Scales after them: group j's 128
+// bytes, block 4j + t's rows r and r + 8 (r < 8) as one word at
+// 4 (8t + r). Rows past the matrix are zeros. Read from the repacked
+// row-major matrices (every row's quants, then every row's scales);
+// stream.rs launches it once a product with the decode kernel's grid, so
+// that sd_range gives each block the rows it will stream.
+template <int M>
+__device__ void sd_stage_form(const SdArgs& a, u32 l, u8* dst) {
+    using T = Mat<M>;
+    constexpr u32 NB = T::KC / 32;  // Q4_0 blocks in a row of a slice
+    SdSeg sg[3];
+    const int ns = sd_segs<M>(a, sg);
+    dst += (u64)blockIdx.x * a.sns[M] * T::SB;
+    for (int j = 0; j < ns; ++j) {
+        const u32 m = sg[j].m;
+        const u8* w = m == 7 ? a.out : a.layers[l].w[m];
+        const u32 rows = m == 7 ? a.vocab : m == 0 ? QD : m < 3 ? KVD : (m == 4 || m == 5) ? FF : D;
+        const u8* scales = w + (u64)rows * (T::K / 2);
+        for (u32 i = 0; i < sg[j].n; i += 16) {
+            const u32 r0 = sg[j].r0 + i;
+            for (u32 k = 0; k < (u32)T::KS; ++k, dst += T::SB) {
+                for (u32 e = threadIdx.x; e < 16 * NB; e += blockDim.x) {
+                    const u32 r = e / NB, b = e % NB;
+                    uint4 q = make_uint4(0, 0, 0, 0);
+                    if (r0 + r < rows) q = *(const uint4*)(w + (u64)(r0 + r) * (T::K / 2) + (k * NB + b) * 16);
+                    *(uint4*)(dst + (b / 4) * 1024 + (r / 8) * 512 + ((r % 8) * 4 + b % 4) * 16) = q;
+                }
+                for (u32 e = threadIdx.x; e < 8 * NB; e += blockDim.x) {
+                    const u32 r = e / NB, b = e % NB;
+                    u32 lo = 0, hi = 0;
+                    if (r0 + r < rows) lo = *(const u16*)(scales + (u64)(r0 + r) * (T::K / 16) + (k * NB + b) * 2);
+                    if (r0 + r + 8 < rows) hi = *(const u16*)(scales + (u64)(r0 + r + 8) * (T::K / 16) + (k * NB + b) * 2);
+                    *(u32*)(dst + 16 * (T::KC / 2) + (b / 4) * 128 + ((b % 4) * 8 + r) * 4) = lo | hi << 16;
+                }
+            }
+        }
+    }
+}
+extern "C" __global__ void k_stage_form(SdArgs a, u32 l, u32 m, u8* dst) {
+    if (m == M_QKV) sd_stage_form<M_QKV>(a, l, dst);
+    if (m == M_O) sd_stage_form<M_O>(a, l, dst);
+    if (m == M_GU) sd_stage_form<M_GU>(a, l, dst);
+    if (m == M_DN) sd_stage_form<M_DN>(a, l, dst);
+    if (m == M_LOG) sd_stage_form<M_LOG>(a, l, dst);
 }
 
 // Word w of a Q6 block's nibbles, w's top bits in bits 0-3 of each byte
@@ -760,22 +860,40 @@ __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer&, cons
 #pragma unroll
                 for (int gi = 0; gi < NGW; ++gi) {
                     const u32 j = warp + gi * SD_CW, off = (j * 4 + t) * 16;
-                    qa[gi] = *(const uint4*)(st + g * (T::KC / 2) + off);
-                    qb[gi] = *(const uint4*)(st + (g + 8) * (T::KC / 2) + off);
+                    if (SD_STAGED && !Q6) {
+                        // Stage images (sd_stage_form): group j's 1 KB, rows
+                        // 0-7 then 8-15, lane (g, t)'s 16 bytes at 16 (4g + t).
+                        qa[gi] = *(const uint4*)(st + j * 1024 + (g * 4 + t) * 16);
+                        qb[gi] = *(const uint4*)(st + j * 1024 + 512 + (g * 4 + t) * 16);
+                    } else {
+                        qa[gi] = *(const uint4*)(st + g * (T::KC / 2) + off);
+                        qb[gi] = *(const uint4*)(st + (g + 8) * (T::KC / 2) + off);
+                    }
                     if constexpr (Q6) {
                         // Block 4j + t's top bits for rows g and g + 8 (its
                         // scales are read after the products).
                         const u8* hs = st2 + (j * 4 + t) * 8;
                         ha[gi] = *(const uint2*)(hs + g * (T::KC / 4));
                         hb[gi] = *(const uint2*)(hs + (g + 8) * (T::KC / 4));
+                    } else if (SD_STAGED) {
+                        // Rows g's and g + 8's scales of block 4j + t, one word.
+                        const u32 sw = *(const u32*)(st + 16 * (T::KC / 2) + j * 128 + (t * 8 + g) * 4);
+                        d0[gi] = f16_to_f32((u16)sw);
+                        d1[gi] = f16_to_f32((u16)(sw >> 16));
                     } else {
                         const u8* sc = st + 16 * (T::KC / 2) + (j * 4 + t) * 2;
                         d0[gi] = f16_to_f32(*(const u16*)(sc + g * (T::KC / 16)));
                         d1[gi] = f16_to_f32(*(const u16*)(sc + (g + 8) * (T::KC / 16)));
                     }
-                    const uint4* bp = feeds ? (const uint4*)(img + (k * T::GPS + j) * 128 + g * 4) : zeros;
+                    if (SD_B_FEED) {
+                        const uint4* bp = (const uint4*)(img + (k * T::GPS + j) * 128 + g * 4);
 #pragma unroll
-                    for (int w = 0; w < 4; ++w) bv[gi][w] = bp[w * 8];
+                        for (int w = 0; w < 4; ++w) bv[gi][w] = feeds ? bp[w * 8] : make_uint4(0, 0, 0, 0);
+                    } else {
+                        const uint4* bp = feeds ? (const uint4*)(img + (k * T::GPS + j) * 128 + g * 4) : zeros;
+#pragma unroll
+                        for (int w = 0; w < 4; ++w) bv[gi][w] = bp[w * 8];
+                    }
                 }
 #if SD_DIAG & 8
                 // Bit 8: the loads, folded into the sums, and no products.

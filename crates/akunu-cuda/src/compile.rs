@@ -375,18 +375,23 @@ mod tests {
         // and Q4_0 (the stages and splits a 132-SM device gets): greedy with
         // each KV cache type, and a sampled table's module (the in-kernel
         // sampler); Q4_0 with llama.cpp's Q6_K logits (8B: the output
-        // matrix; 1B: tied, the embedding too), greedy and sampled.
+        // matrix; 1B: tied, the embedding too), greedy and sampled. Q4_0
+        // takes its stage images (SD_STAGED) as plans give them where the
+        // device has room; the 8B shape also without them (the fallback).
         let q6_out: &[&str] = &["-DSD_OUT_Q6=1"];
         let q6_tied: &[&str] = &["-DSD_OUT_Q6=1", "-DSD_EMB_Q6=1"];
-        for (d, kvd, ff, nst, q4, q6) in [
-            (2048, 512, 8192, 5, false, &[][..]),
-            (4096, 1024, 14336, 4, false, &[]),
-            (2048, 512, 8192, 5, true, &[]),
-            (4096, 1024, 14336, 4, true, &[]),
-            (2048, 512, 8192, 5, true, q6_tied),
-            (4096, 1024, 14336, 4, true, q6_out),
+        for (d, kvd, ff, nst, q4, staged, q6) in [
+            (2048, 512, 8192, 5, false, false, &[][..]),
+            (4096, 1024, 14336, 4, false, false, &[]),
+            (2048, 512, 8192, 5, true, true, &[]),
+            (4096, 1024, 14336, 4, true, true, &[]),
+            (4096, 1024, 14336, 4, true, false, &[]),
+            (2048, 512, 8192, 5, true, true, q6_tied),
+            (4096, 1024, 14336, 4, true, true, q6_out),
         ] {
             let geo = crate::stream::shape_fits(d, d, kvd, ff, 32, 49152, 132, q4).unwrap();
+            let mut geo = geo;
+            geo.staged = staged;
             let kinds: &[_] = if q6.is_empty() {
                 &[
                     (super::KvType::F16, false),
@@ -416,7 +421,13 @@ mod tests {
                     &format!(
                         "stream-d{d}-{}{}-{}-kv{kv:?}",
                         if q4 { "q4_0" } else { "f16" },
-                        if q6.is_empty() { "" } else { "-q6k" },
+                        if !q6.is_empty() {
+                            "-q6k"
+                        } else if q4 && !staged {
+                            "-boxes"
+                        } else {
+                            ""
+                        },
                         if sampled { "sampled" } else { "greedy" },
                     ),
                     &bin,

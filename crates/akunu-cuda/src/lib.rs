@@ -200,6 +200,11 @@ pub struct CudaBackend {
     /// by the matrix's device pointer: made once, shared by a model's
     /// greedy and sampled plans, held in `persist_owned`.
     pub(crate) q6_forms: std::sync::Mutex<HashMap<Dptr, Dptr>>,
+    /// The streaming kernel's stage images of a Q4_0 model (`stream.rs`
+    /// `stage_images`), by its first matrix, the grid and whether the
+    /// logits have them: their table and stage counts, shared by the
+    /// model's greedy and sampled plans, held in `persist_owned`.
+    pub(crate) stage_forms: std::sync::Mutex<HashMap<stream::StageKey, (Dptr, [u32; 5])>>,
 }
 
 // SAFETY: the raw handles (streams, module, functions, device pointers,
@@ -313,6 +318,7 @@ impl CudaBackend {
             persist_owned: persist::Owned::default(),
             persist_chains: Arc::new(AtomicU64::new(0)),
             q6_forms: std::sync::Mutex::new(HashMap::new()),
+            stage_forms: std::sync::Mutex::new(HashMap::new()),
         })
     }
 

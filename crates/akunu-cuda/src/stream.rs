@@ -14,8 +14,12 @@
 //! warps: `SD_SAMPLED`), its settings set per chain by `Plan::for_chain`.
 //!
 //! Q4_0 models get the module's `SD_Q4` form: stages of 16-row tiles over
-//! a slice of their columns ([`q4_slices`]), each copied by two tensor-map
-//! copies (quants and scales: [`q4_maps`]), multiplied on the tensor cores.
+//! a slice of their columns ([`q4_slices`]), multiplied on the tensor
+//! cores. Each stage is one linear copy from the model's stage images
+//! (`SD_STAGED`: laid out once per model by [`stage_images`], in the order
+//! each block streams them and the order its lanes read them), or, where
+//! the device has no room for those, two tensor-map copies of the matrices
+//! (quants and scales: [`q4_maps`]).
 //! A Q6_K output matrix or embedding (llama.cpp's default Q4_0 mix) is
 //! converted once into the kernel's Q6 form ([`q6_form`]), whose logits
 //! tiles take two stages each (`SD_OUT_Q6`, `SD_EMB_Q6`).
@@ -73,17 +77,22 @@ static NST: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_STREAM_NST");
 /// every SM in the memory system ahead of the consumers' own loads of the
 /// other blocks' words, and those sections then wait behind it. Two in
 /// flight still feed the F16 form's stream (bench/RESULTS.md, session 39:
-/// llama-1b F16 +7%, 8B F16 +3.4%, against no cap). The Q4_0 form, bound
-/// by its consumers, keeps no cap: level on 8B Q4_0, and its Q6_K-logits
-/// form (two stages a tile) 1.3–1.7% slower with two. 0 lifts the cap;
-/// `AKUNU_CUDA_STREAM_INFLIGHT` sets it for A/B runs.
-const INFLIGHT_F16: u32 = 2;
-const _: () = assert!(INFLIGHT_F16 >= 1, "a cap of 0 would lift it");
+/// llama-1b F16 +7%, 8B F16 +3.4%, against no cap). The Q4_0 form's
+/// stage images take the same cap: 8B Q4_0 +2.2% greedy, +0.5% sampled
+/// (session 49; one in flight: −12%, three and more level). Its tensor-map
+/// boxes, bound by their consumers, keep none: level on 8B Q4_0, and the
+/// Q6_K-logits form (two stages a tile) 1.3–1.7% slower with two (session
+/// 39). 0 lifts the cap; `AKUNU_CUDA_STREAM_INFLIGHT` sets it for A/B runs.
+const INFLIGHT_CAP: u32 = 2;
+const _: () = assert!(INFLIGHT_CAP >= 1, "a cap of 0 would lift it");
 static INFLIGHT: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_STREAM_INFLIGHT");
-fn inflight(q4: bool) -> u32 {
-    INFLIGHT
-        .number::<u32>()
-        .unwrap_or(if q4 { 0 } else { INFLIGHT_F16 })
+fn inflight(geo: Geometry) -> u32 {
+    let cap = if geo.q4 && !geo.staged {
+        0
+    } else {
+        INFLIGHT_CAP
+    };
+    INFLIGHT.number::<u32>().unwrap_or(cap)
 }
 /// Splits of a head's attention (stream.cu `SD_ATT_S`): one block a head
 /// by default. Every block reads every split's partials when it stages o's
@@ -144,9 +153,12 @@ pub(crate) struct SdArgs {
     theta: f32,
     freq_scale: f32,
     scale: f32,
+    staged: u64,
+    sns: [u32; 5],
+    pad: u32,
     pub s: SampArgs,
 }
-const _: () = assert!(std::mem::size_of::<SdArgs>() == 184);
+const _: () = assert!(std::mem::size_of::<SdArgs>() == 216);
 
 /// Units of each product (stream.cu `sd_units`) and rows a unit.
 fn products(d: u32, qd: u32, kvd: u32, ff: u32, vocab: u32) -> [(u32, u32); 5] {
@@ -166,6 +178,216 @@ pub(crate) fn q4_slices(k: u32, cw: u32) -> Option<(u32, u32)> {
         .map(|(ks, kc)| (ks, 16 * (kc / 2 + kc / 16)))
 }
 
+/// Stage images (stream.cu `SD_STAGED`, `k_stage_form`): the Q4_0 form's
+/// producer copies each stage as one linear copy from images laid out once
+/// per model, block by block in the order it takes them, rather than as two
+/// tensor-map boxes of the row-major matrices (16 row pieces of 1 KB and 16
+/// scale rows of 128 bytes), which left HBM about a fifth idle: the stream
+/// alone ran 888 tok/s on 8B Q4_0 with boxes and 975 with linear copies
+/// (bench/RESULTS.md, session 49). The images cost the device a second copy
+/// of the layers' matrices (about 3% more for the tiles' padding); where
+/// free memory cannot hold them and [`STAGED_RESERVE`] besides, the kernel
+/// keeps the boxes. `AKUNU_CUDA_STREAM_STAGED=0` keeps the boxes for A/B
+/// runs.
+static STAGED: crate::knob::Knob = crate::knob::Knob::new("AKUNU_CUDA_STREAM_STAGED");
+/// Device memory left free after the stage images (the chain's scratch,
+/// the graph's buffers and what the driver needs).
+const STAGED_RESERVE: u64 = 1 << 30;
+
+/// Stages a block takes of each product (stream.cu `sd_segs` over
+/// `sd_range`, 16-row tiles of each run, `ks` slices each): the most of any
+/// block, the stride of the stage images.
+pub(crate) fn q4_stage_counts(p: &PdArgs, grid: u32, ks: [u32; 3]) -> [u32; 5] {
+    let qkv = p.qd + 2 * p.kvd;
+    let units = [qkv / 2, p.d, p.ff, p.d, p.vocab];
+    let slices = [ks[0], ks[1], ks[0], ks[2], ks[0]];
+    let mut most = [0u32; 5];
+    for (m, most) in most.iter_mut().enumerate() {
+        for b in 0..grid as u64 {
+            let u0 = (units[m] as u64 * b / grid as u64) as u32;
+            let u1 = (units[m] as u64 * (b + 1) / grid as u64) as u32;
+            let runs: Vec<u32> = match m {
+                // q|k|v rows by matrix: RoPE pairs, cut at q's and k's ends.
+                0 => {
+                    let (b, e) = (2 * u0, 2 * u1);
+                    [(0, p.qd), (p.qd, p.qd + p.kvd), (p.qd + p.kvd, qkv)]
+                        .iter()
+                        .map(|&(lo, hi)| e.min(hi).saturating_sub(b.max(lo)))
+                        .collect()
+                }
+                // The gate rows, then the up rows.
+                2 => vec![u1 - u0; 2],
+                _ => vec![u1 - u0],
+            };
+            let tiles: u32 = runs.iter().map(|n| n.div_ceil(16)).sum();
+            *most = (*most).max(tiles * slices[m]);
+        }
+    }
+    most
+}
+
+/// Bytes of a stage of each product (stream.cu `Mat::SB`): a 16-row tile's
+/// slice of `k / ks` columns, quants then scales.
+fn q4_stage_bytes(p: &PdArgs, ks: [u32; 3]) -> [u32; 5] {
+    let sb = |k: u32, ks: u32| 16 * (k / ks / 2 + k / ks / 16);
+    let (d, qd) = (sb(p.d, ks[0]), sb(p.qd, ks[1]));
+    [d, qd, d, sb(p.ff, ks[2]), d]
+}
+
+/// The stage images of a Q4_0 model's matrices on `grid` blocks
+/// (stream.cu `k_stage_form`), shared by a model's greedy and sampled
+/// plans: the device address of their table (4 products a layer, then the
+/// logits'), or None where the switch is off or the device has no room
+/// for them (the kernel then keeps the tensor maps).
+pub(crate) struct StageImages {
+    table: u64,
+    sns: [u32; 5],
+    /// Laid out already (by an earlier plan of the model); otherwise once
+    /// the module is compiled, and then kept under `key`.
+    filled: bool,
+    key: StageKey,
+}
+/// A model's stage images: its first matrix, the grid, whether the logits
+/// have them.
+pub(crate) type StageKey = (u64, u32, bool);
+
+fn stage_images(
+    be: &CudaBackend,
+    layers: &[PdLayer],
+    p: &PdArgs,
+    grid: u32,
+    ks: [u32; 3],
+    logits: bool,
+    owned: &mut Owned,
+) -> Result<Option<StageImages>, BackendError> {
+    if STAGED.number::<u32>() == Some(0) {
+        return Ok(None);
+    }
+    let sns = q4_stage_counts(p, grid, ks);
+    let sb = q4_stage_bytes(p, ks);
+    let region = |m: usize| grid as u64 * sns[m] as u64 * sb[m] as u64;
+    let per_layer: u64 = (0..4).map(region).sum();
+    let total = per_layer * layers.len() as u64 + if logits { region(4) } else { 0 };
+    let key = (layers[0].w[0], grid, logits);
+    let cached = be
+        .stage_forms
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&key)
+        .copied();
+    if let Some((table, counts)) = cached
+        && counts == sns
+    {
+        return Ok(Some(StageImages {
+            table,
+            sns,
+            filled: true,
+            key,
+        }));
+    }
+    let (mut free, mut all) = (0usize, 0usize);
+    // SAFETY: out-parameters; the context is current (plans run under it).
+    check(
+        unsafe { sys::cuMemGetInfo_v2(&mut free, &mut all) },
+        "reading free device memory",
+    )?;
+    if (free as u64) < total + STAGED_RESERVE {
+        eprintln!(
+            "akunu: the streaming kernel's stage images need {} MiB and {} MiB are free: \
+             it copies tensor-map boxes instead (slower)",
+            total >> 20,
+            free >> 20
+        );
+        return Ok(None);
+    }
+    let base = match alloc(total, "streaming kernel's stage images") {
+        Ok(b) => b,
+        Err(BackendError::OutOfMemory { .. }) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    owned.mem.push(base);
+    let mut at = base;
+    let mut table = Vec::with_capacity(4 * layers.len() + 1);
+    for _ in layers {
+        for m in 0..4 {
+            table.push(at);
+            at += region(m);
+        }
+    }
+    table.push(if logits { at } else { 0 });
+    let table = upload(
+        owned,
+        bytemuck::cast_slice(&table),
+        "streaming kernel's stage image table",
+    )?;
+    Ok(Some(StageImages {
+        table,
+        sns,
+        filled: false,
+        key,
+    }))
+}
+
+/// Lays the stage images out (stream.cu `k_stage_form`, from `module`'s
+/// defines) with the plan's arguments: one launch a product, on the decode
+/// kernel's grid.
+fn fill_stage_images(
+    be: &CudaBackend,
+    f: sys::CUfunction,
+    args: &SdArgs,
+    grid: u32,
+    logits: bool,
+) -> Result<(), BackendError> {
+    let mut table = vec![0u64; 4 * args.nl as usize + 1];
+    // SAFETY: `args.staged` holds that many addresses (stage_images
+    // uploaded them); `table` has room for them.
+    check(
+        unsafe { sys::cuMemcpyDtoH_v2(table.as_mut_ptr() as *mut _, args.staged, table.len() * 8) },
+        "reading the stage image table",
+    )?;
+    let mut a = *args;
+    let nl = args.nl as usize;
+    let mut jobs: Vec<(u32, u32, u64)> = (0..nl)
+        .flat_map(|l| (0..4).map(move |m| (l as u32, m as u32, 4 * l + m)))
+        .map(|(l, m, i)| (l, m, table[i]))
+        .collect();
+    if logits {
+        jobs.push((args.nl, 4, table[4 * nl]));
+    }
+    for (mut layer, mut m, mut dst) in jobs {
+        let mut params = [
+            &mut a as *mut SdArgs as *mut std::ffi::c_void,
+            &mut layer as *mut u32 as *mut _,
+            &mut m as *mut u32 as *mut _,
+            &mut dst as *mut u64 as *mut _,
+        ];
+        // SAFETY: k_stage_form(SdArgs, u32, u32, u8*) reads the plan's
+        // layer table and matrices and writes its block's images inside the
+        // region at `dst` (stage_images sized it from the same counts); the
+        // parameters live until the launch is queued, and the launch is
+        // synchronised before the plan is used.
+        check(
+            unsafe {
+                sys::cuLaunchKernel(
+                    f,
+                    grid,
+                    1,
+                    1,
+                    256,
+                    1,
+                    1,
+                    0,
+                    be.stream,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            },
+            "laying out the streaming kernel's stage images",
+        )?;
+    }
+    be.sync()
+}
+
 /// How the kernel is specialised for its matrices' type: the stage size
 /// and, for Q4_0, the slices of the d-, q- and ffn-column products.
 #[derive(Copy, Clone, Debug, PartialEq)]
@@ -175,6 +397,9 @@ pub(crate) struct Geometry {
     ks: [u32; 3],
     /// Consumer warps.
     pub cw: u32,
+    /// The Q4_0 form's producer copies stage images (`SD_STAGED`), where
+    /// the plan made them.
+    pub staged: bool,
 }
 
 /// Why the kernel cannot take a shape on `grid` SMs, if it cannot, or how
@@ -198,6 +423,7 @@ pub(crate) fn shape_fits(
             stb: STB,
             ks: [1; 3],
             cw,
+            staged: false,
         };
         if q4 {
             // Columns in whole groups for each consumer warp (which also
@@ -539,13 +765,16 @@ pub(crate) fn defines(
         ("SD_CW", geo.cw),
         ("SD_PICK_KPT", pick_kpt(geo.cw)),
         ("SD_STB", geo.stb),
-        ("SD_INFLIGHT", inflight(geo.q4)),
+        ("SD_INFLIGHT", inflight(geo)),
     ]
     .iter()
     .map(|(k, v)| format!("-D{k}={v}"))
     .collect();
     if geo.q4 {
         defs.push("-DSD_Q4=1".into());
+        if geo.staged {
+            defs.push("-DSD_STAGED=1".into());
+        }
         for (name, ks) in ["SD_KS_D", "SD_KS_Q", "SD_KS_F"].iter().zip(geo.ks) {
             defs.push(format!("-D{name}={ks}"));
         }
@@ -655,10 +884,29 @@ pub(crate) fn plan(
             extra.push(def.into());
         }
     }
+    // The Q4_0 form's stage images, where the device has room for them
+    // (the Q6 form's logits keep their maps).
+    let images = if q4 {
+        stage_images(
+            be,
+            &shape.layers,
+            &p,
+            grid,
+            geo.ks,
+            p.out_q8 != Q6K_FORM,
+            owned,
+        )?
+    } else {
+        None
+    };
+    let geo = Geometry {
+        staged: images.is_some(),
+        ..geo
+    };
     // The module's static shared memory is known once it is compiled: where
     // it leaves less than the guess did (a developer switch's counters),
     // one stage fewer, compiled again.
-    let f = loop {
+    let (f, defs) = loop {
         let mut defs = defines(p.d, p.qd, p.kvd, p.ff, p.nh, p.nkv, lay, nst, att_s, geo);
         defs.extend(extra.iter().cloned());
         let (f, static_smem) = match kernel_for(be, &defs, owned) {
@@ -666,7 +914,7 @@ pub(crate) fn plan(
             Err(e) => return Ok(Err(format!("the streaming kernel is not available: {e}"))),
         };
         if need(nst) + static_smem as u64 <= optin {
-            break f;
+            break (f, defs);
         }
         if nst == 2 {
             return Ok(Err(format!(
@@ -743,8 +991,28 @@ pub(crate) fn plan(
         theta: p.theta,
         freq_scale: p.freq_scale,
         scale: p.scale,
+        staged: images.as_ref().map_or(0, |i| i.table),
+        sns: images.as_ref().map_or([0; 5], |i| i.sns),
+        pad: 0,
         s,
     };
+    if let Some(i) = images.as_ref().filter(|i| !i.filled) {
+        let mut defs = defs;
+        defs.push(crate::compile::kv_define(be.kv));
+        let (form, _) = load_kernel(
+            be,
+            &crate::compile::stream_source(),
+            &defs,
+            "the streaming kernel's stage images",
+            "k_stage_form",
+            owned,
+        )?;
+        fill_stage_images(be, form, &args, grid, p.out_q8 != Q6K_FORM)?;
+        be.stage_forms
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(i.key, (i.table, i.sns));
+    }
     Ok(Ok(Plan {
         func: f as u64,
         args: Args::Stream(args),
@@ -766,6 +1034,7 @@ mod tests {
         stb: STB,
         ks: [1; 3],
         cw: CW_F16,
+        staged: false,
     };
 
     #[test]
@@ -819,6 +1088,35 @@ mod tests {
         // The sampler's pick holds top-64 lists of 132 blocks either way.
         assert!(pick_kpt(8) * 8 * 32 >= 64 * 132 && pick_kpt(16) * 16 * 32 >= 64 * 132);
         assert_eq!((pick_kpt(8), pick_kpt(16)), (33, 17));
+    }
+
+    #[test]
+    fn stage_images_take_the_most_stages_of_any_block() {
+        let p = PdArgs {
+            d: 4096,
+            qd: 4096,
+            kvd: 1024,
+            ff: 14336,
+            vocab: 49152,
+            ..Zeroable::zeroed()
+        };
+        // llama-8b on 132 SMs: q|k|v 46-48 rows (3 tiles where a run ends
+        // at q's or k's end on a tile), o and down 31-32 rows, gate|up 108-109
+        // rows of each, the logits 372-373 rows; 2, 2, 2, 7, 2 slices.
+        assert_eq!(q4_stage_counts(&p, 132, [2, 2, 7]), [6, 4, 28, 14, 48]);
+        assert_eq!(q4_stage_bytes(&p, [2, 2, 7]), [18432; 5]);
+        // A run cut by a matrix's end mid-tile costs its block a tile: q, k
+        // and v of 40 rows each over 2 blocks, 60 rows a block (4 tiles
+        // as one run), q 40 and k 20 rows (3 + 2), then k 20 and v 40.
+        let p = PdArgs {
+            d: 2048,
+            qd: 40,
+            kvd: 40,
+            ff: 2048,
+            vocab: 48,
+            ..Zeroable::zeroed()
+        };
+        assert_eq!(q4_stage_counts(&p, 2, [1, 1, 1])[0], 5);
     }
 
     #[test]
@@ -894,7 +1192,7 @@ mod tests {
     }
 
     #[test]
-    fn only_the_f16_form_caps_its_copies_in_flight() {
+    fn the_q4_0_boxes_alone_keep_no_cap_on_copies_in_flight() {
         if std::env::var_os("AKUNU_CUDA_STREAM_INFLIGHT").is_some() {
             return; // an A/B run's cap, not the default under test
         }
@@ -909,8 +1207,10 @@ mod tests {
             assert_eq!(found.len(), 1, "{defs:?}");
             found[0].clone()
         };
-        assert_eq!(cap(F16), format!("-DSD_INFLIGHT={INFLIGHT_F16}"));
+        assert_eq!(cap(F16), format!("-DSD_INFLIGHT={INFLIGHT_CAP}"));
         let q4 = shape_fits(4096, 4096, 1024, 14336, 32, 49152, 132, true).unwrap();
         assert_eq!(cap(q4), "-DSD_INFLIGHT=0");
+        let staged = Geometry { staged: true, ..q4 };
+        assert_eq!(cap(staged), format!("-DSD_INFLIGHT={INFLIGHT_CAP}"));
     }
 }
