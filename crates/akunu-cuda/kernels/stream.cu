@@ -885,15 +885,13 @@ __device__ __forceinline__ void sd_consume(const SdArgs& a, const SdLayer&, cons
                         d0[gi] = f16_to_f32(*(const u16*)(sc + g * (T::KC / 16)));
                         d1[gi] = f16_to_f32(*(const u16*)(sc + (g + 8) * (T::KC / 16)));
                     }
-                    if (SD_B_FEED) {
-                        const uint4* bp = (const uint4*)(img + (k * T::GPS + j) * 128 + g * 4);
+                    // SD_B_FEED: lanes that feed no B take zeros in registers,
+                    // otherwise they read them from the zeroed area.
+                    const uint4* bp = (const uint4*)(img + (k * T::GPS + j) * 128 + g * 4);
+                    if (!SD_B_FEED && !feeds) bp = zeros;
 #pragma unroll
-                        for (int w = 0; w < 4; ++w) bv[gi][w] = feeds ? bp[w * 8] : make_uint4(0, 0, 0, 0);
-                    } else {
-                        const uint4* bp = feeds ? (const uint4*)(img + (k * T::GPS + j) * 128 + g * 4) : zeros;
-#pragma unroll
-                        for (int w = 0; w < 4; ++w) bv[gi][w] = bp[w * 8];
-                    }
+                    for (int w = 0; w < 4; ++w)
+                        bv[gi][w] = SD_B_FEED && !feeds ? make_uint4(0, 0, 0, 0) : bp[w * 8];
                 }
 #if SD_DIAG & 8
                 // Bit 8: the loads, folded into the sums, and no products.

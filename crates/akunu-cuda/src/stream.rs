@@ -175,7 +175,13 @@ pub(crate) fn q4_slices(k: u32, cw: u32) -> Option<(u32, u32)> {
     (1..=k / (128 * cw))
         .map(|ks| (ks, k / ks))
         .find(|&(ks, kc)| k.is_multiple_of(ks) && kc.is_multiple_of(128 * cw) && kc <= max)
-        .map(|(ks, kc)| (ks, 16 * (kc / 2 + kc / 16)))
+        .map(|(ks, kc)| (ks, q4_tile_bytes(kc)))
+}
+
+/// Bytes of a Q4_0 stage (stream.cu `Mat::SB`): a 16-row tile's slice of
+/// `kc` columns, quants then scales.
+fn q4_tile_bytes(kc: u32) -> u32 {
+    16 * (kc / 2 + kc / 16)
 }
 
 /// Stage images (stream.cu `SD_STAGED`, `k_stage_form`): the Q4_0 form's
@@ -199,7 +205,7 @@ const STAGED_RESERVE: u64 = 1 << 30;
 /// block, the stride of the stage images.
 pub(crate) fn q4_stage_counts(p: &PdArgs, grid: u32, ks: [u32; 3]) -> [u32; 5] {
     let qkv = p.qd + 2 * p.kvd;
-    let units = [qkv / 2, p.d, p.ff, p.d, p.vocab];
+    let units = products(p.d, p.qd, p.kvd, p.ff, p.vocab).map(|(u, _)| u);
     let slices = [ks[0], ks[1], ks[0], ks[2], ks[0]];
     let mut most = [0u32; 5];
     for (m, most) in most.iter_mut().enumerate() {
@@ -226,12 +232,10 @@ pub(crate) fn q4_stage_counts(p: &PdArgs, grid: u32, ks: [u32; 3]) -> [u32; 5] {
     most
 }
 
-/// Bytes of a stage of each product (stream.cu `Mat::SB`): a 16-row tile's
-/// slice of `k / ks` columns, quants then scales.
+/// Bytes of a stage of each product ([`q4_tile_bytes`] of its slices).
 fn q4_stage_bytes(p: &PdArgs, ks: [u32; 3]) -> [u32; 5] {
-    let sb = |k: u32, ks: u32| 16 * (k / ks / 2 + k / ks / 16);
-    let (d, qd) = (sb(p.d, ks[0]), sb(p.qd, ks[1]));
-    [d, qd, d, sb(p.ff, ks[2]), d]
+    let (d, qd) = (q4_tile_bytes(p.d / ks[0]), q4_tile_bytes(p.qd / ks[1]));
+    [d, qd, d, q4_tile_bytes(p.ff / ks[2]), d]
 }
 
 /// The stage images of a Q4_0 model's matrices on `grid` blocks
@@ -242,9 +246,11 @@ fn q4_stage_bytes(p: &PdArgs, ks: [u32; 3]) -> [u32; 5] {
 pub(crate) struct StageImages {
     table: u64,
     sns: [u32; 5],
-    /// Laid out already (by an earlier plan of the model); otherwise once
-    /// the module is compiled, and then kept under `key`.
-    filled: bool,
+    /// Where each product's images start (4 a layer, then the logits', 0
+    /// where they have none), while they are still to be laid out (once
+    /// the module is compiled, then kept under `key`); empty where an
+    /// earlier plan of the model laid them out.
+    unfilled: Vec<u64>,
     key: StageKey,
 }
 /// A model's stage images: its first matrix, the grid, whether the logits
@@ -281,7 +287,7 @@ fn stage_images(
         return Ok(Some(StageImages {
             table,
             sns,
-            filled: true,
+            unfilled: Vec::new(),
             key,
         }));
     }
@@ -315,46 +321,40 @@ fn stage_images(
         }
     }
     table.push(if logits { at } else { 0 });
-    let table = upload(
+    let dev = upload(
         owned,
         bytemuck::cast_slice(&table),
         "streaming kernel's stage image table",
     )?;
     Ok(Some(StageImages {
-        table,
+        table: dev,
         sns,
-        filled: false,
+        unfilled: table,
         key,
     }))
 }
 
-/// Lays the stage images out (stream.cu `k_stage_form`, from `module`'s
-/// defines) with the plan's arguments: one launch a product, on the decode
-/// kernel's grid.
+/// Lays the stage images out (stream.cu `k_stage_form`, from the decode
+/// module) with the plan's arguments: one launch a product, on the decode
+/// kernel's grid; `regions` as [`StageImages`] holds them.
 fn fill_stage_images(
     be: &CudaBackend,
     f: sys::CUfunction,
     args: &SdArgs,
     grid: u32,
-    logits: bool,
+    regions: &[u64],
 ) -> Result<(), BackendError> {
-    let mut table = vec![0u64; 4 * args.nl as usize + 1];
-    // SAFETY: `args.staged` holds that many addresses (stage_images
-    // uploaded them); `table` has room for them.
-    check(
-        unsafe { sys::cuMemcpyDtoH_v2(table.as_mut_ptr() as *mut _, args.staged, table.len() * 8) },
-        "reading the stage image table",
-    )?;
     let mut a = *args;
-    let nl = args.nl as usize;
-    let mut jobs: Vec<(u32, u32, u64)> = (0..nl)
-        .flat_map(|l| (0..4).map(move |m| (l as u32, m as u32, 4 * l + m)))
-        .map(|(l, m, i)| (l, m, table[i]))
-        .collect();
-    if logits {
-        jobs.push((args.nl, 4, table[4 * nl]));
-    }
+    // Product i: layer i / 4's product i % 4, the last the logits (layer nl).
+    let jobs = regions
+        .iter()
+        .enumerate()
+        .filter(|&(_, &dst)| dst != 0)
+        .map(|(i, &dst)| ((i / 4) as u32, (i % 4) as u32, dst));
     for (mut layer, mut m, mut dst) in jobs {
+        if layer == args.nl {
+            m = 4;
+        }
         let mut params = [
             &mut a as *mut SdArgs as *mut std::ffi::c_void,
             &mut layer as *mut u32 as *mut _,
@@ -792,9 +792,12 @@ fn smem_bytes(lay: Layout, nst: u32, geo: Geometry) -> u64 {
     nst as u64 * geo.stb as u64 + 4 * floats as u64 + 8 + (2 * nst + geo.cw) as u64 * 8 + zeros
 }
 
+/// The module's entry `name` (`k_stream_decode`, or `k_stage_form`, whose
+/// module the compile cache already holds) and its static shared memory.
 fn kernel_for(
     be: &CudaBackend,
     defs: &[String],
+    name: &str,
     owned: &mut Owned,
 ) -> Result<(sys::CUfunction, u32), BackendError> {
     let mut defs = defs.to_vec();
@@ -804,7 +807,7 @@ fn kernel_for(
         &crate::compile::stream_source(),
         &defs,
         "the streaming decode kernel",
-        "k_stream_decode",
+        name,
         owned,
     )
 }
@@ -909,7 +912,7 @@ pub(crate) fn plan(
     let (f, defs) = loop {
         let mut defs = defines(p.d, p.qd, p.kvd, p.ff, p.nh, p.nkv, lay, nst, att_s, geo);
         defs.extend(extra.iter().cloned());
-        let (f, static_smem) = match kernel_for(be, &defs, owned) {
+        let (f, static_smem) = match kernel_for(be, &defs, "k_stream_decode", owned) {
             Ok(f) => f,
             Err(e) => return Ok(Err(format!("the streaming kernel is not available: {e}"))),
         };
@@ -996,18 +999,9 @@ pub(crate) fn plan(
         pad: 0,
         s,
     };
-    if let Some(i) = images.as_ref().filter(|i| !i.filled) {
-        let mut defs = defs;
-        defs.push(crate::compile::kv_define(be.kv));
-        let (form, _) = load_kernel(
-            be,
-            &crate::compile::stream_source(),
-            &defs,
-            "the streaming kernel's stage images",
-            "k_stage_form",
-            owned,
-        )?;
-        fill_stage_images(be, form, &args, grid, p.out_q8 != Q6K_FORM)?;
+    if let Some(i) = images.as_ref().filter(|i| !i.unfilled.is_empty()) {
+        let (form, _) = kernel_for(be, &defs, "k_stage_form", owned)?;
+        fill_stage_images(be, form, &args, grid, &i.unfilled)?;
         be.stage_forms
             .lock()
             .unwrap_or_else(|e| e.into_inner())
